@@ -1,0 +1,85 @@
+"""Router cost side by side: forward+backward time of every strategy relative to Switch.
+
+Also measures BRANCH's batched node map against a node-by-node loop (the form the
+router avoids), in the same run. Ratios, not absolute times, are the result.
+
+    .venv/bin/python benchmarks/routers.py [--tokens 4096 --hidden 256 --experts 64 --repeats 20]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from dist_moe.routing import build_router
+
+
+def timed(fn, repeats: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def fwd_bwd(router, x, cats):
+    def run():
+        r = router(x, categories=cats)
+        loss = r.gates.sum() + r.probs.sum() + r.aux_loss
+        if loss.requires_grad:  # hash routing has nothing to differentiate
+            loss.backward()
+
+    return run
+
+
+def node_loop(router, x):
+    """Reference: one score per internal node, computed in a Python loop."""
+    w = router.node_map.weight
+
+    def run():
+        f = torch.stack([x @ w[n] for n in range(w.shape[0])], dim=1)
+        f.sum().backward()
+
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=20)
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    x = torch.randn(a.tokens, a.hidden, requires_grad=True)
+    cats = torch.randint(0, a.experts, (a.tokens,))
+    base = {"hidden_size": a.hidden, "num_experts": a.experts, "top_k": a.top_k}
+    cfgs = {
+        "switch": {"type": "switch", **base},
+        "skywork": {"type": "skywork", **base},
+        "deepseek_v3": {"type": "deepseek_v3", **base},
+        "hash": {"type": "hash", **base},
+        "branch (linear)": {"type": "branch", **base},
+        "branch (mlp h=8)": {"type": "branch", **base, "node_map": "mlp", "mlp_hidden": 8},
+        "specdrop (dense)": {"type": "specdrop", "num_experts": a.experts, "num_categories": a.experts,
+                             "p_assigned": 0.7, "hidden_size": a.hidden},
+    }
+    times = {name: timed(fwd_bwd(build_router(c).train(), x, cats), a.repeats) for name, c in cfgs.items()}
+    ref = times["switch"]
+    print(f"T={a.tokens} H={a.hidden} E={a.experts} K={a.top_k}, {torch.get_num_threads()} threads, best of {a.repeats}")
+    print(f"{'router':<20}{'ms':>9}{'vs switch':>11}")
+    for name, t in times.items():
+        print(f"{name:<20}{1e3 * t:>9.2f}{t / ref:>10.2f}x")
+    branch = build_router(cfgs["branch (linear)"]).train()
+    batched = timed(lambda: branch.node_map(x).sum().backward(), a.repeats)
+    looped = timed(node_loop(branch, x), a.repeats)
+    print(f"branch node scores: batched {1e3 * batched:.2f} ms, per-node loop {1e3 * looped:.2f} ms "
+          f"-> loop is {looped / batched:.1f}x slower")
+
+
+if __name__ == "__main__":
+    main()

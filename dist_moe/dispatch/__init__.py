@@ -1,0 +1,1 @@
+"""Everything in dist-moe that talks to torch.distributed lives in this package."""

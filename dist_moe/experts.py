@@ -1,0 +1,113 @@
+"""Expert MLPs with stacked weights (dim 0 = expert), run over tokens grouped by expert.
+
+Kinds: ``swiglu`` down(SiLU(gate(x)) * up(x)), ``gelu`` fc2(GELU(fc1(x))), and
+``lora`` x W0 + s (x A_e) B_e with a frozen shared base W0 and per-expert
+LoRA factors. Stacked weights make the GAR parameter template direct: slot
+``name`` of every expert is ``param[e]`` (LoRA A and B are separate slots).
+
+Every linear block goes through ``_linear`` so that GAR's factorized Gram mode
+can record block inputs and output gradients without a second code path.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+KINDS = ("swiglu", "gelu", "lora")
+
+
+def _init(shape, fan_in) -> nn.Parameter:
+    bound = 1.0 / math.sqrt(fan_in)
+    return nn.Parameter(torch.empty(*shape).uniform_(-bound, bound))
+
+
+class FactorCapture:
+    """Block inputs x and output gradients delta, per template slot, for the Gram form."""
+
+    def __init__(self):
+        self.inputs: dict[str, list[Tensor]] = {}
+        self.grads: dict[str, list[Tensor]] = {}
+
+    def record(self, slot: str, x: Tensor, out: Tensor) -> None:
+        if not out.requires_grad:
+            return
+        self.inputs.setdefault(slot, []).append(x.detach())
+        grads = self.grads.setdefault(slot, [])
+        index = len(grads)
+        grads.append(None)
+
+        def hook(g, index=index):
+            grads[index] = g.detach()
+
+        out.register_hook(hook)
+
+
+class Experts(nn.Module):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        kind: str = "swiglu",
+        lora_rank: int = 8,
+        lora_alpha: float = 16.0,
+    ):
+        super().__init__()
+        if kind not in KINDS:
+            raise ValueError(f"expert kind must be one of {KINDS}, got {kind!r}")
+        self.num_experts, self.kind = num_experts, kind
+        e, h, f = num_experts, hidden_size, ffn_hidden_size
+        if kind == "swiglu":
+            self.w_gate = _init((e, h, f), h)
+            self.w_up = _init((e, h, f), h)
+            self.w_down = _init((e, f, h), f)
+        elif kind == "gelu":
+            self.w_fc1 = _init((e, h, f), h)
+            self.w_fc2 = _init((e, f, h), f)
+        else:
+            self.base = nn.Parameter(_init((h, h), h).detach(), requires_grad=False)
+            self.lora_A = _init((e, h, lora_rank), h)
+            self.lora_B = nn.Parameter(torch.zeros(e, lora_rank, h))
+            self.lora_scale = lora_alpha / lora_rank
+        self.capture: FactorCapture | None = None
+
+    def template(self) -> dict[str, nn.Parameter]:
+        """Trainable stacked parameters; slot name -> [E, ...]."""
+        return {n: p for n, p in self.named_parameters() if p.requires_grad}
+
+    def _linear(self, slot: str, e: int, x: Tensor, w: Tensor) -> Tensor:
+        out = x @ w[e].to(x.dtype)
+        if self.capture is not None and torch.is_grad_enabled():
+            self.capture.record(slot, x, out)
+        return out
+
+    def expert(self, e: int, x: Tensor) -> Tensor:
+        if self.kind == "swiglu":
+            h = F.silu(self._linear("w_gate", e, x, self.w_gate)) * self._linear("w_up", e, x, self.w_up)
+            return self._linear("w_down", e, h, self.w_down)
+        if self.kind == "gelu":
+            return self._linear("w_fc2", e, F.gelu(self._linear("w_fc1", e, x, self.w_fc1)), self.w_fc2)
+        z = self._linear("lora_A", e, x, self.lora_A)
+        return x @ self.base.to(x.dtype) + self.lora_scale * self._linear("lora_B", e, z, self.lora_B)
+
+    def forward(self, x_sorted: Tensor, counts: list[int]) -> Tensor:
+        """x_sorted: tokens grouped by expert (expert 0's first); counts[e] rows each."""
+        chunks = x_sorted.split(counts)
+        outs = [self.expert(e, chunk) for e, chunk in enumerate(chunks) if chunk.shape[0]]
+        if not outs:
+            return x_sorted.new_zeros(0, x_sorted.shape[1])
+        return torch.cat(outs)
+
+
+class SharedExpert(nn.Module):
+    """Always-on dense SwiGLU expert added after the routed merge (SpecDrop eq. 4)."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int):
+        super().__init__()
+        self.inner = Experts(1, hidden_size, ffn_hidden_size, "swiglu")
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner.expert(0, x)

@@ -1,0 +1,1 @@
+"""Engine adapters (DeepSpeed, Megatron-core); one module per engine."""

@@ -1,0 +1,110 @@
+"""MoELayer = router + (dispatcher) + local experts (+ shared expert).
+
+With ``group=None`` or a world of one, every expert is local and tokens are
+grouped by expert with one sort; each expert runs once on its contiguous slice,
+and gated outputs are scattered back with ``index_add``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from dist_moe.experts import Experts, SharedExpert
+from dist_moe.routing import Router, Routing, build_router
+from dist_moe.routing.capacity import apply_capacity, capacity_for
+
+DEDUP_MODES = ("none", "rank", "node")
+
+
+class MoELayer(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        router: Router | dict,
+        placement=None,
+        topology=None,
+        group=None,
+        dedup: str = "rank",
+        capacity_factor: float | None = None,
+        shared_expert_hidden: int = 0,
+        expert_type: str = "swiglu",
+        **expert_kwargs,
+    ):
+        super().__init__()
+        if dedup not in DEDUP_MODES:
+            raise ValueError(f"dedup must be one of {DEDUP_MODES}, got {dedup!r}")
+        if capacity_factor is not None:
+            capacity_for(1, 1, 1, capacity_factor)  # validates the value
+        if isinstance(router, dict):
+            cfg = dict(router)
+            if cfg.setdefault("hidden_size", hidden_size) != hidden_size:
+                raise ValueError(f"router hidden_size {cfg['hidden_size']} != layer hidden_size {hidden_size}")
+            router = build_router(cfg)
+        if not isinstance(router, Router):
+            raise ValueError(f"router must be a Router or a config dict, got {type(router).__name__}")
+        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+            raise NotImplementedError(
+                f"expert-parallel dispatch over a group of {dist.get_world_size(group)} ranks is not "
+                "implemented yet; pass group=None to run all experts locally"
+            )
+        self.hidden_size = hidden_size
+        self.router = router
+        self.num_experts = router.num_experts
+        self.experts = Experts(router.num_experts, hidden_size, ffn_hidden_size, expert_type, **expert_kwargs)
+        self.shared_expert = SharedExpert(hidden_size, shared_expert_hidden) if shared_expert_hidden else None
+        self.capacity_factor = capacity_factor
+        self.placement, self.topology, self.group, self.dedup = placement, topology, group, dedup
+        self.last_routing: Routing | None = None
+        self.last_router_input: Tensor | None = None
+        self.last_router_extras: dict = {}
+
+    def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None):
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"MoELayer input last dim {x.shape[-1]} != hidden_size {self.hidden_size}")
+        shape = x.shape
+        h = x.reshape(-1, self.hidden_size)
+        categories = _per_token(categories, shape, "categories")
+        token_ids = _per_token(token_ids, shape, "token_ids")
+        routing = self.router(h, categories=categories, token_ids=token_ids)
+        if self.capacity_factor is not None:
+            t, k = routing.expert_idx.shape
+            cap = capacity_for(t, k, self.num_experts, self.capacity_factor)
+            idx, gates, dropped = apply_capacity(routing.expert_idx, routing.gates, self.num_experts, cap)
+            routing.expert_idx, routing.gates = idx, gates
+            routing.stats["dropped"] = routing.stats.get("dropped", 0) + dropped
+            routing.stats["capacity"] = cap
+        y = self._run_local_experts(h, routing)
+        if self.shared_expert is not None:
+            y = y + self.shared_expert(h)
+        self.last_routing = routing.detached()  # keeping the graph alive would pin activations
+        self.last_router_input = h.detach()
+        self.last_router_extras = {"categories": categories, "token_ids": token_ids}
+        return y.reshape(shape), routing.aux_loss
+
+    def _run_local_experts(self, h: Tensor, routing: Routing) -> Tensor:
+        t, k = routing.expert_idx.shape
+        flat_idx = routing.expert_idx.reshape(-1)
+        kept = flat_idx >= 0
+        token = torch.arange(t, device=h.device).repeat_interleave(k)[kept]
+        expert = flat_idx[kept]
+        gate = routing.gates.reshape(-1)[kept]
+        order = torch.argsort(expert, stable=True)
+        token, gate = token[order], gate[order]
+        counts = torch.bincount(expert, minlength=self.num_experts).tolist()
+        out = self.experts(h[token], counts)
+        y = torch.zeros_like(h)
+        return y.index_add(0, token, (out * gate.unsqueeze(1).to(out.dtype)).to(h.dtype))
+
+
+def _per_token(t: Tensor | None, shape, name: str) -> Tensor | None:
+    """Flatten a per-token tensor; a [B] tensor for [B, S, H] inputs is repeated per position."""
+    if t is None:
+        return None
+    lead = shape[:-1]
+    if t.shape == lead:
+        return t.reshape(-1)
+    if len(lead) == 2 and t.shape == lead[:1]:
+        return t.unsqueeze(1).expand(lead).reshape(-1)
+    raise ValueError(f"{name} must have shape {tuple(lead)} (or [B] per sequence), got {tuple(t.shape)}")

@@ -1,0 +1,133 @@
+"""The routing contract shared by every strategy (DESIGN 3.1).
+
+A Router turns token representations into a Routing: a full distribution over
+experts, the selected experts with their gates, an auxiliary loss and small
+statistics. Routers never move tokens and never talk to a process group
+themselves; statistics that must agree across data-parallel replicas are
+summed through ``dist_moe.dispatch.stats.all_reduce_sum``.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from dist_moe.dispatch.stats import all_reduce_sum
+
+
+@dataclass
+class Routing:
+    probs: Tensor  # [T, E] float32, the strategy's full distribution over experts
+    expert_idx: Tensor  # [T, K] int64, highest probability first; -1 marks a slot dropped by capacity
+    gates: Tensor  # [T, K] weights applied to the selected experts' outputs (0 where dropped)
+    aux_loss: Tensor  # scalar, already scaled by the strategy's coefficient
+    stats: dict = field(default_factory=dict)  # at least "load": [E]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.expert_idx.shape[0]
+
+    def detached(self) -> "Routing":
+        """A copy that holds no autograd graph (safe to keep between steps and to deepcopy)."""
+        return Routing(self.probs.detach(), self.expert_idx, self.gates.detach(), self.aux_loss.detach(),
+                       dict(self.stats))
+
+    def dense_gates(self) -> Tensor:
+        """Gates scattered into [T, E] (zero for unselected or dropped experts)."""
+        t, e = self.probs.shape
+        out = self.gates.new_zeros(t, e)
+        kept = self.expert_idx >= 0
+        idx = torch.where(kept, self.expert_idx, 0)
+        return out.scatter_add(1, idx, torch.where(kept, self.gates, 0.0))
+
+
+def expert_load(expert_idx: Tensor, num_experts: int, weights: Tensor | None = None) -> Tensor:
+    """Tokens (or gate mass with ``weights``) per expert; dropped slots (-1) are ignored."""
+    kept = expert_idx >= 0
+    idx = expert_idx[kept]
+    w = None if weights is None else weights[kept].float().detach()
+    return torch.bincount(idx, weights=w, minlength=num_experts).float()
+
+
+class Router(nn.Module):
+    """Base class: validates inputs and holds the fields every strategy shares."""
+
+    num_experts: int
+    top_k: int
+
+    def __init__(self, num_experts: int, top_k: int, stats_group=None):
+        super().__init__()
+        if not isinstance(num_experts, int) or num_experts < 1:
+            raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+        if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.stats_group = stats_group
+        self._update_state = True
+
+    # --- state updates -------------------------------------------------
+    @property
+    def updates_state(self) -> bool:
+        """True when this forward may move training state (anchors, biases, schedules)."""
+        return self.training and self._update_state
+
+    @contextlib.contextmanager
+    def frozen_state(self):
+        """Run forwards without moving router state (used to recompute routing, e.g. by GAR)."""
+        previous, self._update_state = self._update_state, False
+        try:
+            yield self
+        finally:
+            self._update_state = previous
+
+    def reduce_stats(self, t: Tensor) -> Tensor:
+        """Sum small statistics over ``stats_group`` (identity when there is none)."""
+        return all_reduce_sum(t, self.stats_group)
+
+    # --- input checks ----------------------------------------------------
+    def check_input(self, x: Tensor, hidden_size: int | None) -> Tensor:
+        if not isinstance(x, Tensor) or x.dim() != 2:
+            shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"router input must be a [T, hidden] tensor, got shape {shape}")
+        if hidden_size is not None and x.shape[1] != hidden_size:
+            raise ValueError(f"router input hidden size {x.shape[1]} != hidden_size={hidden_size}")
+        if not x.is_floating_point():
+            raise ValueError(f"router input must be floating point, got {x.dtype}")
+        if not bool(torch.isfinite(x).all()):
+            bad = int((~torch.isfinite(x)).any(dim=1).sum())
+            raise ValueError(f"router input contains NaN or Inf in {bad} of {x.shape[0]} tokens")
+        # Routing math runs in fp32 whatever the activation dtype (bf16 underflows masks).
+        return x.float()
+
+    def check_categories(self, categories, num_tokens: int, num_categories: int) -> Tensor:
+        if categories is None:
+            raise ValueError(f"{type(self).__name__} requires categories: a [T] int64 tensor of category ids")
+        if not isinstance(categories, Tensor) or categories.dim() != 1 or categories.shape[0] != num_tokens:
+            shape = tuple(categories.shape) if isinstance(categories, Tensor) else type(categories).__name__
+            raise ValueError(f"categories must have shape [T]=[{num_tokens}], got {shape}")
+        if categories.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+            raise ValueError(f"categories must be an integer tensor, got {categories.dtype}")
+        if num_tokens and (int(categories.min()) < 0 or int(categories.max()) >= num_categories):
+            raise ValueError(
+                f"categories out of range [0, {num_categories}): min {int(categories.min())}, "
+                f"max {int(categories.max())}"
+            )
+        return categories.long()
+
+    def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None) -> Routing:
+        raise NotImplementedError
+
+
+def zero_aux(device) -> Tensor:
+    return torch.zeros((), device=device)
+
+
+def select_top_k(probs: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Top-k values and indices, highest first; ties go to the lower expert index."""
+    # A stable sort rather than torch.topk: topk's tie order is unspecified, and
+    # ties are common (hash, uniform, SpecDrop's leak weights).
+    vals, idx = torch.sort(probs, dim=1, descending=True, stable=True)
+    return vals[:, :k], idx[:, :k]

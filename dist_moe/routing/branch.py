@@ -1,0 +1,108 @@
+"""BRANCH-MoE: binary-tree routing with arrival-weighted EMA score anchors.
+
+Equation numbers refer to branch-moe-paper.txt, section 3.
+
+Nodes are stored breadth first: depth d holds nodes [2^d - 1, 2^(d+1) - 1), and
+node (d, j) has children (d+1, 2j) (left, mass m(1-p)) and (d+1, 2j+1) (right,
+mass m p). Leaf e's root-to-leaf path is the D-bit binary expansion of e, most
+significant bit at the root, so tree prefixes are expert-index prefixes.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dist_moe.routing.base import Router, Routing, expert_load, select_top_k, zero_aux
+from dist_moe.routing.node_map import NodeMap
+
+
+class BranchRouter(Router):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        node_map: str = "linear",
+        mlp_hidden: int | None = None,
+        ema_decay: float = 0.99,
+        eta: float | None = None,
+        stats_group=None,
+    ):
+        if not isinstance(num_experts, int) or num_experts < 2 or num_experts & (num_experts - 1):
+            raise ValueError(f"BranchRouter needs num_experts a power of two >= 2, got {num_experts!r}")
+        super().__init__(num_experts, top_k, stats_group)
+        if not 0.0 < float(ema_decay) < 1.0:
+            raise ValueError(f"ema_decay must lie in (0, 1), got {ema_decay!r}")
+        if eta is None:
+            eta = 1.0 if top_k > 1 else 0.0  # paper default: eta = 1{K > 1}
+        if eta not in (0, 1):
+            raise ValueError(f"eta must be 0 or 1 (eq. 21), got {eta!r}")
+        self.hidden_size = hidden_size
+        self.depth = num_experts.bit_length() - 1
+        self.ema_decay = float(ema_decay)
+        self.eta = float(eta)
+        self.node_map = NodeMap(hidden_size, num_experts - 1, node_map, mlp_hidden)
+        self.register_buffer("anchors", torch.zeros(num_experts - 1))
+        self.register_buffer("ema_step", torch.zeros((), dtype=torch.long))
+
+    def node_scores(self, x: Tensor) -> Tensor:
+        """f_j(x) for all E-1 nodes, [T, E-1] fp32, one batched computation."""
+        return self.node_map(x)
+
+    def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None) -> Routing:
+        x = self.check_input(x, self.hidden_size)
+        f = self.node_scores(x)
+        live = self.training
+        masks = x.new_ones(x.shape[0], 1)  # M^(0) = 1_B
+        batch_stats, arrival = [], []
+        for d in range(self.depth):
+            lo, hi = (1 << d) - 1, (1 << (d + 1)) - 1
+            fd = f[:, lo:hi]
+            if live:
+                # eq. 5-6: arrival weights are detached masks normalised over the
+                # (data-parallel) batch; the statistic stays differentiable in f.
+                w = masks.detach()
+                mass = self.reduce_stats(w.sum(0))
+                weighted = self.reduce_stats((w * fd).sum(0))
+                stat = weighted / mass.clamp_min(torch.finfo(torch.float32).tiny)
+                batch_stats.append(stat)
+                arrival.append(mass)
+                a = stat
+            else:
+                a = self.anchors[lo:hi]
+            p = torch.sigmoid(fd - a)  # eq. 8-9
+            # eq. 12: children 2j, 2j+1 interleaved -> breadth-first order at depth d+1
+            masks = torch.stack((masks * (1 - p), masks * p), dim=2).reshape(x.shape[0], 2 << d)
+        probs = masks  # leaf masks, rows sum to 1
+
+        if live and self.updates_state:
+            self._update_anchors(torch.cat(batch_stats).detach(), torch.cat(arrival))
+
+        vals, idx = select_top_k(probs, self.top_k)
+        gates = vals
+        if self.eta:
+            gates = vals / vals.sum(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)  # eq. 21
+        stats = {"load": expert_load(idx, self.num_experts)}
+        return Routing(probs=probs, expert_idx=idx, gates=gates, aux_loss=zero_aux(x.device), stats=stats)
+
+    @torch.no_grad()
+    def _update_anchors(self, stat: Tensor, mass: Tensor) -> None:
+        """eq. 7 with the warmup cap; skip nodes whose pre-clamp arrival mass vanished.
+
+        A batch that reaches no node at all (zero tokens on every replica) is not counted
+        as a step, so the warmup cap still removes the initialisation bias afterwards.
+        """
+        ok = (mass > 0) & torch.isfinite(stat)
+        if not bool(ok.any()):
+            return
+        self.ema_step += 1
+        t = int(self.ema_step)
+        alpha = min(self.ema_decay, (t - 1) / t)
+        new = alpha * self.anchors + (1 - alpha) * stat
+        self.anchors.copy_(torch.where(ok, new, self.anchors))
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, top_k={self.top_k}, depth={self.depth}, "
+            f"ema_decay={self.ema_decay}, eta={self.eta:g}"
+        )

@@ -1,0 +1,30 @@
+"""Expert capacity: keep at most ceil(capacity_factor * T * K / E) slots per expert.
+
+Slots are served in priority order: every token's first choice before any
+token's second choice (GShard / DeepSpeed top-2 convention), and within one
+choice rank in token order. Dropped slots get expert id -1 and gate 0, so
+nothing downstream computes or sends them.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def capacity_for(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    if not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor!r}")
+    return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
+
+
+def apply_capacity(expert_idx: Tensor, gates: Tensor, num_experts: int, capacity: int) -> tuple[Tensor, Tensor, int]:
+    t, k = expert_idx.shape
+    order = expert_idx.t().reshape(-1)  # choice-major: all first choices, then second ...
+    valid = order >= 0
+    onehot = torch.nn.functional.one_hot(torch.where(valid, order, 0), num_experts) * valid.unsqueeze(1)
+    position = (onehot.cumsum(0) * onehot).sum(1) - 1  # slot index within its expert
+    keep = (valid & (position < capacity)).reshape(k, t).t()
+    dropped = int((expert_idx >= 0).sum() - keep.sum())
+    return torch.where(keep, expert_idx, -1), torch.where(keep, gates, torch.zeros_like(gates)), dropped

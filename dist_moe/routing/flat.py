@@ -1,0 +1,193 @@
+"""Flat baselines (DESIGN 4.4; BRANCH paper appendix B.2).
+
+switch       softmax top-K, multiplicative input jitter in training, Switch
+             load-balancing loss  coeff * E * sum_e f_e P_e, optional capacity
+deepseek_v3  sigmoid (or softmax) affinities; a non-trainable bias enters the
+             top-K selection only and moves by +-gamma toward balance after
+             every training forward; gates from the unbiased affinities
+skywork      gating-logit normalisation (z - mean) / std * scale before softmax,
+             plus the Switch auxiliary loss
+hash         fixed avalanche hash of a token id (position when there is none)
+uniform      equal weights over all experts (dense)
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dist_moe.routing.base import Router, Routing, expert_load, select_top_k, zero_aux
+from dist_moe.routing.capacity import apply_capacity, capacity_for
+from dist_moe.routing.hashing import hash_combine
+from dist_moe.routing.node_map import NodeMap
+
+
+def switch_aux_loss(probs: Tensor, expert_idx: Tensor, coeff: float) -> Tensor:
+    """coeff * E * sum_e f_e * P_e; f_e = share of the T*K selections, P_e = mean probability."""
+    t, e = probs.shape
+    kept = expert_idx >= 0
+    f = expert_load(expert_idx, e) / kept.sum().clamp_min(1)
+    mean_prob = probs.sum(0) / max(t, 1)  # a rank with zero tokens contributes 0, not NaN
+    return coeff * e * (f.to(probs.dtype) * mean_prob).sum()
+
+
+def _finish_capacity(stats: dict, idx: Tensor, gates: Tensor, num_experts: int, capacity_factor):
+    if capacity_factor is None:
+        stats["dropped"] = 0
+        return idx, gates
+    cap = capacity_for(idx.shape[0], idx.shape[1], num_experts, capacity_factor)
+    idx, gates, dropped = apply_capacity(idx, gates, num_experts, cap)
+    stats["dropped"] = dropped
+    stats["capacity"] = cap
+    return idx, gates
+
+
+class _LearnedFlatRouter(Router):
+    """Shared parts of switch / skywork / deepseek_v3: a logit map over the experts."""
+
+    def __init__(self, hidden_size, num_experts, top_k, node_map="linear", mlp_hidden=None, stats_group=None):
+        super().__init__(num_experts, top_k, stats_group)
+        self.hidden_size = hidden_size
+        self.node_map = NodeMap(hidden_size, num_experts, node_map, mlp_hidden)
+
+
+class SwitchRouter(_LearnedFlatRouter):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int = 1,
+        node_map: str = "linear",
+        mlp_hidden: int | None = None,
+        aux_loss_coeff: float = 0.01,
+        jitter_eps: float = 0.01,
+        capacity_factor: float | None = None,
+        normalize_gates: bool = False,
+        stats_group=None,
+    ):
+        super().__init__(hidden_size, num_experts, top_k, node_map, mlp_hidden, stats_group)
+        if not 0.0 <= jitter_eps < 1.0:
+            raise ValueError(f"jitter_eps must lie in [0, 1), got {jitter_eps!r}")
+        if capacity_factor is not None:
+            capacity_for(1, top_k, num_experts, capacity_factor)  # validates
+        self.aux_loss_coeff = float(aux_loss_coeff)
+        self.jitter_eps = float(jitter_eps)
+        self.capacity_factor = capacity_factor
+        self.normalize_gates = bool(normalize_gates)
+
+    def logits(self, x: Tensor) -> Tensor:
+        if self.training and self.jitter_eps > 0:
+            x = x * torch.empty_like(x).uniform_(1 - self.jitter_eps, 1 + self.jitter_eps)
+        return self.node_map(x)
+
+    def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None) -> Routing:
+        x = self.check_input(x, self.hidden_size)
+        probs = torch.softmax(self.logits(x), dim=-1)
+        vals, idx = select_top_k(probs, self.top_k)
+        gates = vals / vals.sum(1, keepdim=True) if self.normalize_gates else vals
+        aux = switch_aux_loss(probs, idx, self.aux_loss_coeff)
+        stats = {}
+        idx, gates = _finish_capacity(stats, idx, gates, self.num_experts, self.capacity_factor)
+        stats["load"] = expert_load(idx, self.num_experts)
+        return Routing(probs=probs, expert_idx=idx, gates=gates, aux_loss=aux, stats=stats)
+
+
+class SkyworkRouter(SwitchRouter):
+    """Switch with gating-logit normalisation (Skywork-MoE, Wei et al. 2024)."""
+
+    def __init__(self, hidden_size, num_experts, top_k=1, norm_scale: float = 1.0, **kw):
+        super().__init__(hidden_size, num_experts, top_k, **kw)
+        if not norm_scale > 0:
+            raise ValueError(f"norm_scale must be > 0, got {norm_scale!r}")
+        self.norm_scale = float(norm_scale)
+
+    def logits(self, x: Tensor) -> Tensor:
+        z = super().logits(x)
+        if z.shape[0] == 0:
+            return z
+        std = z.std(dim=-1, keepdim=True, unbiased=False).clamp_min(1e-6)
+        return self.norm_scale * (z - z.mean(dim=-1, keepdim=True)) / std
+
+
+class DeepSeekV3Router(_LearnedFlatRouter):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int = 1,
+        node_map: str = "linear",
+        mlp_hidden: int | None = None,
+        score_func: str = "sigmoid",
+        bias_update_rate: float = 1e-3,
+        normalize_gates: bool | None = None,
+        stats_group=None,
+    ):
+        super().__init__(hidden_size, num_experts, top_k, node_map, mlp_hidden, stats_group)
+        if score_func not in ("sigmoid", "softmax"):
+            raise ValueError(f"score_func must be 'sigmoid' or 'softmax', got {score_func!r}")
+        if not bias_update_rate >= 0:
+            raise ValueError(f"bias_update_rate must be >= 0, got {bias_update_rate!r}")
+        self.score_func = score_func
+        self.bias_update_rate = float(bias_update_rate)
+        # DeepSeek-V3 normalises the selected sigmoid affinities to sum to one.
+        self.normalize_gates = (score_func == "sigmoid") if normalize_gates is None else bool(normalize_gates)
+        self.register_buffer("expert_bias", torch.zeros(num_experts))
+
+    def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None) -> Routing:
+        x = self.check_input(x, self.hidden_size)
+        logits = self.node_map(x)
+        scores = torch.sigmoid(logits) if self.score_func == "sigmoid" else torch.softmax(logits, dim=-1)
+        _, idx = select_top_k(scores.detach() + self.expert_bias, self.top_k)  # bias: selection only
+        vals = scores.gather(1, idx)
+        gates = vals / vals.sum(1, keepdim=True).clamp_min(1e-20) if self.normalize_gates else vals
+        load = expert_load(idx, self.num_experts)
+        if self.updates_state and self.bias_update_rate > 0:
+            global_load = self.reduce_stats(load)
+            # underloaded experts (load < mean) move up by gamma, overloaded down
+            self.expert_bias += self.bias_update_rate * torch.sign(global_load.mean() - global_load)
+        probs = scores / scores.sum(1, keepdim=True) if self.score_func == "sigmoid" else scores
+        stats = {"load": load, "dropped": 0}
+        return Routing(probs=probs, expert_idx=idx, gates=gates, aux_loss=zero_aux(x.device), stats=stats)
+
+
+class HashRouter(Router):
+    """Hash Layers (Roller et al. 2021): K distinct experts from a fixed hash of the token id."""
+
+    def __init__(self, num_experts: int, top_k: int = 1, seed: int = 0, hidden_size: int | None = None):
+        super().__init__(num_experts, top_k)
+        self.hidden_size = hidden_size
+        self.seed = int(seed)
+
+    def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None) -> Routing:
+        x = self.check_input(x, self.hidden_size)
+        t = x.shape[0]
+        if token_ids is None:
+            token_ids = torch.arange(t, device=x.device)  # fall back to the position
+        elif token_ids.shape != (t,):
+            raise ValueError(f"token_ids must have shape [T]=[{t}], got {tuple(token_ids.shape)}")
+        experts = torch.arange(self.num_experts, device=x.device)
+        # a hashed score per (token, expert); the K largest give a uniform random K-subset
+        score = hash_combine(self.seed, token_ids.long().unsqueeze(1), experts.unsqueeze(0))
+        _, idx = select_top_k(score.double(), self.top_k)
+        gates = x.new_full((t, self.top_k), 1.0 / self.top_k)
+        probs = x.new_zeros(t, self.num_experts).scatter(1, idx, gates)
+        stats = {"load": expert_load(idx, self.num_experts), "dropped": 0}
+        return Routing(probs=probs, expert_idx=idx, gates=gates, aux_loss=zero_aux(x.device), stats=stats)
+
+
+class UniformRouter(Router):
+    """Every expert with weight 1/E (the No-Routing control)."""
+
+    def __init__(self, num_experts: int, top_k: int | None = None, hidden_size: int | None = None):
+        top_k = num_experts if top_k is None else top_k
+        if top_k != num_experts:
+            raise ValueError(f"uniform routing is dense: top_k must equal num_experts={num_experts}, got {top_k!r}")
+        super().__init__(num_experts, top_k)
+        self.hidden_size = hidden_size
+
+    def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None) -> Routing:
+        x = self.check_input(x, self.hidden_size)
+        t, e = x.shape[0], self.num_experts
+        probs = x.new_full((t, e), 1.0 / e)
+        idx = torch.arange(e, device=x.device).expand(t, e).contiguous()
+        stats = {"load": expert_load(idx, e), "dropped": 0}
+        return Routing(probs=probs, expert_idx=idx, gates=probs.clone(), aux_loss=zero_aux(x.device), stats=stats)

@@ -1,0 +1,218 @@
+"""GAR: gradient-aligned routing, an auxiliary objective for differentiable routers.
+
+gar-paper.txt section 5.2, Algorithm 1 (appendix G.1) and the factorized Gram
+form of appendix G.2. For observation units m (same-task example groups):
+
+  g_m      = sum_e grad_{theta_e} l_m  in a common parameter template, detached
+  p_m      = mean of the units' router summaries, recomputed from detached
+             router inputs so only router parameters see the auxiliary gradient
+  L_norm   = - sum_k ||sum_m p_mk g_m||^2 / (sum_m p_mk + eps)
+
+Router parameters get grad(L_task + lambda L_norm); all other parameters get
+grad(L_task); then one global-norm clip and one optimizer step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class GARConfig:
+    lam: float = 1e-3
+    eps: float = 1e-8
+    mode: str = "materialized"  # or "gram" (appendix G.2, no [M, d] observation matrix)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GARConfig":
+        if not isinstance(d, dict):
+            raise ValueError(f"router key 'gar' must be a mapping, got {d!r}")
+        unknown = sorted(set(d) - {"lambda", "eps", "mode"})
+        if unknown:
+            raise ValueError(f"unknown gar key {unknown[0]!r}; valid keys: ['eps', 'lambda', 'mode']")
+        cfg = cls(lam=d.get("lambda", cls.lam), eps=d.get("eps", cls.eps), mode=d.get("mode", cls.mode))
+        if isinstance(cfg.lam, bool) or not isinstance(cfg.lam, (int, float)) or cfg.lam < 0:
+            raise ValueError(f"gar key 'lambda' must be a number >= 0, got {cfg.lam!r}")
+        if isinstance(cfg.eps, bool) or not isinstance(cfg.eps, (int, float)) or cfg.eps < 0:
+            raise ValueError(f"gar key 'eps' must be a number >= 0, got {cfg.eps!r}")
+        if cfg.mode not in ("materialized", "gram"):
+            raise ValueError(f"gar key 'mode' must be 'materialized' or 'gram', got {cfg.mode!r}")
+        return cfg
+
+
+def gar_loss(P: Tensor, G: Tensor, eps: float = 1e-8) -> Tensor:
+    """- sum_k ||sum_m P[m,k] G[m]||^2 / (sum_m P[m,k] + eps);  P [M, K], G [M, d] (detached)."""
+    if P.dim() != 2 or G.dim() != 2 or P.shape[0] != G.shape[0]:
+        raise ValueError(f"gar_loss needs P [M, K] and G [M, d] with equal M, got {tuple(P.shape)}, {tuple(G.shape)}")
+    agg = P.t() @ G.detach().to(P.dtype)  # [K, d] surrogate aggregates G_k
+    return -((agg * agg).sum(1) / (P.sum(0) + eps)).sum()
+
+
+def gar_loss_gram(P: Tensor, W: Tensor, eps: float = 1e-8) -> Tensor:
+    """The same objective from the detached Gram matrix W [M, M]: - sum_k [P^T W P]_kk / (d_k + eps)."""
+    if W.shape != (P.shape[0], P.shape[0]):
+        raise ValueError(f"gar_loss_gram needs W [M, M] with M={P.shape[0]}, got {tuple(W.shape)}")
+    quad = ((W.detach().to(P.dtype) @ P) * P).sum(0)  # diag(P^T W P)
+    return -(quad / (P.sum(0) + eps)).sum()
+
+
+def router_summary(routing) -> Tensor:
+    """Per-token configured gate distribution [T, E]: selected gates renormalised to sum 1."""
+    dense = routing.dense_gates()
+    return dense / dense.sum(1, keepdim=True).clamp_min(torch.finfo(dense.dtype).tiny)
+
+
+def template_gradient(experts) -> Tensor:
+    """Flattened sum over experts of each stacked parameter's gradient (one slot per parameter)."""
+    parts = []
+    for p in experts.template().values():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        parts.append(g.sum(0).flatten())
+    return torch.cat(parts)
+
+
+def factor_gram(captures: Sequence, scales: Sequence[float]) -> Tensor:
+    """Exact Gram W_ij = <g_i, g_j> from per-group block inputs x and output gradients delta.
+
+    For slot b: v_mb = sum_{rows r of m} delta_r x_r^T, so <v_ib, v_jb> = sum_{r in i, r' in j}
+    <delta_r, delta_r'> <x_r, x_r'>; rows of every expert using slot b enter the same sum.
+    """
+    m = len(captures)
+    W = torch.zeros(m, m, dtype=torch.float64)
+    slots = {s for c in captures for s in c.inputs}
+    for slot in sorted(slots):
+        xs, ds, owner = [], [], []
+        for i, (cap, scale) in enumerate(zip(captures, scales)):
+            for x, d in zip(cap.inputs.get(slot, []), cap.grads.get(slot, [])):
+                if d is None:  # block output received no gradient
+                    continue
+                xs.append(x.double())
+                ds.append(d.double() / scale)
+                owner.append(torch.full((x.shape[0],), i, dtype=torch.long))
+        if not xs:
+            continue
+        X, D, own = torch.cat(xs), torch.cat(ds), torch.cat(owner)
+        K = (D @ D.t()) * (X @ X.t())
+        S = torch.nn.functional.one_hot(own, m).double()
+        W += S.t() @ K @ S
+    return W
+
+
+def equal_task_weights(tasks: Sequence[int], sizes: Sequence[int]) -> list[float]:
+    """w_m so that L_task = sum_m w_m l_m weighs tasks equally and examples equally within a task."""
+    totals: dict[int, int] = {}
+    for t, n in zip(tasks, sizes):
+        totals[t] = totals.get(t, 0) + n
+    return [n / totals[t] / len(totals) for t, n in zip(tasks, sizes)]
+
+
+def moe_layers(model: nn.Module) -> list:
+    from dist_moe.layer import MoELayer
+
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+@dataclass
+class Observations:
+    """What one GAR update collects per MoE layer during task-gradient accumulation."""
+
+    layers: list
+    router_inputs: list  # [layer][group] -> (detached router input [T, H], extras for the router call)
+    per_group: list  # [layer][group] -> g_m [d] (materialized) or FactorCapture (gram)
+    task_loss: float
+    mode: str
+    weights: Sequence[float]
+
+
+def collect_observations(model, groups, loss_fn, weights, mode="materialized") -> Observations:
+    """Accumulate grad(L_task), L_task = sum_m w_m l_m, one group at a time (steps 1-3).
+
+    g_m is read off the accumulation: the change of each expert's stacked gradient over
+    group m's backward, divided by w_m, summed over experts in the template.
+    """
+    from dist_moe.experts import FactorCapture
+
+    if mode not in ("materialized", "gram"):
+        raise ValueError(f"mode must be 'materialized' or 'gram', got {mode!r}")
+    if len(weights) != len(groups) or not groups:
+        raise ValueError(f"need one weight per group: {len(weights)} weights for {len(groups)} groups")
+    if any(not w > 0 for w in weights):
+        raise ValueError(f"group weights must be > 0, got {list(weights)}")
+    layers = moe_layers(model)
+    if not layers:
+        raise ValueError("GAR found no MoELayer in the model")
+    inputs = [[] for _ in layers]
+    per_group = [[] for _ in layers]
+    task_loss = 0.0
+    for group, w in zip(groups, weights):
+        if mode == "materialized":
+            before = [template_gradient(layer.experts) for layer in layers]
+        else:
+            for layer in layers:
+                layer.experts.capture = FactorCapture()
+        try:
+            loss = loss_fn(model, group)
+            (w * loss).backward()
+        finally:
+            captures = [layer.experts.capture for layer in layers]
+            for layer in layers:
+                layer.experts.capture = None
+        task_loss += w * float(loss.detach())
+        for li, layer in enumerate(layers):
+            inputs[li].append((layer.last_router_input, dict(layer.last_router_extras)))
+            if mode == "materialized":
+                per_group[li].append((template_gradient(layer.experts) - before[li]) / w)
+            else:
+                per_group[li].append(captures[li])
+    return Observations(layers, inputs, per_group, task_loss, mode, list(weights))
+
+
+def group_route_summaries(router, router_inputs) -> Tensor:
+    """P [M, E]: per group, the mean router summary recomputed from detached inputs (steps 4-5)."""
+    with router.frozen_state():  # recomputation must not move anchors, biases or schedules again
+        return torch.stack([router_summary(router(h, **extras)).mean(0) for h, extras in router_inputs])
+
+
+def gar_objective(obs: Observations, eps: float = 1e-8) -> Tensor:
+    """L_norm summed over MoE layers (steps 6-7); differentiable in router parameters only."""
+    total = torch.zeros(())
+    for li, layer in enumerate(obs.layers):
+        P = group_route_summaries(layer.router, obs.router_inputs[li])
+        if obs.mode == "materialized":
+            total = total + gar_loss(P, torch.stack(obs.per_group[li]), eps)
+        else:
+            total = total + gar_loss_gram(P, factor_gram(obs.per_group[li], obs.weights).to(P.dtype), eps)
+    return total
+
+
+def gar_train_step(
+    model: nn.Module,
+    groups: Sequence[Any],
+    loss_fn: Callable[[nn.Module, Any], Tensor],
+    optimizer: torch.optim.Optimizer,
+    weights: Sequence[float],
+    lam: float,
+    eps: float = 1e-8,
+    max_grad_norm: float | None = 1.0,
+    mode: str = "materialized",
+) -> dict:
+    """One GAR update (Algorithm 1) on a single process.
+
+    ``groups`` are the observation units (same-task example groups); ``loss_fn(model,
+    group)`` runs the ordinary forward and returns the group's mean loss l_m;
+    L_task = sum_m weights[m] l_m (see ``equal_task_weights``).
+    """
+    optimizer.zero_grad(set_to_none=True)
+    obs = collect_observations(model, groups, loss_fn, weights, mode)
+    aux = gar_objective(obs, eps)
+    if lam:
+        (lam * aux).backward()  # reaches router parameters only: inputs and observations are detached
+    params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
+    grad_norm = None
+    if max_grad_norm is not None:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))  # one global clip
+    optimizer.step()
+    return {"task_loss": obs.task_loss, "gar_loss": float(aux.detach()), "grad_norm": grad_norm}

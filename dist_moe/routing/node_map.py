@@ -1,0 +1,46 @@
+"""Scalar score maps evaluated for many outputs in one batched computation.
+
+BRANCH-MoE's internal nodes and the flat routers' expert logits use the same
+two forms (BRANCH paper, eq. 3-4 and appendix B.3):
+
+* linear:  f_n(x) = w_n^T x                       (no bias)
+* mlp:     f_n(x) = v_n^T ReLU(U_n x + c_n)       (private 2-layer MLP per output, no output bias)
+
+Every output owns its parameters; the forward is one matmul (linear) or two
+einsums (mlp), never a Python loop over outputs.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+
+class NodeMap(nn.Module):
+    def __init__(self, hidden_size: int, num_outputs: int, kind: str = "linear", mlp_hidden: int | None = None):
+        super().__init__()
+        if kind not in ("linear", "mlp"):
+            raise ValueError(f"node_map must be 'linear' or 'mlp', got {kind!r}")
+        if kind == "mlp" and (not isinstance(mlp_hidden, int) or mlp_hidden < 1):
+            raise ValueError(f"mlp_hidden must be a positive int for node_map='mlp', got {mlp_hidden!r}")
+        if kind == "linear" and mlp_hidden is not None:
+            raise ValueError("mlp_hidden is only valid with node_map='mlp'")
+        self.kind = kind
+        self.hidden_size = hidden_size
+        self.num_outputs = num_outputs
+        bound = 1.0 / math.sqrt(hidden_size)
+        if kind == "linear":
+            self.weight = nn.Parameter(torch.empty(num_outputs, hidden_size).uniform_(-bound, bound))
+        else:
+            self.U = nn.Parameter(torch.empty(num_outputs, mlp_hidden, hidden_size).uniform_(-bound, bound))
+            self.c = nn.Parameter(torch.empty(num_outputs, mlp_hidden).uniform_(-bound, bound))
+            vb = 1.0 / math.sqrt(mlp_hidden)
+            self.v = nn.Parameter(torch.empty(num_outputs, mlp_hidden).uniform_(-vb, vb))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [T, hidden] (fp32) -> scores [T, num_outputs] (fp32)."""
+        if self.kind == "linear":
+            return x @ self.weight.float().t()
+        hid = torch.relu(torch.einsum("th,nkh->tnk", x, self.U.float()) + self.c.float())
+        return torch.einsum("tnk,nk->tn", hid, self.v.float())

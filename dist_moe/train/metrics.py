@@ -1,0 +1,29 @@
+"""Routing metrics every run can report (DESIGN 5)."""
+from __future__ import annotations
+
+import math
+
+from torch import Tensor
+
+from placement import tree_distance
+
+
+def load_cv(load: Tensor) -> float:
+    """Population std / mean of per-expert load."""
+    load = load.double()
+    mean = load.mean()
+    return float(load.std(unbiased=False) / mean) if mean > 0 else float("nan")
+
+
+def routing_metrics(expert_idx: Tensor, load: Tensor, dropped: int, num_experts: int) -> dict:
+    """Load CV, normalised tree distance and dropped-slot fraction of one or more routings."""
+    td = tree_distance(expert_idx, num_experts) if num_experts >= 2 and expert_idx.shape[1] >= 2 else math.nan
+    return {
+        "load_cv": load_cv(load),
+        "tree_distance": td,
+        "dropped_fraction": dropped / max(expert_idx.numel(), 1),
+    }
+
+
+def metrics_of(routing, num_experts: int) -> dict:
+    return routing_metrics(routing.expert_idx, routing.stats["load"], routing.stats.get("dropped", 0), num_experts)

@@ -1,0 +1,145 @@
+"""Single-process trainer for the tabular reference model.
+
+Writes ``metrics.jsonl`` (one line per logged step and per evaluation),
+``config.yaml`` and ``summary.json`` to the output directory; shows tqdm
+progress. A router with a ``gar`` block trains with GAR (Algorithm 1) using
+example groups of ``train.gar_group_size`` as observation units.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import yaml
+from tqdm import tqdm
+
+from dist_moe.models import TabularMoE
+from dist_moe.routing.gar import gar_train_step
+from dist_moe.train.data import tabular_split
+from dist_moe.train.metrics import metrics_of, routing_metrics
+from placement import random_pair_tree_distance
+
+
+class JsonlLogger:
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = path.open("w")
+
+    def log(self, record: dict) -> None:
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _check_positive(section: dict, key: str, kind=int, allow_none=False) -> None:
+    value = section[key]
+    if allow_none and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) or value <= 0:
+        raise ValueError(f"config key 'train.{key}' must be a positive {kind.__name__}, got {value!r}")
+
+
+@torch.no_grad()
+def evaluate(model: TabularMoE, x: torch.Tensor, y: torch.Tensor, batch_size: int = 4096) -> dict:
+    model.eval()
+    loss, correct, routings = 0.0, 0, []
+    for i in range(0, len(x), batch_size):
+        logits, _ = model(x[i : i + batch_size])
+        loss += float(F.cross_entropy(logits, y[i : i + batch_size], reduction="sum"))
+        correct += int((logits.argmax(1) == y[i : i + batch_size]).sum())
+        routings.append(model.moe.last_routing)
+    model.train()
+    metrics = routing_metrics(
+        torch.cat([r.expert_idx for r in routings]),
+        sum(r.stats["load"] for r in routings),
+        sum(r.stats.get("dropped", 0) for r in routings),
+        model.moe.num_experts,
+    )
+    return {"val_loss": loss / len(x), "val_acc": correct / len(x), **{f"val_{k}": v for k, v in metrics.items()}}
+
+
+def train(cfg: dict, quiet: bool = False) -> dict:
+    tcfg = cfg["train"]
+    for key in ("epochs", "batch_size", "log_every", "gar_group_size"):
+        _check_positive(tcfg, key)
+    _check_positive(tcfg, "lr", float)
+    _check_positive(tcfg, "max_steps", allow_none=True)
+    _check_positive(tcfg, "max_grad_norm", float, allow_none=True)
+    torch.manual_seed(cfg["seed"])
+    data = tabular_split(cfg["data"]["name"], cfg["data"]["val_fraction"], cfg["seed"], cfg["data"]["max_rows"])
+    model = TabularMoE(data.x_train.shape[1], data.num_classes, cfg["router"], **cfg["model"])
+    router = model.moe.router
+    opt = torch.optim.Adam(model.parameters(), lr=tcfg["lr"])
+    out_dir = Path(cfg["output"]["dir"].format(name=cfg["name"]))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    logger = JsonlLogger(out_dir / "metrics.jsonl")
+
+    n, bs = len(data.x_train), tcfg["batch_size"]
+    steps_per_epoch = math.ceil(n / bs)
+    total = tcfg["max_steps"] or tcfg["epochs"] * steps_per_epoch
+    gen = torch.Generator().manual_seed(cfg["seed"])
+    gar = getattr(router, "gar_config", None)
+    step, start, last_eval = 0, time.time(), {}
+    bar = tqdm(total=total, desc=cfg["name"], disable=quiet, dynamic_ncols=True)
+    try:
+        while step < total:
+            perm = torch.randperm(n, generator=gen)
+            for i in range(0, n, bs):
+                if step >= total:
+                    break
+                if hasattr(router, "set_progress"):
+                    router.set_progress(step / total)  # SpecDrop's schedule, per step
+                xb, yb = data.x_train[perm[i : i + bs]], data.y_train[perm[i : i + bs]]
+                record = _gar_step(model, opt, xb, yb, gar, tcfg) if gar else _plain_step(model, opt, xb, yb, tcfg)
+                step += 1
+                if step % tcfg["log_every"] == 0 or step == total:
+                    record.update(metrics_of(model.moe.last_routing, model.moe.num_experts))
+                    logger.log({"step": step, **record})
+                    bar.set_postfix(loss=f"{record['loss']:.4f}")
+                bar.update(1)
+            last_eval = evaluate(model, data.x_val, data.y_val)
+            logger.log({"step": step, "epoch": math.ceil(step / steps_per_epoch), **last_eval})
+    finally:
+        bar.close()
+        logger.close()
+    summary = {
+        "name": cfg["name"], "router": cfg["router"]["type"], "steps": step, "seconds": round(time.time() - start, 2),
+        **last_eval, "random_pair_tree_distance": _random_pair(model.moe.num_experts), "output_dir": str(out_dir),
+    }
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _random_pair(num_experts: int) -> float:
+    return random_pair_tree_distance(num_experts) if num_experts >= 2 and not num_experts & (num_experts - 1) else None
+
+
+def _plain_step(model, opt, xb, yb, tcfg) -> dict:
+    logits, aux = model(xb)
+    task = F.cross_entropy(logits, yb)
+    opt.zero_grad(set_to_none=True)
+    (task + aux).backward()
+    if tcfg["max_grad_norm"]:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg["max_grad_norm"])
+    opt.step()
+    return {"loss": float(task.detach()), "aux_loss": float(aux.detach())}
+
+
+def _gar_step(model, opt, xb, yb, gar, tcfg) -> dict:
+    g = tcfg["gar_group_size"]
+    groups = [(xb[i : i + g], yb[i : i + g]) for i in range(0, len(xb), g)]
+
+    def loss_fn(m, group):
+        logits, aux = m(group[0])
+        return F.cross_entropy(logits, group[1]) + aux
+
+    weights = [len(grp[0]) / len(xb) for grp in groups]
+    out = gar_train_step(model, groups, loss_fn, opt, weights, gar.lam, gar.eps, tcfg["max_grad_norm"], gar.mode)
+    return {"loss": out["task_loss"], "gar_loss": out["gar_loss"]}

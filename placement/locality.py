@@ -1,0 +1,47 @@
+"""Tree distance between co-selected experts (BRANCH paper, appendix B.4).
+
+L(i, j) = bit_length(i XOR j): the number of levels up to the lowest common
+ancestor when expert ids are read as root-to-leaf paths. Under block
+placement on 2^m devices two experts share a device iff L <= D - m.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def _depth(num_experts: int) -> int:
+    if num_experts < 2:
+        raise ValueError(f"tree distance needs num_experts >= 2, got {num_experts}")
+    return (num_experts - 1).bit_length()
+
+
+def tree_distance(expert_idx: Tensor, num_experts: int) -> float:
+    """Mean over tokens and co-selected pairs i<j of bit_length(i ^ j) / log2(E).
+
+    Slots dropped by capacity (-1) are left out; NaN when no token has two experts.
+    """
+    d = _depth(num_experts)
+    if expert_idx.dim() != 2:
+        raise ValueError(f"expert_idx must be [T, K], got shape {tuple(expert_idx.shape)}")
+    k = expert_idx.shape[1]
+    if k < 2 or expert_idx.shape[0] == 0:
+        return float("nan")
+    i, j = torch.triu_indices(k, k, offset=1, device=expert_idx.device)
+    a, b = expert_idx[:, i], expert_idx[:, j]
+    valid = (a >= 0) & (b >= 0)
+    if not bool(valid.any()):
+        return float("nan")
+    x = (a ^ b)[valid]
+    bit_length = sum(((x >> s) != 0).long() for s in range(d))
+    return float(bit_length.double().mean()) / d
+
+
+def random_pair_tree_distance(num_experts: int) -> float:
+    """E[L]/D for uniformly random distinct pairs: (D - 1 + 2^-D) / (1 - 2^-D) / D."""
+    d = _depth(num_experts)
+    if 1 << d != num_experts:
+        raise ValueError(f"the closed form needs num_experts a power of two, got {num_experts}")
+    return (d - 1 + 2.0**-d) / (1 - 2.0**-d) / d

@@ -1,0 +1,123 @@
+"""Every strategy satisfies the Routing contract, and bad input fails naming the problem."""
+import math
+
+import pytest
+import torch
+
+from dist_moe.routing import Routing, build_router
+
+H, E, T = 12, 8, 40
+CONFIGS = {
+    "switch": {"type": "switch", "hidden_size": H, "num_experts": E, "top_k": 2},
+    "switch_capacity": {"type": "switch", "hidden_size": H, "num_experts": E, "top_k": 2, "capacity_factor": 0.5},
+    "deepseek_v3": {"type": "deepseek_v3", "hidden_size": H, "num_experts": E, "top_k": 2},
+    "deepseek_v3_softmax": {"type": "deepseek_v3", "hidden_size": H, "num_experts": E, "top_k": 2,
+                            "score_func": "softmax"},
+    "skywork": {"type": "skywork", "hidden_size": H, "num_experts": E, "top_k": 2},
+    "hash": {"type": "hash", "num_experts": E, "top_k": 2},
+    "uniform": {"type": "uniform", "num_experts": E},
+    "branch": {"type": "branch", "hidden_size": H, "num_experts": E, "top_k": 4},
+    "branch_mlp": {"type": "branch", "hidden_size": H, "num_experts": E, "top_k": 1, "node_map": "mlp",
+                   "mlp_hidden": 4},
+    "switch_mlp": {"type": "switch", "hidden_size": H, "num_experts": E, "top_k": 2, "node_map": "mlp",
+                   "mlp_hidden": 4},
+    "specdrop": {"type": "specdrop", "num_experts": E, "num_categories": 5, "p_assigned": 0.7},
+    "specdrop_bernoulli": {"type": "specdrop", "num_experts": E, "num_categories": 5, "p_assigned": 0.7,
+                           "variant": "bernoulli"},
+    "specdrop_hard_top2": {"type": "specdrop", "num_experts": E, "num_categories": 5, "p_assigned": 0.9,
+                           "variant": "hard", "top_k": 2},
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("training", [True, False])
+def test_contract(name, training):
+    router = build_router(CONFIGS[name]).train(training)
+    x = torch.randn(T, H, requires_grad=True)
+    cats = torch.randint(0, 5, (T,))
+    r = router(x, categories=cats)
+    assert isinstance(r, Routing)
+    k = router.top_k
+    assert r.probs.shape == (T, E) and r.probs.dtype == torch.float32
+    assert torch.allclose(r.probs.sum(1), torch.ones(T), atol=1e-5)
+    assert r.expert_idx.shape == (T, k) and r.expert_idx.dtype == torch.int64
+    assert r.gates.shape == (T, k) and torch.isfinite(r.gates).all() and (r.gates >= 0).all()
+    assert r.aux_loss.dim() == 0 and torch.isfinite(r.aux_loss)
+    assert r.stats["load"].shape == (E,)
+    kept = r.expert_idx >= 0
+    assert ((r.expert_idx < E) & (r.expert_idx >= -1)).all()
+    # selected experts are distinct per token and ordered by probability, highest first
+    for row, krow in zip(r.expert_idx, kept):
+        assert len(set(row[krow].tolist())) == int(krow.sum())
+    if kept.all():
+        p_sel = r.probs.gather(1, r.expert_idx)
+        assert (p_sel[:, :-1] >= p_sel[:, 1:] - 1e-7).all()
+    if name.startswith("specdrop"):
+        assert torch.allclose(r.stats["load"].sum(), r.gates.sum())
+    else:
+        assert int(r.stats["load"].sum()) == int(kept.sum()) or "capacity" in name
+
+
+def test_branch_top_k_aux_is_zero_and_switch_aux_scaled():
+    x = torch.randn(T, H)
+    assert float(build_router(CONFIGS["branch"])(x).aux_loss) == 0.0
+    sw = build_router(CONFIGS["switch"])
+    sw2 = build_router({**CONFIGS["switch"], "aux_loss_coeff": 0.02})
+    sw2.load_state_dict(sw.state_dict())
+    sw.eval(), sw2.eval()
+    assert math.isclose(float(sw2(x).aux_loss.detach()), 2 * float(sw(x).aux_loss.detach()), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "cfg, match",
+    [
+        ({"type": "bogus"}, "'type'"),
+        ({**CONFIGS["switch"], "topk": 2}, "'topk'"),
+        ({"type": "branch", "num_experts": 8, "top_k": 2}, "'hidden_size'"),
+        ({**CONFIGS["branch"], "num_experts": 12}, "power of two"),
+        ({**CONFIGS["branch"], "top_k": 9}, "top_k"),
+        ({**CONFIGS["branch"], "top_k": "2"}, "'top_k'"),
+        ({**CONFIGS["branch"], "ema_decay": 1.5}, "ema_decay"),
+        ({**CONFIGS["branch"], "node_map": "mlp"}, "mlp_hidden"),
+        ({**CONFIGS["branch"], "node_map": "conv"}, "node_map"),
+        ({**CONFIGS["switch"], "capacity_factor": 0}, "capacity_factor"),
+        ({**CONFIGS["deepseek_v3"], "score_func": "tanh"}, "score_func"),
+        ({**CONFIGS["uniform"], "top_k": 2}, "top_k"),
+        ({**CONFIGS["specdrop"], "variant": "dropout"}, "variant"),
+        ({**CONFIGS["branch"], "gar": {"lambda": -1}}, "'lambda'"),
+        ({**CONFIGS["branch"], "gar": {"lamda": 1}}, "'lamda'"),
+        ({**CONFIGS["hash"], "gar": {"lambda": 1}}, "'gar'"),
+        ({**CONFIGS["switch"], "normalize_gates": "yes"}, "'normalize_gates'"),
+    ],
+)
+def test_bad_config_names_the_key(cfg, match):
+    with pytest.raises(ValueError, match=match):
+        build_router(cfg)
+
+
+@pytest.mark.parametrize("name", ["switch", "branch", "deepseek_v3", "skywork", "hash", "specdrop"])
+def test_bad_inputs(name):
+    router = build_router(CONFIGS[name])
+    cats = torch.zeros(T, dtype=torch.long)
+    with pytest.raises(ValueError, match="shape"):
+        router(torch.randn(2, T, H), categories=cats)
+    x = torch.randn(T, H)
+    x[3, 1] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        router(x, categories=cats)
+    if getattr(router, "hidden_size", None):
+        with pytest.raises(ValueError, match="hidden"):
+            router(torch.randn(T, H + 1), categories=cats)
+
+
+def test_nan_never_reaches_router_state():
+    branch = build_router(CONFIGS["branch"]).train()
+    ds = build_router(CONFIGS["deepseek_v3"]).train()
+    x = torch.randn(T, H)
+    branch(x), ds(x)
+    anchors, bias = branch.anchors.clone(), ds.expert_bias.clone()
+    x[0, 0] = float("inf")
+    for r in (branch, ds):
+        with pytest.raises(ValueError):
+            r(x)
+    assert torch.equal(branch.anchors, anchors) and torch.equal(ds.expert_bias, bias)
