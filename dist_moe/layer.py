@@ -59,11 +59,23 @@ class MoELayer(nn.Module):
         self.last_routing: Routing | None = None
         self.last_router_input: Tensor | None = None
         self.last_router_extras: dict = {}
+        self.last_token_layout: tuple = ((), None)
 
-    def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None):
+    def forward(
+        self,
+        x: Tensor,
+        categories: Tensor | None = None,
+        token_ids: Tensor | None = None,
+        padding_mask: Tensor | None = None,
+    ):
+        """x [..., hidden]; categories / token_ids per token (or [B] per sequence);
+        padding_mask [B, S] bool, True at padding (routed like any token, left out of
+        per-example summaries such as GAR's)."""
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"MoELayer input last dim {x.shape[-1]} != hidden_size {self.hidden_size}")
         shape = x.shape
+        if padding_mask is not None and padding_mask.shape != shape[:-1]:
+            raise ValueError(f"padding_mask must have shape {tuple(shape[:-1])}, got {tuple(padding_mask.shape)}")
         h = x.reshape(-1, self.hidden_size)
         categories = _per_token(categories, shape, "categories")
         token_ids = _per_token(token_ids, shape, "token_ids")
@@ -81,6 +93,7 @@ class MoELayer(nn.Module):
         self.last_routing = routing.detached()  # keeping the graph alive would pin activations
         self.last_router_input = h.detach()
         self.last_router_extras = {"categories": categories, "token_ids": token_ids}
+        self.last_token_layout = (tuple(shape[:-1]), padding_mask)
         return y.reshape(shape), routing.aux_loss
 
     def _run_local_experts(self, h: Tensor, routing: Routing) -> Tensor:

@@ -21,7 +21,9 @@ def _depth(num_experts: int) -> int:
 def tree_distance(expert_idx: Tensor, num_experts: int) -> float:
     """Mean over tokens and co-selected pairs i<j of bit_length(i ^ j) / log2(E).
 
-    Slots dropped by capacity (-1) are left out; NaN when no token has two experts.
+    Slots dropped by capacity (-1) are left out and the mean is pooled over all remaining
+    pairs; NaN when no token has two experts. For E not a power of two the tree depth
+    is ceil(log2 E).
     """
     d = _depth(num_experts)
     if expert_idx.dim() != 2:

@@ -86,13 +86,13 @@ def test_centered_logit_identity_every_node(node_map, mlp_hidden):
 
 
 def test_ema_recursion_with_warmup_cap():
-    router = BranchRouter(H, 8, 2, ema_decay=0.9).train()
-    batches = [torch.randn(50, H) for _ in range(4)]
+    router = BranchRouter(H, 8, 2, ema_decay=0.7).train()
+    batches = [torch.randn(50, H) for _ in range(6)]  # t = 4, 5, 6 run at the constant decay 0.7
     nu = torch.zeros(7)
     for t, xb in enumerate(batches, start=1):
         _, live = reference_leaf_masks(router, xb)
         stat = torch.stack([live[n] for n in range(7)]).detach()
-        alpha = min(0.9, (t - 1) / t)
+        alpha = min(0.7, (t - 1) / t)
         nu = alpha * nu + (1 - alpha) * stat
         router(xb)
         assert int(router.ema_step) == t
@@ -182,6 +182,7 @@ def test_empty_batch_and_deep_bf16_tree_stay_finite():
     assert torch.isfinite(router(x).probs).all()
 
 
+@torch.no_grad()
 def test_anti_collapse_under_common_offset():
     """Root split stays within [1/(2e), 1 - 1/(2e)] (Corollary 4.5) where a flat softmax collapses."""
     torch.manual_seed(1)
@@ -189,7 +190,7 @@ def test_anti_collapse_under_common_offset():
     lo, hi = 1 / (2 * math.e), 1 - 1 / (2 * math.e)
     tree = BranchRouter(H, 16, 4).train()
     r = tree(x)
-    right = r.probs[:, 8:].sum(1).mean()
+    right = r.probs.detach()[:, 8:].sum(1).mean()
     assert lo <= float(right) <= hi
     # after the EMA has tracked the statistic, inference also splits the root within bounds
     tree.eval()
@@ -204,8 +205,8 @@ def test_anti_collapse_under_common_offset():
     flat = SwitchRouter(H, 16, 4, jitter_eps=0.0).train()
     mass = flat(x).probs.mean(0)
     assert float(mass.max()) > 0.9
-    # while the tree keeps every expert's mean mass above the (2e)^-D floor order (no starvation)
-    assert float(r.probs.mean(0).min()) > 1e-3
+    # while every leaf of the tree keeps mean mass above the (2e)^-D floor of eq. 34 (no starvation)
+    assert float(r.probs.mean(0).min()) >= (2 * math.e) ** -4
 
 
 def test_power_of_two_and_eta_validation():

@@ -55,7 +55,7 @@ def test_contract(name, training):
     if name.startswith("specdrop"):
         assert torch.allclose(r.stats["load"].sum(), r.gates.sum())
     else:
-        assert int(r.stats["load"].sum()) == int(kept.sum()) or "capacity" in name
+        assert int(r.stats["load"].sum()) == int(kept.sum())
 
 
 def test_branch_top_k_aux_is_zero_and_switch_aux_scaled():

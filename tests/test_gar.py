@@ -13,8 +13,9 @@ from dist_moe.routing.gar import (
     gar_loss,
     gar_loss_gram,
     gar_objective,
+    example_mean,
     gar_train_step,
-    template_gradient,
+    group_route_summaries,
 )
 
 H = 6
@@ -210,6 +211,35 @@ def test_gar_reduces_its_criterion_for_the_router():
     assert values[-1] < values[0]
 
 
-def test_template_gradient_without_grads_is_zero():
-    layer = MoELayer(H, 8, ROUTERS["branch"])
-    assert torch.equal(template_gradient(layer.experts), torch.zeros_like(template_gradient(layer.experts)))
+@pytest.mark.parametrize("router", ["switch", "branch"])
+def test_top1_routers_get_a_straight_through_gar_gradient(router):
+    """A one-hot top-1 summary has no gradient; the straight-through summary (D.4) does."""
+    torch.manual_seed(0)
+    model = TwoLayerMoE({**ROUTERS[router], "top_k": 1})
+    groups, weights = make_groups()
+    obs = collect_observations(model, groups, loss_fn, weights)
+    P = group_route_summaries(model.moe1.router, obs.router_inputs[0])
+    assert torch.allclose(P.sum(1), torch.ones(len(groups)))
+    # value: the mean of one-hot rows (the configured gates); gradient: through the probabilities
+    with model.moe1.router.frozen_state():
+        idx = model.moe1.router(obs.router_inputs[0][0][0]).expert_idx[:, 0]
+    onehot = torch.nn.functional.one_hot(idx, 4).float().mean(0)
+    assert torch.allclose(P[0].detach(), onehot)
+    model.zero_grad()
+    gar_objective(obs).backward()
+    grads = [p.grad for n, p in model.named_parameters() if ".router." in n]
+    assert sum(float(g.abs().sum()) for g in grads if g is not None) > 1e-5  # one-hot alone: ~1e-8 rounding
+
+
+def test_example_mean_then_group_mean_with_padding():
+    summary = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.5, 0.5], [0.0, 1.0], [0.0, 1.0]])
+    # two examples of three positions; example 0 pads its last position, example 1 pads nothing
+    padding = torch.tensor([[False, False, True], [False, False, False]])
+    p = example_mean(summary, ((2, 3), padding))
+    q0 = torch.tensor([0.5, 0.5])  # mean of its two valid tokens
+    q1 = torch.tensor([0.5 / 3, 2.5 / 3])
+    assert torch.allclose(p, (q0 + q1) / 2)
+    assert torch.allclose(example_mean(summary, ((6,), None)), summary.mean(0))
+    # a fully padded example is left out instead of counting as zeros
+    all_pad = torch.tensor([[True, True, True], [False, False, False]])
+    assert torch.allclose(example_mean(summary, ((2, 3), all_pad)), q1)

@@ -89,7 +89,7 @@ def test_layer_trains_and_router_receives_gradient():
         loss.backward()
         assert layer.router.node_map.weight.grad.abs().sum() > 0
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     assert losses[-1] < 0.8 * losses[0]
 
 

@@ -56,15 +56,21 @@ def test_schedule_endpoints_and_constant_sum():
 def test_total_steps_drives_progress_and_state_dict_keeps_it():
     r = SpecDropRouter(num_experts=4, num_categories=4, p_assigned=0.7, warmup_fraction=1.0, total_steps=10)
     x, c = torch.randn(6, 3), torch.randint(0, 4, (6,))
+    first = r.train()(x, categories=c)
+    S = 0.7 + 3 * 0.3
+    assert torch.allclose(first.probs, torch.full((6, 4), 0.25))  # step 1 runs at progress 0: uniform merge
     for _ in range(4):
         r.train()(x, categories=c)
-    assert math.isclose(float(r.progress), 0.4)
+    assert math.isclose(float(r.progress), 0.4)  # 4 steps completed before the 5th forward
     r.eval()(x, categories=c)
     assert math.isclose(float(r.progress), 0.4)  # inference does not advance the schedule
+    assert r.scheduled_weights()[0] + 3 * r.scheduled_weights()[1] == pytest.approx(S)
+    with pytest.raises(ValueError, match="total_steps"):
+        r.set_progress(0.5)
     clone = SpecDropRouter(num_experts=4, num_categories=4, p_assigned=0.7, warmup_fraction=1.0, total_steps=10)
     clone.load_state_dict(r.state_dict())
     assert clone.scheduled_weights() == r.scheduled_weights()
-    assert int(clone.step) == 4
+    assert int(clone.step) == 5
 
 
 def test_imbalance_rule_totals_and_direction():
@@ -162,6 +168,23 @@ def test_bernoulli_masks_fixed_denominator_and_determinism():
     r.eval()
     e = r(x, categories=c)
     assert torch.allclose(e.gates, e.probs.gather(1, e.expert_idx))
+
+
+def test_keep_probability_one_never_drops():
+    from dist_moe.routing.hashing import uniform01
+
+    u = uniform01(torch.tensor([0, 2**31, 2**32 - 1, 2**32 - 129]))
+    assert (u < 1.0).all() and (u >= 0).all()
+
+
+def test_hard_variant_warmup_ends_hard_and_bernoulli_is_dense():
+    hard = SpecDropRouter(num_experts=4, num_categories=4, p_assigned=0.8, variant="hard", warmup_fraction=0.5)
+    hard.set_progress(0.0)
+    assert torch.allclose(hard.coefficients(1), torch.full((4,), 0.25))
+    hard.set_progress(0.5)
+    assert torch.allclose(hard.coefficients(1), torch.tensor([0.0, 1.0, 0.0, 0.0]))
+    with pytest.raises(ValueError, match="top_k"):
+        SpecDropRouter(num_experts=4, num_categories=4, p_assigned=0.8, variant="bernoulli", top_k=2)
 
 
 def test_hard_and_uniform_variants():

@@ -1,10 +1,13 @@
 """Flat baselines (DESIGN 4.4; BRANCH paper appendix B.2).
 
 switch       softmax top-K, multiplicative input jitter in training, Switch
-             load-balancing loss  coeff * E * sum_e f_e P_e, optional capacity
+             load-balancing loss  coeff * E * sum_e f_e P_e, optional capacity;
+             gates are the raw softmax probabilities (Switch's top-1 convention)
+             unless normalize_gates renormalises them over the top-K
 deepseek_v3  sigmoid (or softmax) affinities; a non-trainable bias enters the
              top-K selection only and moves by +-gamma toward balance after
-             every training forward; gates from the unbiased affinities
+             every training forward (once per micro-batch under gradient
+             accumulation); gates from the unbiased affinities
 skywork      gating-logit normalisation (z - mean) / std * scale before softmax,
              plus the Switch auxiliary loss
 hash         fixed avalanche hash of a token id (position when there is none)
@@ -92,10 +95,13 @@ class SwitchRouter(_LearnedFlatRouter):
 
 
 class SkyworkRouter(SwitchRouter):
-    """Switch with gating-logit normalisation (Skywork-MoE, Wei et al. 2024)."""
+    """Switch with gating-logit normalisation (Skywork-MoE, Wei et al. 2024).
 
-    def __init__(self, hidden_size, num_experts, top_k=1, norm_scale: float = 1.0, **kw):
-        super().__init__(hidden_size, num_experts, top_k, **kw)
+    Input jitter defaults to off: BRANCH appendix B.2 specifies it for Switch only.
+    """
+
+    def __init__(self, hidden_size, num_experts, top_k=1, norm_scale: float = 1.0, jitter_eps: float = 0.0, **kw):
+        super().__init__(hidden_size, num_experts, top_k, jitter_eps=jitter_eps, **kw)
         if not norm_scale > 0:
             raise ValueError(f"norm_scale must be > 0, got {norm_scale!r}")
         self.norm_scale = float(norm_scale)
@@ -136,7 +142,10 @@ class DeepSeekV3Router(_LearnedFlatRouter):
         x = self.check_input(x, self.hidden_size)
         logits = self.node_map(x)
         scores = torch.sigmoid(logits) if self.score_func == "sigmoid" else torch.softmax(logits, dim=-1)
-        _, idx = select_top_k(scores.detach() + self.expert_bias, self.top_k)  # bias: selection only
+        _, chosen = select_top_k(scores.detach() + self.expert_bias, self.top_k)  # bias: selection only
+        # report the chosen set in order of the unbiased affinity (highest probability first)
+        order = torch.sort(scores.detach().gather(1, chosen), dim=1, descending=True, stable=True).indices
+        idx = chosen.gather(1, order)
         vals = scores.gather(1, idx)
         gates = vals / vals.sum(1, keepdim=True).clamp_min(1e-20) if self.normalize_gates else vals
         load = expert_load(idx, self.num_experts)

@@ -60,9 +60,17 @@ def gar_loss_gram(P: Tensor, W: Tensor, eps: float = 1e-8) -> Tensor:
 
 
 def router_summary(routing) -> Tensor:
-    """Per-token configured gate distribution [T, E]: selected gates renormalised to sum 1."""
+    """Per-token configured gate distribution [T, E]: selected gates renormalised to sum 1.
+
+    With one expert per token that distribution is one-hot and has no gradient; as in
+    the paper's top-1 extension (appendix D.4) its derivative is then the full
+    distribution's (straight-through): value one-hot, gradient d probs.
+    """
     dense = routing.dense_gates()
-    return dense / dense.sum(1, keepdim=True).clamp_min(torch.finfo(dense.dtype).tiny)
+    summary = dense / dense.sum(1, keepdim=True).clamp_min(torch.finfo(dense.dtype).tiny)
+    if routing.expert_idx.shape[1] == 1:
+        summary = summary.detach() + routing.probs - routing.probs.detach()
+    return summary
 
 
 def template_gradient(experts) -> Tensor:
@@ -74,6 +82,20 @@ def template_gradient(experts) -> Tensor:
     return torch.cat(parts)
 
 
+def _stash_grads(params: list) -> list:
+    """Take the accumulated gradients out (so the next backward writes one group's alone)."""
+    stash = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    return stash
+
+
+def _restore_grads(params: list, stash: list) -> None:
+    for p, g in zip(params, stash):
+        if g is not None:
+            p.grad = g if p.grad is None else p.grad + g
+
+
 def factor_gram(captures: Sequence, scales: Sequence[float]) -> Tensor:
     """Exact Gram W_ij = <g_i, g_j> from per-group block inputs x and output gradients delta.
 
@@ -81,7 +103,8 @@ def factor_gram(captures: Sequence, scales: Sequence[float]) -> Tensor:
     <delta_r, delta_r'> <x_r, x_r'>; rows of every expert using slot b enter the same sum.
     """
     m = len(captures)
-    W = torch.zeros(m, m, dtype=torch.float64)
+    device = next((x.device for c in captures for xs in c.inputs.values() for x in xs), torch.device("cpu"))
+    W = torch.zeros(m, m, dtype=torch.float64, device=device)
     slots = {s for c in captures for s in c.inputs}
     for slot in sorted(slots):
         xs, ds, owner = [], [], []
@@ -91,11 +114,11 @@ def factor_gram(captures: Sequence, scales: Sequence[float]) -> Tensor:
                     continue
                 xs.append(x.double())
                 ds.append(d.double() / scale)
-                owner.append(torch.full((x.shape[0],), i, dtype=torch.long))
+                owner.append(torch.full((x.shape[0],), i, dtype=torch.long, device=device))
         if not xs:
             continue
         X, D, own = torch.cat(xs), torch.cat(ds), torch.cat(owner)
-        K = (D @ D.t()) * (X @ X.t())
+        K = (D @ D.t()) * (X @ X.t())  # [R, R] over routed rows: memory grows with R^2, not with d
         S = torch.nn.functional.one_hot(own, m).double()
         W += S.t() @ K @ S
     return W
@@ -130,8 +153,9 @@ class Observations:
 def collect_observations(model, groups, loss_fn, weights, mode="materialized") -> Observations:
     """Accumulate grad(L_task), L_task = sum_m w_m l_m, one group at a time (steps 1-3).
 
-    g_m is read off the accumulation: the change of each expert's stacked gradient over
-    group m's backward, divided by w_m, summed over experts in the template.
+    g_m is read off the accumulation: each group's backward writes its expert gradients
+    alone (the running sum is stashed and added back after), which gives w_m grad l_m
+    exactly; divided by w_m and summed over experts in the template.
     """
     from dist_moe.experts import FactorCapture
 
@@ -147,9 +171,10 @@ def collect_observations(model, groups, loss_fn, weights, mode="materialized") -
     inputs = [[] for _ in layers]
     per_group = [[] for _ in layers]
     task_loss = 0.0
+    template = [list(layer.experts.template().values()) for layer in layers]
     for group, w in zip(groups, weights):
         if mode == "materialized":
-            before = [template_gradient(layer.experts) for layer in layers]
+            stashes = [_stash_grads(params) for params in template]
         else:
             for layer in layers:
                 layer.experts.capture = FactorCapture()
@@ -162,23 +187,47 @@ def collect_observations(model, groups, loss_fn, weights, mode="materialized") -
                 layer.experts.capture = None
         task_loss += w * float(loss.detach())
         for li, layer in enumerate(layers):
-            inputs[li].append((layer.last_router_input, dict(layer.last_router_extras)))
+            inputs[li].append((layer.last_router_input, dict(layer.last_router_extras), layer.last_token_layout))
             if mode == "materialized":
-                per_group[li].append((template_gradient(layer.experts) - before[li]) / w)
+                per_group[li].append(template_gradient(layer.experts) / w)
+                _restore_grads(template[li], stashes[li])
             else:
                 per_group[li].append(captures[li])
     return Observations(layers, inputs, per_group, task_loss, mode, list(weights))
 
 
+def example_mean(summary: Tensor, layout) -> Tensor:
+    """p_m: average each example's valid tokens (q_n), then average the examples (step 5).
+
+    ``layout`` is (leading shape, padding mask or None) as the MoE layer saw the input:
+    [B] means one token per example, [B, S] means S token positions per example.
+    """
+    shape, padding = layout
+    if len(shape) <= 1:
+        return summary.mean(0)
+    q = summary.reshape(shape[0], -1, summary.shape[-1])
+    if padding is None:
+        return q.mean(1).mean(0)
+    valid = (~padding.reshape(shape[0], -1)).to(q.dtype).unsqueeze(-1)
+    per_example = (q * valid).sum(1) / valid.sum(1).clamp_min(1)
+    return per_example[valid.sum((1, 2)) > 0].mean(0)
+
+
 def group_route_summaries(router, router_inputs) -> Tensor:
-    """P [M, E]: per group, the mean router summary recomputed from detached inputs (steps 4-5)."""
+    """P [M, E]: per group, the router summary recomputed from detached inputs (steps 4-5).
+
+    The recomputation runs the router in its training mode, so a Switch router's input
+    jitter is drawn afresh here (the configured rule, not the forward's exact noise).
+    """
     with router.frozen_state():  # recomputation must not move anchors, biases or schedules again
-        return torch.stack([router_summary(router(h, **extras)).mean(0) for h, extras in router_inputs])
+        return torch.stack(
+            [example_mean(router_summary(router(h, **extras)), layout) for h, extras, layout in router_inputs]
+        )
 
 
 def gar_objective(obs: Observations, eps: float = 1e-8) -> Tensor:
     """L_norm summed over MoE layers (steps 6-7); differentiable in router parameters only."""
-    total = torch.zeros(())
+    total = torch.zeros((), device=obs.router_inputs[0][0][0].device)
     for li, layer in enumerate(obs.layers):
         P = group_route_summaries(layer.router, obs.router_inputs[li])
         if obs.mode == "materialized":
@@ -208,7 +257,7 @@ def gar_train_step(
     optimizer.zero_grad(set_to_none=True)
     obs = collect_observations(model, groups, loss_fn, weights, mode)
     aux = gar_objective(obs, eps)
-    if lam:
+    if lam and aux.requires_grad:
         (lam * aux).backward()  # reaches router parameters only: inputs and observations are detached
     params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
     grad_norm = None

@@ -43,5 +43,5 @@ def hash_rows(x: Tensor) -> Tensor:
 
 
 def uniform01(h: Tensor) -> Tensor:
-    """Map 32-bit hashes to floats in [0, 1)."""
-    return h.double().div(2.0**32).float()
+    """Map 32-bit hashes to floats in [0, 1), strictly below 1 in float32 (so u < 1.0 always)."""
+    return (h >> 8).float() / float(2**24)  # 24 bits: exact in float32

@@ -14,7 +14,12 @@ rejected at construction.
 
 Variants: soft (deployed: deterministic weights in training and inference),
 bernoulli (training masks m_k ~ Bernoulli(p_k(c)) over the same fixed S;
-inference uses p_k(c)), hard (p_i = 0), uniform (No-Routing: 1/K, no labels).
+inference uses p_k(c)), hard (p_i = 0 once any warmup has ended: the warmup
+still starts from the uniform merge), uniform (No-Routing: 1/K, no labels).
+
+Progress: call ``set_progress(fraction)`` per step or per epoch, or give
+``total_steps`` and the router counts its own training forwards (one per
+optimizer step; the first forward runs at progress 0).
 """
 from __future__ import annotations
 
@@ -68,6 +73,8 @@ class SpecDropRouter(Router):
             raise ValueError(f"warmup_fraction must lie in [0, 1], got {warmup_fraction!r}")
         if total_steps is not None and (not isinstance(total_steps, int) or total_steps < 1):
             raise ValueError(f"total_steps must be a positive int or None, got {total_steps!r}")
+        if variant == "bernoulli" and self.top_k != num_experts:
+            raise ValueError(f"variant='bernoulli' samples a mask over all experts: top_k must be {num_experts}")
         if not float(imbalance_beta) >= 0.0:
             raise ValueError(f"imbalance_beta must be >= 0, got {imbalance_beta!r}")
 
@@ -127,6 +134,8 @@ class SpecDropRouter(Router):
     # --- schedule ------------------------------------------------------------
     def set_progress(self, fraction: float) -> None:
         """Position in training, 0 at the start and 1 at the end (per step or per epoch)."""
+        if self.total_steps is not None:
+            raise ValueError("this router counts its own steps (total_steps is set); set_progress is for the other mode")
         fraction = float(fraction)
         if not (0.0 <= fraction <= 1.0) or math.isnan(fraction):
             raise ValueError(f"progress fraction must lie in [0, 1], got {fraction!r}")
@@ -165,9 +174,9 @@ class SpecDropRouter(Router):
             categories = torch.zeros(t, dtype=torch.long, device=x.device)  # No-Routing uses no labels
         categories = self.check_categories(categories, t, self.num_categories)
         if self.updates_state:
-            self.step += 1
-            if self.total_steps is not None:
+            if self.total_steps is not None:  # steps completed so far: the first forward is at 0
                 self.progress.fill_(min(float(self.step) / self.total_steps, 1.0))
+            self.step += 1
         weights = self.weight_table().to(x.device)[categories]  # [T, K] p_k(c)
         probs = weights / self.S
         if self.variant == "bernoulli" and self.training:
