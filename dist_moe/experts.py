@@ -102,6 +102,20 @@ class Experts(nn.Module):
         return torch.cat(outs)
 
 
+def apply_experts(experts: Experts, x: Tensor, pair_row: Tensor, pair_slot: Tensor, pair_gate: Tensor) -> Tensor:
+    """y[r] = sum over pairs p with pair_row[p] == r of gate_p * expert_{slot_p}(x[r]).
+
+    Pairs are grouped by local expert slot with one stable sort, so each expert runs
+    once on a contiguous slice; gated outputs are reduced per row with index_add.
+    """
+    order = torch.argsort(pair_slot, stable=True)
+    rows, gates = pair_row[order], pair_gate[order]
+    counts = torch.bincount(pair_slot, minlength=experts.num_experts).tolist()
+    out = experts(x[rows], counts)
+    y = torch.zeros_like(x)
+    return y.index_add(0, rows, (out * gates.unsqueeze(1).to(out.dtype)).to(x.dtype))
+
+
 class SharedExpert(nn.Module):
     """Always-on dense SwiGLU expert added after the routed merge (SpecDrop eq. 4)."""
 

@@ -1,8 +1,14 @@
 """MoELayer = router + (dispatcher) + local experts (+ shared expert).
 
-With ``group=None`` or a world of one, every expert is local and tokens are
-grouped by expert with one sort; each expert runs once on its contiguous slice,
-and gated outputs are scattered back with ``index_add``.
+With ``group=None`` or a world of one, every expert is local: tokens are grouped
+by expert with one sort, each expert runs once on its contiguous slice, and
+gated outputs are scattered back with ``index_add``. With a larger group, the
+router runs on this rank's tokens, and the expert-parallel dispatcher sends
+them to the ranks that hold their experts under ``placement`` (default
+contiguous) over ``topology`` (default: from the launcher's variables).
+A router built here from a dict reduces its data-parallel statistics (BRANCH
+anchor sums, DeepSeek-V3 loads) over the same group, whose ranks hold
+different tokens.
 """
 from __future__ import annotations
 
@@ -10,11 +16,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dist_moe.experts import Experts, SharedExpert
+from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher, routing_pairs
+from dist_moe.experts import Experts, SharedExpert, apply_experts
 from dist_moe.routing import Router, Routing, build_router
 from dist_moe.routing.capacity import apply_capacity, capacity_for
-
-DEDUP_MODES = ("none", "rank", "node")
+from placement import Placement, Topology, Traffic
+from placement.traffic import DEDUP_MODES
 
 
 class MoELayer(nn.Module):
@@ -37,25 +44,35 @@ class MoELayer(nn.Module):
             raise ValueError(f"dedup must be one of {DEDUP_MODES}, got {dedup!r}")
         if capacity_factor is not None:
             capacity_for(1, 1, 1, capacity_factor)  # validates the value
+        world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
         if isinstance(router, dict):
             cfg = dict(router)
             if cfg.setdefault("hidden_size", hidden_size) != hidden_size:
                 raise ValueError(f"router hidden_size {cfg['hidden_size']} != layer hidden_size {hidden_size}")
-            router = build_router(cfg)
+            router = build_router(cfg, stats_group=group if world > 1 else None)
         if not isinstance(router, Router):
             raise ValueError(f"router must be a Router or a config dict, got {type(router).__name__}")
-        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-            raise NotImplementedError(
-                f"expert-parallel dispatch over a group of {dist.get_world_size(group)} ranks is not "
-                "implemented yet; pass group=None to run all experts locally"
-            )
+        e = router.num_experts
+        # every check below happens before the first collective
+        topology = topology if topology is not None else _default_topology(world)
+        if topology.world_size != world:
+            raise ValueError(f"topology {topology.describe()} has {topology.world_size} ranks, the group {world}")
+        placement = placement if placement is not None else Placement.contiguous(e, world)
+        placement.check(e, world)
         self.hidden_size = hidden_size
         self.router = router
-        self.num_experts = router.num_experts
-        self.experts = Experts(router.num_experts, hidden_size, ffn_hidden_size, expert_type, **expert_kwargs)
+        self.num_experts = e
+        self.placement, self.topology, self.group, self.dedup = placement, topology, group, dedup
+        rank = dist.get_rank(group) if world > 1 else 0
+        self.local_expert_ids = placement.local_experts(rank)
+        self.dispatcher = ExpertParallelDispatcher(group, placement, topology, dedup) if world > 1 else None
+        if getattr(router, "node_limit", None):
+            router.set_expert_groups(
+                torch.tensor([topology.node_of(placement.rank_of(x)) for x in range(e)]))
+        self.experts = Experts(len(self.local_expert_ids), hidden_size, ffn_hidden_size, expert_type,
+                               **expert_kwargs)
         self.shared_expert = SharedExpert(hidden_size, shared_expert_hidden) if shared_expert_hidden else None
         self.capacity_factor = capacity_factor
-        self.placement, self.topology, self.group, self.dedup = placement, topology, group, dedup
         self.last_routing: Routing | None = None
         self.last_router_input: Tensor | None = None
         self.last_router_extras: dict = {}
@@ -87,7 +104,11 @@ class MoELayer(nn.Module):
             routing.expert_idx, routing.gates = idx, gates
             routing.stats["dropped"] = routing.stats.get("dropped", 0) + dropped
             routing.stats["capacity"] = cap
-        y = self._run_local_experts(h, routing)
+        if self.dispatcher is None:
+            token, expert, gate = routing_pairs(routing.expert_idx, routing.gates)
+            y = apply_experts(self.experts, h, token, expert, gate)
+        else:
+            y = self.dispatcher(h, routing.expert_idx, routing.gates, self.experts, copy_meta=categories)
         if self.shared_expert is not None:
             y = y + self.shared_expert(h)
         self.last_routing = routing.detached()  # keeping the graph alive would pin activations
@@ -96,19 +117,27 @@ class MoELayer(nn.Module):
         self.last_token_layout = (tuple(shape[:-1]), padding_mask)
         return y.reshape(shape), routing.aux_loss
 
-    def _run_local_experts(self, h: Tensor, routing: Routing) -> Tensor:
-        t, k = routing.expert_idx.shape
-        flat_idx = routing.expert_idx.reshape(-1)
-        kept = flat_idx >= 0
-        token = torch.arange(t, device=h.device).repeat_interleave(k)[kept]
-        expert = flat_idx[kept]
-        gate = routing.gates.reshape(-1)[kept]
-        order = torch.argsort(expert, stable=True)
-        token, gate = token[order], gate[order]
-        counts = torch.bincount(expert, minlength=self.num_experts).tolist()
-        out = self.experts(h[token], counts)
-        y = torch.zeros_like(h)
-        return y.index_add(0, token, (out * gate.unsqueeze(1).to(out.dtype)).to(h.dtype))
+
+
+    @property
+    def traffic(self) -> Traffic:
+        """Payload bytes this rank sent in forward dispatch since the last reset (its row)."""
+        if self.dispatcher is None:
+            return Traffic.zeros(self.topology)
+        return Traffic(self.dispatcher.traffic.clone(), self.topology)
+
+    def reset_traffic(self) -> None:
+        if self.dispatcher is not None:
+            self.dispatcher.reset_traffic()
+
+
+def _default_topology(world: int) -> Topology:
+    """The launcher's topology when this group spans the launched world, else one node."""
+    import os
+
+    if world > 1 and os.environ.get("WORLD_SIZE") == str(world):
+        return Topology.from_env()
+    return Topology.flat(world)
 
 
 def _per_token(t: Tensor | None, shape, name: str) -> Tensor | None:

@@ -1,7 +1,14 @@
-"""Cluster topology, expert placement and byte accounting; runs without a process group.
+"""Cluster topology, expert placement and exact byte accounting (DESIGN 3.2).
 
-So far: locality metrics. Topology, Placement and dispatch_traffic follow (DESIGN 3.2).
+Runs without a process group, so a 1,024-GPU cluster can be simulated on a CPU.
 """
+from placement.cost import CostModel, LevelCost, fit_level
 from placement.locality import random_pair_tree_distance, tree_distance
+from placement.placement import Placement, cut_weight
+from placement.topology import Topology
+from placement.traffic import Traffic, dispatch_traffic
 
-__all__ = ["tree_distance", "random_pair_tree_distance"]
+__all__ = [
+    "Topology", "Placement", "Traffic", "dispatch_traffic", "tree_distance", "random_pair_tree_distance",
+    "CostModel", "LevelCost", "fit_level", "cut_weight",
+]

@@ -1,0 +1,127 @@
+"""Expert-parallel dispatch over a process group, with rank or node dedup.
+
+A *copy* is one token row sent to one rank; a *pair* is one (selected expert,
+gate) attached to a copy. The destination applies every pair's expert to its
+copy and reduces the gated outputs into one row, which returns the way it came.
+
+none   one copy per pair (what DeepSpeed and Megatron send)
+rank   one copy per (token, destination rank)
+node   stage 1: one copy per (token, destination node) to the rank on that node
+       with the sender's local index (the gateway; the sender itself for its own
+       node); stage 2: each gateway forwards one copy per destination rank inside
+       its node. The combine reduces inside the node before crossing back.
+
+Every exchange records the payload bytes it sends to each peer in ``traffic``
+(this rank's row), so summed over ranks the measured matrix equals
+``placement.dispatch_traffic`` for the same routings. Routing metadata (expert
+ids, gates, per-copy integer tags such as categories) travels beside the
+payload and is counted separately in ``metadata_bytes``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from dist_moe.dispatch.all_to_all import send_copies
+from dist_moe.experts import Experts, apply_experts
+from placement import Placement, Topology
+from placement.traffic import DEDUP_MODES
+
+
+def routing_pairs(expert_idx: Tensor, gates: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Flatten [T, K] routing into (token, expert, gate) pairs, leaving out dropped slots."""
+    t, k = expert_idx.shape
+    valid = (expert_idx >= 0).reshape(-1)
+    token = torch.arange(t, device=expert_idx.device).repeat_interleave(k)[valid]
+    return token, expert_idx.reshape(-1)[valid], gates.reshape(-1)[valid]
+
+
+def _group_by(key_a: Tensor, key_b: Tensor, n_b: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Distinct (a, b) combinations: (a of each, b of each, index of each input's combination)."""
+    uniq, inverse = torch.unique(key_a * n_b + key_b, return_inverse=True)
+    return uniq // n_b, uniq % n_b, inverse
+
+
+_NODE_GROUPS: dict = {}
+
+
+def node_subgroup(group, topology: Topology):
+    """This rank's node as a process group, created once per (group, topology) and reused.
+
+    Creating groups is collective: every rank creates every node's group, in order.
+    """
+    key = (id(group), topology.sizes)
+    if key not in _NODE_GROUPS:
+        g, rank, mine = topology.ranks_per_node, dist.get_rank(group), None
+        for node in range(topology.num_nodes):
+            sub = dist.new_group([dist.get_global_rank(group, node * g + i) for i in range(g)])
+            if node == topology.node_of(rank):
+                mine = sub
+        _NODE_GROUPS[key] = mine
+    return _NODE_GROUPS[key]
+
+
+class ExpertParallelDispatcher:
+    def __init__(self, group, placement: Placement, topology: Topology, dedup: str = "rank"):
+        if dedup not in DEDUP_MODES:
+            raise ValueError(f"dedup must be one of {DEDUP_MODES}, got {dedup!r}")
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        if topology.world_size != self.world:
+            raise ValueError(f"topology {topology.describe()} has {topology.world_size} ranks, the group {self.world}")
+        placement.check(placement.num_experts, self.world)
+        self.placement, self.topology, self.dedup = placement, topology, dedup
+        self.rank_of = placement.rank_tensor()
+        self.slot_of = placement.local_slot_tensor()
+        self.g = topology.ranks_per_node
+        self.node_group = node_subgroup(group, topology) if dedup == "node" else None
+        self.reset_traffic()
+
+    def reset_traffic(self) -> None:
+        self.traffic = torch.zeros(self.world, self.world, dtype=torch.long)
+        self.metadata_bytes = 0
+
+    def _record(self, sent: list[int], peer_base: int, row_bytes: int, pairs: int, pair_bytes: int) -> None:
+        for i, n in enumerate(sent):
+            peer = peer_base + i
+            if peer != self.rank and n:
+                self.traffic[self.rank, peer] += n * row_bytes
+        self.metadata_bytes += pairs * pair_bytes
+
+    def __call__(self, h: Tensor, expert_idx: Tensor, gates: Tensor, experts: Experts,
+                 copy_meta: Tensor | None = None) -> Tensor:
+        """h [T, H] this rank's tokens -> y [T, H] sum of gated expert outputs per token."""
+        rank_of, slot_of = self.rank_of.to(h.device), self.slot_of.to(h.device)
+        token, expert, gate = routing_pairs(expert_idx, gates)
+        dst_rank = rank_of[expert]
+        meta = None if copy_meta is None else copy_meta.reshape(h.shape[0], -1).long()
+        if self.dedup == "none":
+            copy_token, dst, pair_copy = token, dst_rank, torch.arange(token.shape[0], device=h.device)
+        elif self.dedup == "rank":
+            copy_token, dst, pair_copy = _group_by(token, dst_rank, self.world)
+        else:
+            copy_token, dst_node, pair_copy = _group_by(token, dst_rank // self.g, self.topology.num_nodes)
+            dst = dst_node * self.g + self.rank % self.g  # the gateway on each destination node
+        y_copies = self._exchange(h, copy_token, dst, pair_copy, expert, gate, meta, experts, slot_of, rank_of)
+        return torch.zeros_like(h).index_add(0, copy_token, y_copies)
+
+    def _exchange(self, h, copy_row, dst, pair_copy, expert, gate, meta, experts, slot_of, rank_of) -> Tensor:
+        row_bytes = h.shape[1] * h.element_size()
+        pair_bytes = 8 + gate.element_size()
+        copy_meta = None if meta is None else meta[copy_row]
+        recv, sent = send_copies(self.group, self.world, h[copy_row], dst, pair_copy, expert, gate, copy_meta)
+        self._record(sent, 0, row_bytes, pair_copy.shape[0], pair_bytes)
+        if self.dedup != "node":
+            y = apply_experts(experts, recv.x, recv.pair_copy, slot_of[recv.pair_expert], recv.pair_gate)
+            return recv.send_back(y)
+        # stage 2 on the gateway: one copy per destination rank inside this node
+        node_base = self.topology.node_of(self.rank) * self.g
+        row, local_dst, pair_copy2 = _group_by(recv.pair_copy, rank_of[recv.pair_expert] - node_base, self.g)
+        recv2, sent2 = send_copies(self.node_group, self.g, recv.x[row], local_dst, pair_copy2, recv.pair_expert,
+                                   recv.pair_gate, recv.copy_meta[row])
+        self._record(sent2, node_base, row_bytes, pair_copy2.shape[0], pair_bytes)
+        y2 = apply_experts(experts, recv2.x, recv2.pair_copy, slot_of[recv2.pair_expert], recv2.pair_gate)
+        y = torch.zeros_like(recv.x).index_add(0, row, recv2.send_back(y2))
+        return recv.send_back(y)

@@ -1,0 +1,230 @@
+"""Which rank holds which expert.
+
+Every placement holds the same number of experts on every rank (what the
+dispatcher, DeepSpeed and Megatron need). Strategies:
+
+contiguous    expert e on rank e // (E/W)
+round_robin   expert e on rank e % W
+tree_prefix   experts split recursively along the topology levels: each unit at a
+              level takes a contiguous, equal share of its parent's experts. With
+              E and the level sizes powers of two every unit's share is a complete
+              subtree of the BRANCH tree (its experts share an index prefix), so a
+              node boundary is a tree boundary; with ranks numbered in mixed radix
+              this coincides with ``contiguous``, which is exactly why tree prefixes
+              double as device addresses. Otherwise shares stay contiguous.
+optimized     co-activated experts on the same node, then the same rank (below)
+
+``optimized(coactivation, topology)`` minimises, level by level from the outermost,
+the co-activation weight cut by that level's boundaries,
+
+    cut = sum_{i<j} C[i, j] * [unit(i) != unit(j)],
+
+under equal experts per unit. For the node level this is the pairwise surrogate
+of the expected number of node-crossing copies under node dedup (a token whose
+co-selected experts share a node sends that node one copy). Each level is a
+balanced k-way partition solved by greedy growth plus Kernighan-Lin style
+refinement (best improving swap of two experts between units until none
+improves), started from both the contiguous split and the greedy one; the
+better result is kept, so it is never worse than contiguous on this objective.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import yaml
+
+from placement.topology import Topology
+
+
+class Placement:
+    def __init__(self, expert_to_rank, world_size: int):
+        etr = [int(r) for r in expert_to_rank]
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        if not etr:
+            raise ValueError("a placement needs at least one expert")
+        bad = [r for r in etr if not 0 <= r < world_size]
+        if bad:
+            raise ValueError(f"expert_to_rank holds rank {bad[0]} outside [0, {world_size})")
+        if len(etr) % world_size:
+            raise ValueError(f"{len(etr)} experts do not divide evenly over {world_size} ranks")
+        counts = torch.bincount(torch.tensor(etr), minlength=world_size)
+        if (counts != len(etr) // world_size).any():
+            raise ValueError(f"every rank must hold {len(etr) // world_size} experts, got counts {counts.tolist()}")
+        self.expert_to_rank = etr
+        self.world_size = world_size
+        self.num_experts = len(etr)
+
+    # --- queries -----------------------------------------------------------
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.world_size
+
+    def rank_of(self, expert: int) -> int:
+        return self.expert_to_rank[expert]
+
+    def local_experts(self, rank: int) -> list[int]:
+        """Global expert ids held by ``rank``, ascending (its local slot order)."""
+        return [e for e, r in enumerate(self.expert_to_rank) if r == rank]
+
+    def rank_tensor(self, device=None) -> torch.Tensor:
+        return torch.tensor(self.expert_to_rank, dtype=torch.long, device=device)
+
+    def local_slot_tensor(self, device=None) -> torch.Tensor:
+        """[E]: each expert's slot index among its rank's local experts."""
+        slot = [0] * self.num_experts
+        for r in range(self.world_size):
+            for i, e in enumerate(self.local_experts(r)):
+                slot[e] = i
+        return torch.tensor(slot, dtype=torch.long, device=device)
+
+    def check(self, num_experts: int, world_size: int) -> None:
+        if self.num_experts != num_experts or self.world_size != world_size:
+            raise ValueError(
+                f"placement is for {self.num_experts} experts on {self.world_size} ranks, "
+                f"but the layer has {num_experts} experts and the group {world_size} ranks"
+            )
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Placement) and (self.expert_to_rank, self.world_size) == (
+            other.expert_to_rank, other.world_size)
+
+    def __repr__(self) -> str:
+        return f"Placement(expert_to_rank={self.expert_to_rank}, world_size={self.world_size})"
+
+    # --- strategies ----------------------------------------------------------
+    @classmethod
+    def contiguous(cls, num_experts: int, world_size: int) -> "Placement":
+        _check_divides(num_experts, world_size)
+        per = num_experts // world_size
+        return cls([e // per for e in range(num_experts)], world_size)
+
+    @classmethod
+    def round_robin(cls, num_experts: int, world_size: int) -> "Placement":
+        _check_divides(num_experts, world_size)
+        return cls([e % world_size for e in range(num_experts)], world_size)
+
+    @classmethod
+    def tree_prefix(cls, num_experts: int, topology: Topology) -> "Placement":
+        w = topology.world_size
+        _check_divides(num_experts, w)
+        etr = [0] * num_experts
+
+        def split(experts: list[int], level: int, rank_base: int, ranks: int) -> None:
+            if level == len(topology.sizes):
+                for e in experts:
+                    etr[e] = rank_base
+                return
+            n = topology.sizes[level]
+            share, sub = len(experts) // n, ranks // n
+            for u in range(n):
+                split(experts[u * share : (u + 1) * share], level + 1, rank_base + u * sub, sub)
+
+        split(list(range(num_experts)), 0, 0, w)
+        return cls(etr, w)
+
+    @classmethod
+    def optimized(cls, coactivation: torch.Tensor, topology: Topology, sweeps: int = 200) -> "Placement":
+        c = torch.as_tensor(coactivation, dtype=torch.float64)
+        if c.dim() != 2 or c.shape[0] != c.shape[1]:
+            raise ValueError(f"coactivation must be a square [E, E] matrix, got shape {tuple(c.shape)}")
+        if bool((c < 0).any()) or not bool(torch.isfinite(c).all()):
+            raise ValueError("coactivation must be finite and non-negative")
+        e, w = c.shape[0], topology.world_size
+        _check_divides(e, w)
+        c = (c + c.t()) / 2
+        c.fill_diagonal_(0)
+        etr = [0] * e
+
+        def assign(experts: list[int], level: int, rank_base: int, ranks: int) -> None:
+            if level == len(topology.sizes):
+                for x in experts:
+                    etr[x] = rank_base
+                return
+            n = topology.sizes[level]
+            parts = balanced_partition(c[experts][:, experts], n, sweeps)
+            sub = ranks // n
+            for u in range(n):
+                members = [experts[i] for i in range(len(experts)) if parts[i] == u]
+                assign(members, level + 1, rank_base + u * sub, sub)
+
+        assign(list(range(e)), 0, 0, w)
+        return cls(etr, w)
+
+    # --- files ---------------------------------------------------------------
+    def to_yaml(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump({"world_size": self.world_size, "expert_to_rank": self.expert_to_rank}))
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "Placement":
+        path = Path(path)
+        if not path.exists():
+            raise ValueError(f"placement file {str(path)!r} does not exist")
+        data = yaml.safe_load(path.read_text()) or {}
+        unknown = sorted(set(data) - {"world_size", "expert_to_rank"})
+        if unknown:
+            raise ValueError(f"unknown placement key {unknown[0]!r} in {path}; valid: expert_to_rank, world_size")
+        if "expert_to_rank" not in data or "world_size" not in data:
+            raise ValueError(f"placement file {path} needs 'world_size' and 'expert_to_rank'")
+        return cls(data["expert_to_rank"], data["world_size"])
+
+
+def _check_divides(num_experts: int, world_size: int) -> None:
+    if num_experts < 1 or world_size < 1 or num_experts % world_size:
+        raise ValueError(f"experts per rank must be integral: {num_experts} experts over {world_size} ranks")
+
+
+def cut_weight(c: torch.Tensor, parts) -> float:
+    """Sum over i<j of c[i, j] where i and j are in different parts."""
+    p = torch.as_tensor(parts)
+    differ = p.unsqueeze(0) != p.unsqueeze(1)
+    return float((torch.as_tensor(c, dtype=torch.float64) * differ).sum() / 2)
+
+
+def balanced_partition(c: torch.Tensor, n: int, sweeps: int = 200) -> list[int]:
+    """Split len(c) items into n equal parts with a small cut: greedy + pairwise-swap refinement."""
+    m = c.shape[0]
+    if n == 1:
+        return [0] * m
+    size = m // n
+    starts = [[i // size for i in range(m)], _greedy(c, n, size)]
+    best = min((_refine(c, torch.tensor(s), sweeps) for s in starts), key=lambda p: cut_weight(c, p))
+    return best.tolist()
+
+
+def _greedy(c: torch.Tensor, n: int, size: int) -> list[int]:
+    """Grow parts one at a time from the heaviest free item, adding its strongest neighbours."""
+    m = c.shape[0]
+    part = [-1] * m
+    free = set(range(m))
+    for u in range(n):
+        seed = max(free, key=lambda i: (float(c[i, list(free)].sum()), -i))
+        members = [seed]
+        free.remove(seed)
+        while len(members) < size:
+            nxt = max(free, key=lambda i: (float(c[i, members].sum()), -i))
+            members.append(nxt)
+            free.remove(nxt)
+        for i in members:
+            part[i] = u
+    return part
+
+
+def _refine(c: torch.Tensor, part: torch.Tensor, sweeps: int) -> torch.Tensor:
+    """Apply the best cut-reducing swap of two items in different parts until none is left."""
+    part = part.clone()
+    n = int(part.max()) + 1
+    for _ in range(sweeps * c.shape[0]):
+        onehot = torch.nn.functional.one_hot(part, n).double()
+        conn = c @ onehot  # conn[i, p]: weight from i to part p
+        own = conn.gather(1, part.unsqueeze(1))  # weight to its own part
+        d = conn - own  # gain of moving i to part p (alone)
+        gain = d[:, part] + d[:, part].t() - 2 * c  # swap i <-> j
+        gain[part.unsqueeze(0) == part.unsqueeze(1)] = float("-inf")
+        best = int(torch.argmax(gain))
+        i, j = divmod(best, c.shape[0])
+        if float(gain[i, j]) <= 1e-12:
+            break
+        part[i], part[j] = part[j].clone(), part[i].clone()
+    return part

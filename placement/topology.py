@@ -1,0 +1,195 @@
+"""Cluster topology: named levels, outermost first, and rank coordinates.
+
+``Topology(("node", "gpu"), (2, 4))`` is 8 ranks, ranks 0-3 on node 0. A rank's
+coordinates are the mixed-radix digits of the rank, so rank prefixes are
+topology prefixes, the same way BRANCH-MoE's expert-index prefixes are tree
+prefixes. Nothing here needs a process group.
+
+The "node" of a rank is its coordinate prefix up to and including the level
+named ``node`` (without such a level: every level but the innermost). Node
+dedup sends one copy per node and needs equally many ranks on every node.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from placement.cost import CostModel
+
+
+@dataclass(frozen=True)
+class Topology:
+    levels: tuple[str, ...]
+    sizes: tuple[int, ...]
+    cost: CostModel = field(default=None, compare=False)
+
+    def __post_init__(self):
+        levels, sizes = tuple(self.levels), tuple(self.sizes)
+        object.__setattr__(self, "levels", levels)
+        object.__setattr__(self, "sizes", sizes)
+        if not levels or len(levels) != len(sizes):
+            raise ValueError(f"topology needs one size per level, got levels={levels} sizes={sizes}")
+        if len(set(levels)) != len(levels) or not all(isinstance(n, str) and n for n in levels):
+            raise ValueError(f"topology levels must be distinct non-empty names, got {levels}")
+        if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes):
+            raise ValueError(f"topology sizes must be positive ints, got {sizes}")
+        if self.cost is None:
+            object.__setattr__(self, "cost", CostModel.default(levels))
+        else:
+            self.cost.check_levels(levels)
+
+    # --- shape ---------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def node_depth(self) -> int:
+        """Number of leading levels that identify a node."""
+        if "node" in self.levels:
+            return self.levels.index("node") + 1
+        return max(len(self.levels) - 1, 0)
+
+    @property
+    def num_nodes(self) -> int:
+        return math.prod(self.sizes[: self.node_depth])
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.num_nodes
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} out of range for a world of {self.world_size}")
+
+    def coords(self, rank: int) -> tuple[int, ...]:
+        self._check_rank(rank)
+        out = []
+        for size in reversed(self.sizes):
+            out.append(rank % size)
+            rank //= size
+        return tuple(reversed(out))
+
+    def node_of(self, rank: int) -> int:
+        self._check_rank(rank)
+        return rank // self.ranks_per_node
+
+    def local_index(self, rank: int) -> int:
+        self._check_rank(rank)
+        return rank % self.ranks_per_node
+
+    def gateway(self, src_rank: int, dst_node: int) -> int:
+        """The rank on ``dst_node`` with ``src_rank``'s local index (node-dedup entry point)."""
+        return dst_node * self.ranks_per_node + self.local_index(src_rank)
+
+    def crossing_level(self, a: int, b: int) -> str | None:
+        """Outermost level whose coordinate differs between ranks a and b (None if a == b)."""
+        for name, ca, cb in zip(self.levels, self.coords(a), self.coords(b)):
+            if ca != cb:
+                return name
+        return None
+
+    def level_matrix(self):
+        """[W, W] int64: index into ``levels`` of crossing_level(a, b), -1 on the diagonal."""
+        import torch
+
+        w = self.world_size
+        coords = torch.tensor([self.coords(r) for r in range(w)])
+        differ = coords.unsqueeze(1) != coords.unsqueeze(0)  # [W, W, L]
+        first = torch.where(differ.any(-1), differ.float().argmax(-1), torch.full((w, w), -1))
+        return first.long()
+
+    # --- construction ----------------------------------------------------------
+    @classmethod
+    def flat(cls, world_size: int) -> "Topology":
+        """One node with ``world_size`` ranks."""
+        return cls(("node", "gpu"), (1, world_size))
+
+    @classmethod
+    def from_env(cls, override: str | None = None, env=None) -> "Topology":
+        """From launcher variables, or an explicit override such as ``"node=2,gpu=4"``.
+
+        The override comes from the argument or ``DIST_MOE_TOPOLOGY``. Otherwise
+        torchrun (WORLD_SIZE, LOCAL_WORLD_SIZE) or the DeepSpeed launcher
+        (WORLD_SIZE, LOCAL_SIZE, CROSS_SIZE) describe ("node", "gpu").
+        """
+        env = os.environ if env is None else env
+        spec = override or env.get("DIST_MOE_TOPOLOGY")
+        world = env.get("WORLD_SIZE")
+        if spec:
+            topo = cls.parse(spec)
+        else:
+            if world is None:
+                raise ValueError("no topology: WORLD_SIZE is not set (not under torchrun/deepspeed); "
+                                 "set DIST_MOE_TOPOLOGY=node=N,gpu=G")
+            local = env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE")
+            if local is None:
+                raise ValueError("WORLD_SIZE is set but neither LOCAL_WORLD_SIZE (torchrun) nor LOCAL_SIZE "
+                                 "(deepspeed) is; set DIST_MOE_TOPOLOGY=node=N,gpu=G")
+            world_i, local_i = int(world), int(local)
+            if local_i < 1 or world_i % local_i:
+                raise ValueError(f"WORLD_SIZE={world_i} is not a multiple of the per-node process count {local_i}")
+            nodes = world_i // local_i
+            if env.get("CROSS_SIZE") is not None and int(env["CROSS_SIZE"]) != nodes:
+                raise ValueError(f"CROSS_SIZE={env['CROSS_SIZE']} disagrees with WORLD_SIZE/LOCAL_SIZE={nodes}")
+            topo = cls(("node", "gpu"), (nodes, local_i))
+        if world is not None and topo.world_size != int(world):
+            raise ValueError(f"topology {topo.describe()} has {topo.world_size} ranks but WORLD_SIZE={world}")
+        return topo
+
+    @classmethod
+    def parse(cls, spec: str) -> "Topology":
+        """``"rack=2,node=2,gpu=4"`` -> Topology(("rack", "node", "gpu"), (2, 2, 4))."""
+        levels, sizes = [], []
+        for part in spec.split(","):
+            name, _, size = part.strip().partition("=")
+            if not name or not size.strip().isdigit():
+                raise ValueError(f"topology spec {spec!r}: each part must look like level=size")
+            levels.append(name.strip())
+            sizes.append(int(size))
+        return cls(tuple(levels), tuple(sizes))
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "Topology":
+        """levels: [node, gpu]; sizes: [2, 4]; optional cost: {level: {alpha_s:, bandwidth_Bps:}}."""
+        path = Path(path)
+        if not path.exists():
+            raise ValueError(f"topology file {str(path)!r} does not exist")
+        data = yaml.safe_load(path.read_text()) or {}
+        unknown = sorted(set(data) - {"levels", "sizes", "cost"})
+        if unknown:
+            raise ValueError(f"unknown topology key {unknown[0]!r} in {path}; valid keys: cost, levels, sizes")
+        if "levels" not in data or "sizes" not in data:
+            raise ValueError(f"topology file {path} needs 'levels' and 'sizes'")
+        levels = tuple(data["levels"])
+        cost = CostModel.default(levels).updated(data["cost"]) if data.get("cost") else None
+        return cls(levels, tuple(data["sizes"]), cost)
+
+    @classmethod
+    def from_hostfile(cls, path: str | Path) -> "Topology":
+        """A DeepSpeed hostfile (``host slots=N`` per line) -> ("node", "gpu") with equal slots."""
+        path = Path(path)
+        if not path.exists():
+            raise ValueError(f"hostfile {str(path)!r} does not exist")
+        slots = []
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            parts = line.split()
+            found = [p for p in parts[1:] if p.startswith("slots=")]
+            if len(parts) < 2 or not found or not found[0][6:].isdigit():
+                raise ValueError(f"{path}:{lineno}: expected 'hostname slots=N', got {line!r}")
+            slots.append(int(found[0][6:]))
+        if not slots:
+            raise ValueError(f"hostfile {path} lists no hosts")
+        if len(set(slots)) != 1:
+            raise ValueError(f"hostfile {path}: every host needs the same slots for expert parallelism, got {slots}")
+        return cls(("node", "gpu"), (len(slots), slots[0]))
+
+    def describe(self) -> str:
+        return ",".join(f"{n}={s}" for n, s in zip(self.levels, self.sizes))
