@@ -22,6 +22,8 @@ ROUTERS = {
     "hash": {"type": "hash", "num_experts": E, "top_k": 2},
     "uniform": {"type": "uniform", "num_experts": E},
     "branch": {"type": "branch", "num_experts": E, "top_k": 4},
+    "switch_node_limited": {"type": "switch", "num_experts": E, "top_k": 2, "jitter_eps": 0.0, "node_limit": 1},
+    "deepseek_v3_node_limited": {"type": "deepseek_v3", "num_experts": E, "top_k": 2, "node_limit": 1},
     "specdrop": {"type": "specdrop", "num_experts": E, "num_categories": 5, "p_assigned": 0.6, "p_leak": 0.1},
 }
 
@@ -40,6 +42,8 @@ def check_equivalence(router: str, dedup: str, topology: Topology, placement: Pl
     ep = MoELayer(H, F, dict(cfg), placement=placement, topology=topology, group=dist.group.WORLD, dedup=dedup,
                   shared_expert_hidden=6)
     ep.router.load_state_dict(ref.router.state_dict())
+    if getattr(ep.router, "node_limit", None):  # the reference routes with the EP layer's node groups
+        ref.router.group_members = ep.router.group_members.clone()
     ep.shared_expert.load_state_dict(ref.shared_expert.state_dict())
     for name, p in ep.experts.named_parameters():
         p.data.copy_(getattr(ref.experts, name).data[ep.local_expert_ids])

@@ -155,3 +155,37 @@ def test_zero_tokens(kind):
     r = router(torch.randn(0, H))
     assert r.expert_idx.shape == (0, router.top_k) and torch.isfinite(r.aux_loss)
     assert r.stats["load"].sum() == 0
+
+
+@pytest.mark.parametrize("kind", ["switch", "deepseek_v3", "skywork"])
+@pytest.mark.parametrize("limit, k", [(1, 2), (2, 4)])
+def test_node_limited_routing(kind, limit, k):
+    router = build_router({"type": kind, "hidden_size": H, "num_experts": 16, "top_k": k, "node_limit": limit})
+    x = torch.randn(300, H)
+    with pytest.raises(ValueError, match="expert groups"):
+        router(x)
+    groups = torch.arange(16) % 4  # 4 nodes of 4 experts, interleaved ids (a non-contiguous placement)
+    router.set_expert_groups(groups)
+    r = router.eval()(x)
+    spans = torch.tensor([len(set(groups[row].tolist())) for row in r.expert_idx])
+    assert (spans <= limit).all() and (spans == limit).any()
+    # the chosen groups are those with the largest sum of their top ceil(K/M) scores
+    if kind != "deepseek_v3":
+        take = -(-k // limit)
+        per_group = torch.stack([r.probs[:, groups == g].topk(take, -1).values.sum(-1) for g in range(4)], 1)
+        best = per_group.topk(limit, -1).indices.sort(-1).values
+        chosen = torch.stack([groups[row].unique() for row in r.expert_idx]) if limit == 1 else None
+        if chosen is not None:
+            assert torch.equal(chosen.flatten(), best.flatten())
+    # selected experts are still ordered by probability, highest first
+    sel = r.probs.gather(1, r.expert_idx)
+    assert (sel[:, :-1] >= sel[:, 1:]).all()
+    unlimited = build_router({"type": kind, "hidden_size": H, "num_experts": 16, "top_k": k, "node_limit": 4})
+    unlimited.load_state_dict(router.state_dict())
+    unlimited.set_expert_groups(groups)
+    free = build_router({"type": kind, "hidden_size": H, "num_experts": 16, "top_k": k})
+    free.load_state_dict(router.state_dict(), strict=False)
+    assert torch.equal(unlimited.eval()(x).expert_idx, free.eval()(x).expert_idx)
+    with pytest.raises(ValueError, match="cannot fit"):
+        build_router({"type": kind, "hidden_size": H, "num_experts": 16, "top_k": 6, "node_limit": 1}
+                     ).set_expert_groups(groups)

@@ -45,12 +45,54 @@ def _finish_capacity(stats: dict, idx: Tensor, gates: Tensor, num_experts: int, 
 
 
 class _LearnedFlatRouter(Router):
-    """Shared parts of switch / skywork / deepseek_v3: a logit map over the experts."""
+    """Shared parts of switch / skywork / deepseek_v3: a logit map over the experts, and
+    node-limited routing (DeepSeek-V3's node-limited / Megatron's group-limited routing):
+    with ``node_limit=M`` each token's top-K comes from its best M expert groups, where a
+    group is the experts of one node under the active placement (set by MoELayer) and a
+    group's score is the sum of its ceil(K/M) highest selection scores.
+    """
 
-    def __init__(self, hidden_size, num_experts, top_k, node_map="linear", mlp_hidden=None, stats_group=None):
+    def __init__(self, hidden_size, num_experts, top_k, node_map="linear", mlp_hidden=None, node_limit=None,
+                 stats_group=None):
         super().__init__(num_experts, top_k, stats_group)
+        if node_limit is not None and (not isinstance(node_limit, int) or node_limit < 1):
+            raise ValueError(f"node_limit must be a positive int or None, got {node_limit!r}")
         self.hidden_size = hidden_size
+        self.node_limit = node_limit
         self.node_map = NodeMap(hidden_size, num_experts, node_map, mlp_hidden)
+        self.group_members: Tensor | None = None  # [G, E/G] expert ids per group
+
+    def set_expert_groups(self, expert_group: Tensor) -> None:
+        """expert_group [E]: the group (node) of each expert; groups must be equally sized."""
+        expert_group = torch.as_tensor(expert_group, dtype=torch.long)
+        if expert_group.shape != (self.num_experts,):
+            raise ValueError(f"expert_group must have {self.num_experts} entries, got {tuple(expert_group.shape)}")
+        counts = torch.bincount(expert_group)
+        if (counts != counts[0]).any():
+            raise ValueError(f"expert groups must be equally sized, got sizes {counts.tolist()}")
+        if self.node_limit is not None and self.top_k > self.node_limit * int(counts[0]):
+            raise ValueError(f"top_k={self.top_k} cannot fit in node_limit={self.node_limit} groups of {int(counts[0])}")
+        self.group_members = torch.argsort(expert_group, stable=True).reshape(len(counts), -1)
+
+    def limit_to_groups(self, scores: Tensor) -> Tensor:
+        """Selection scores with every expert outside the token's best node_limit groups at -inf."""
+        if self.node_limit is None:
+            return scores
+        if self.group_members is None:
+            raise ValueError("node_limit needs expert groups: build the router in an MoELayer with a placement "
+                             "and topology, or call set_expert_groups")
+        members = self.group_members.to(scores.device)
+        g, size = members.shape
+        if self.node_limit >= g:
+            return scores
+        per_group = scores[:, members]  # [T, G, size]
+        take = min(-(-self.top_k // self.node_limit), size)
+        group_score = per_group.topk(take, dim=-1).values.sum(-1)
+        best = group_score.topk(self.node_limit, dim=-1).indices  # [T, M]
+        allowed_group = torch.zeros_like(group_score, dtype=torch.bool).scatter(1, best, True)
+        allowed = torch.zeros_like(scores, dtype=torch.bool)
+        allowed[:, members.reshape(-1)] = allowed_group.repeat_interleave(size, dim=1)
+        return scores.masked_fill(~allowed, float("-inf"))
 
 
 class SwitchRouter(_LearnedFlatRouter):
@@ -65,9 +107,10 @@ class SwitchRouter(_LearnedFlatRouter):
         jitter_eps: float = 0.01,
         capacity_factor: float | None = None,
         normalize_gates: bool = False,
+        node_limit: int | None = None,
         stats_group=None,
     ):
-        super().__init__(hidden_size, num_experts, top_k, node_map, mlp_hidden, stats_group)
+        super().__init__(hidden_size, num_experts, top_k, node_map, mlp_hidden, node_limit, stats_group)
         if not 0.0 <= jitter_eps < 1.0:
             raise ValueError(f"jitter_eps must lie in [0, 1), got {jitter_eps!r}")
         if capacity_factor is not None:
@@ -85,7 +128,8 @@ class SwitchRouter(_LearnedFlatRouter):
     def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None) -> Routing:
         x = self.check_input(x, self.hidden_size)
         probs = torch.softmax(self.logits(x), dim=-1)
-        vals, idx = select_top_k(probs, self.top_k)
+        _, idx = select_top_k(self.limit_to_groups(probs.detach()), self.top_k)
+        vals = probs.gather(1, idx)
         gates = vals / vals.sum(1, keepdim=True) if self.normalize_gates else vals
         aux = switch_aux_loss(probs, idx, self.aux_loss_coeff)
         stats = {}
@@ -125,9 +169,10 @@ class DeepSeekV3Router(_LearnedFlatRouter):
         score_func: str = "sigmoid",
         bias_update_rate: float = 1e-3,
         normalize_gates: bool | None = None,
+        node_limit: int | None = None,
         stats_group=None,
     ):
-        super().__init__(hidden_size, num_experts, top_k, node_map, mlp_hidden, stats_group)
+        super().__init__(hidden_size, num_experts, top_k, node_map, mlp_hidden, node_limit, stats_group)
         if score_func not in ("sigmoid", "softmax"):
             raise ValueError(f"score_func must be 'sigmoid' or 'softmax', got {score_func!r}")
         if not bias_update_rate >= 0:
@@ -142,7 +187,8 @@ class DeepSeekV3Router(_LearnedFlatRouter):
         x = self.check_input(x, self.hidden_size)
         logits = self.node_map(x)
         scores = torch.sigmoid(logits) if self.score_func == "sigmoid" else torch.softmax(logits, dim=-1)
-        _, chosen = select_top_k(scores.detach() + self.expert_bias, self.top_k)  # bias: selection only
+        biased = scores.detach() + self.expert_bias  # the bias enters the selection only
+        _, chosen = select_top_k(self.limit_to_groups(biased), self.top_k)
         # report the chosen set in order of the unbiased affinity (highest probability first)
         order = torch.sort(scores.detach().gather(1, chosen), dim=1, descending=True, stable=True).indices
         idx = chosen.gather(1, order)
