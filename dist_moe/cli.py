@@ -12,7 +12,7 @@ def _print_summary(s: dict) -> None:
     print(f"\n{s['name']}: router={s['router']} steps={s['steps']} time={s['seconds']}s")
     print(f"  validation loss {s['val_loss']:.4f}  accuracy {100 * s['val_acc']:.2f}%")
     print(f"  load CV {s['val_load_cv']:.3f}  dropped {100 * s['val_dropped_fraction']:.2f}% of slots")
-    if td == td and rp:  # not NaN: top-k >= 2
+    if td is not None and rp:  # None with top-1 routing: no co-selected pairs
         print(f"  tree distance {td:.3f} (random pairs {rp:.3f}, {100 * (1 - td / rp):+.1f}% more local)")
     print(f"  metrics: {s['output_dir']}/metrics.jsonl")
 
@@ -24,7 +24,9 @@ def main(argv=None) -> int:
     tr.add_argument("--config", help="YAML config; keys missing from it keep the embedded defaults")
     tr.add_argument("--quiet", action="store_true", help="no progress bar")
     tr.add_argument("--json", action="store_true", help="print the summary as JSON")
-    tr.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. router.type=switch train.epochs=2")
+    tr.add_argument("overrides", nargs="*",
+                    help="key.sub=value overrides, e.g. router.type=switch train.epochs=2 (a new router type "
+                         "keeps the keys it also takes, such as num_experts and top_k)")
     args = parser.parse_args(argv)
 
     from dist_moe.train.config import load_config
@@ -36,8 +38,9 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"dist-moe: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(summary, indent=2) if args.json else "", end="")
-    if not args.json:
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
         _print_summary(summary)
     return 0
 

@@ -58,6 +58,10 @@ class Experts(nn.Module):
         super().__init__()
         if kind not in KINDS:
             raise ValueError(f"expert kind must be one of {KINDS}, got {kind!r}")
+        for name, value in (("num_experts", num_experts), ("hidden_size", hidden_size),
+                            ("ffn_hidden_size", ffn_hidden_size), ("lora_rank", lora_rank)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "num_experts" else 1):
+                raise ValueError(f"experts: {name} must be a positive int, got {value!r}")
         self.num_experts, self.kind = num_experts, kind
         e, h, f = num_experts, hidden_size, ffn_hidden_size
         if kind == "swiglu":

@@ -88,6 +88,11 @@ def test_branch_top_k_aux_is_zero_and_switch_aux_scaled():
         ({**CONFIGS["branch"], "gar": {"lamda": 1}}, "'lamda'"),
         ({**CONFIGS["hash"], "gar": {"lambda": 1}}, "'gar'"),
         ({**CONFIGS["switch"], "normalize_gates": "yes"}, "'normalize_gates'"),
+        ({**CONFIGS["branch"], "hidden_size": 0}, "hidden_size"),
+        ({**CONFIGS["switch"], "hidden_size": -1}, "hidden_size"),
+        ({**CONFIGS["switch"], "aux_loss_coeff": -1.0}, "aux_loss_coeff"),
+        ({**CONFIGS["switch"], "aux_loss_coeff": float("nan")}, "aux_loss_coeff"),
+        ({**CONFIGS["switch"], "node_limit": 0}, "node_limit"),
     ],
 )
 def test_bad_config_names_the_key(cfg, match):
@@ -121,3 +126,18 @@ def test_nan_never_reaches_router_state():
         with pytest.raises(ValueError):
             r(x)
     assert torch.equal(branch.anchors, anchors) and torch.equal(ds.expert_bias, bias)
+
+
+def test_numpy_ints_and_layer_arguments():
+    import numpy as np
+
+    from dist_moe import MoELayer
+
+    r = build_router({**CONFIGS["branch"], "num_experts": np.int64(8), "top_k": np.int64(2)})
+    assert r.num_experts == 8 and isinstance(r.num_experts, int)
+    with pytest.raises(ValueError, match="capacity_factor"):
+        MoELayer(H, 16, CONFIGS["switch"], capacity_factor="1.0")
+    with pytest.raises(ValueError, match="ffn_hidden_size"):
+        MoELayer(H, 0, CONFIGS["switch"])
+    with pytest.raises(ValueError, match="token_ids"):
+        build_router(CONFIGS["hash"])(torch.randn(3, H), token_ids=torch.tensor([0.5, 1.0, 2.0]))

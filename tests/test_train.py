@@ -68,12 +68,53 @@ def test_cli_gar_training(tmp_path):
         (["router.topk=3"], "topk"),
         (["data.name=mnist"], "data.name"),
         (["nonsense"], "key.sub=value"),
+        (["seed=1.5"], "'seed'"),
+        (["seed=-1"], "'seed'"),
+        (["data.val_fraction=abc"], "data.val_fraction"),
+        (["data.val_fraction=0.99999"], "data.val_fraction"),
+        (["data.max_rows=0"], "data.max_rows"),
+        (["model.ffn_hidden_size=0"], "model.ffn_hidden_size"),
+        (["model.d_model=-3"], "model.d_model"),
+        (["model.expert_type=foo"], "model.expert_type"),
+        (["model.post_norm=maybe"], "model.post_norm"),
+        (["output.dir=5"], "output.dir"),
+        (["output.dir=/x/{foo}"], "output.dir"),
+        (["train.lr=.inf"], "train.lr"),
+        (["train.lr=1e30", "train.max_grad_norm=null"], "diverged"),
+        (["router.type=specdrop", "router.num_categories=4"], "categories"),
+        (["--config", "configs"], "not a file"),
     ],
 )
 def test_cli_errors_name_the_key(tmp_path, capsys, args, match):
-    rc = main(["train", "--quiet", f"output.dir={tmp_path}", "data.max_rows=500", *args])
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    args = [str(root / a) if a == "configs" else a for a in args]
+    rc = main(["train", "--quiet", f"output.dir={tmp_path}", "data.max_rows=500", "train.max_steps=3", *args])
     assert rc == 2
     assert match in capsys.readouterr().err
+
+
+def test_router_type_override_keeps_compatible_keys(tmp_path):
+    cfg = load_config(None, ["router.type=switch"])
+    assert cfg["router"] == {"type": "switch", "num_experts": 16, "top_k": 4, "node_map": "linear"}
+    cfg = load_config(None, ["router.num_experts=8", "router.type=hash"])
+    assert cfg["router"] == {"type": "hash", "num_experts": 8, "top_k": 4}  # node_map: not a hash key
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_json_outputs_have_no_nan(tmp_path, capsys):
+    rc = main(["train", "--quiet", "--json", f"output.dir={tmp_path}", "train.max_steps=3", "data.max_rows=500",
+               "router.top_k=1"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert out.endswith("\n") and "NaN" not in out
+    assert json.loads(out)["val_tree_distance"] is None
+    for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
 
 
 def test_config_merge_and_yaml(tmp_path):

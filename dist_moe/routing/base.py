@@ -9,6 +9,7 @@ summed through ``dist_moe.dispatch.stats.all_reduce_sum``.
 from __future__ import annotations
 
 import contextlib
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -59,12 +60,11 @@ class Router(nn.Module):
 
     def __init__(self, num_experts: int, top_k: int, stats_group=None):
         super().__init__()
-        if not isinstance(num_experts, int) or num_experts < 1:
-            raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
-        if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        num_experts = positive_int("num_experts", num_experts)
+        if not _is_int(top_k) or not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
         self.num_experts = num_experts
-        self.top_k = top_k
+        self.top_k = int(top_k)
         self.stats_group = stats_group
         self._update_state = True
 
@@ -119,6 +119,19 @@ class Router(nn.Module):
 
     def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None) -> Routing:
         raise NotImplementedError
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def positive_int(name: str, value, allow_none: bool = False):
+    """``value`` as an int >= 1 (numpy ints welcome), or a ValueError naming ``name``."""
+    if value is None and allow_none:
+        return None
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
 
 
 def zero_aux(device) -> Tensor:

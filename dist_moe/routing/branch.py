@@ -28,13 +28,14 @@ class BranchRouter(Router):
         eta: float | None = None,
         stats_group=None,
     ):
-        if not isinstance(num_experts, int) or num_experts < 2 or num_experts & (num_experts - 1):
-            raise ValueError(f"BranchRouter needs num_experts a power of two >= 2, got {num_experts!r}")
         super().__init__(num_experts, top_k, stats_group)
+        num_experts = self.num_experts
+        if num_experts < 2 or num_experts & (num_experts - 1):
+            raise ValueError(f"BranchRouter needs num_experts a power of two >= 2, got {num_experts!r}")
         if not 0.0 < float(ema_decay) < 1.0:
             raise ValueError(f"ema_decay must lie in (0, 1), got {ema_decay!r}")
         if eta is None:
-            eta = 1.0 if top_k > 1 else 0.0  # paper default: eta = 1{K > 1}
+            eta = 1.0 if self.top_k > 1 else 0.0  # paper default: eta = 1{K > 1}
         if eta not in (0, 1):
             raise ValueError(f"eta must be 0 or 1 (eq. 21), got {eta!r}")
         self.hidden_size = hidden_size

@@ -14,7 +14,7 @@ from torch import Tensor
 
 
 def capacity_for(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
-    if not capacity_factor > 0:
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or not capacity_factor > 0:
         raise ValueError(f"capacity_factor must be > 0, got {capacity_factor!r}")
     return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
 

@@ -113,6 +113,8 @@ class SwitchRouter(_LearnedFlatRouter):
         super().__init__(hidden_size, num_experts, top_k, node_map, mlp_hidden, node_limit, stats_group)
         if not 0.0 <= jitter_eps < 1.0:
             raise ValueError(f"jitter_eps must lie in [0, 1), got {jitter_eps!r}")
+        if not 0.0 <= aux_loss_coeff < float("inf"):
+            raise ValueError(f"aux_loss_coeff must be a finite number >= 0, got {aux_loss_coeff!r}")
         if capacity_factor is not None:
             capacity_for(1, top_k, num_experts, capacity_factor)  # validates
         self.aux_loss_coeff = float(aux_loss_coeff)
@@ -217,8 +219,9 @@ class HashRouter(Router):
         t = x.shape[0]
         if token_ids is None:
             token_ids = torch.arange(t, device=x.device)  # fall back to the position
-        elif token_ids.shape != (t,):
-            raise ValueError(f"token_ids must have shape [T]=[{t}], got {tuple(token_ids.shape)}")
+        elif token_ids.shape != (t,) or token_ids.is_floating_point():
+            raise ValueError(f"token_ids must be an integer tensor of shape [T]=[{t}], got "
+                             f"{token_ids.dtype} {tuple(token_ids.shape)}")
         experts = torch.arange(self.num_experts, device=x.device)
         # a hashed score per (token, expert); the K largest give a uniform random K-subset
         score = hash_combine(self.seed, token_ids.long().unsqueeze(1), experts.unsqueeze(0))

@@ -20,6 +20,9 @@ from torch import Tensor, nn
 class NodeMap(nn.Module):
     def __init__(self, hidden_size: int, num_outputs: int, kind: str = "linear", mlp_hidden: int | None = None):
         super().__init__()
+        from dist_moe.routing.base import positive_int
+
+        hidden_size = positive_int("hidden_size", hidden_size)
         if kind not in ("linear", "mlp"):
             raise ValueError(f"node_map must be 'linear' or 'mlp', got {kind!r}")
         if kind == "mlp" and (not isinstance(mlp_hidden, int) or mlp_hidden < 1):

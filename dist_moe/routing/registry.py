@@ -49,6 +49,11 @@ def _accepted(cls) -> dict[str, inspect.Parameter]:
     return params
 
 
+def accepted_keys(kind: str) -> set[str]:
+    """Config keys router ``kind`` takes (besides 'type' and 'gar')."""
+    return set(_accepted(ROUTERS[kind])) - {"stats_group"}
+
+
 def _check_type(key: str, value) -> None:
     if value is None:
         return

@@ -28,7 +28,7 @@ import math
 import torch
 from torch import Tensor
 
-from dist_moe.routing.base import Router, Routing, expert_load, select_top_k, zero_aux
+from dist_moe.routing.base import Router, Routing, expert_load, positive_int, select_top_k, zero_aux
 from dist_moe.routing.hashing import hash_combine, uniform01
 
 VARIANTS = ("soft", "bernoulli", "hard", "uniform")
@@ -53,9 +53,9 @@ class SpecDropRouter(Router):
         super().__init__(num_experts, num_experts if top_k is None else top_k)
         if variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-        if not isinstance(num_categories, int) or num_categories < 1:
-            raise ValueError(f"num_categories must be a positive int, got {num_categories!r}")
-        k = num_experts
+        num_categories = positive_int("num_categories", num_categories)
+        total_steps = positive_int("total_steps", total_steps, allow_none=True)
+        k = self.num_experts
         if variant == "uniform":
             p_a = p_i = 1.0 / k
         else:
@@ -71,8 +71,6 @@ class SpecDropRouter(Router):
                 raise ValueError(f"p_leak must be > 0 for variant={variant!r} (use variant='hard' for 0)")
         if not 0.0 <= float(warmup_fraction) <= 1.0:
             raise ValueError(f"warmup_fraction must lie in [0, 1], got {warmup_fraction!r}")
-        if total_steps is not None and (not isinstance(total_steps, int) or total_steps < 1):
-            raise ValueError(f"total_steps must be a positive int or None, got {total_steps!r}")
         if variant == "bernoulli" and self.top_k != num_experts:
             raise ValueError(f"variant='bernoulli' samples a mask over all experts: top_k must be {num_experts}")
         if not float(imbalance_beta) >= 0.0:

