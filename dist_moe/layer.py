@@ -37,8 +37,11 @@ class MoELayer(nn.Module):
         capacity_factor: float | None = None,
         shared_expert_hidden: int = 0,
         expert_type: str = "swiglu",
+        timeout=None,
         **expert_kwargs,
     ):
+        """``timeout`` (timedelta) bounds the collectives of any process group this layer creates
+        (node dedup's per-node groups); ``group``'s own timeout is set where it was created."""
         super().__init__()
         if dedup not in DEDUP_MODES:
             raise ValueError(f"dedup must be one of {DEDUP_MODES}, got {dedup!r}")
@@ -65,7 +68,7 @@ class MoELayer(nn.Module):
         self.placement, self.topology, self.group, self.dedup = placement, topology, group, dedup
         rank = dist.get_rank(group) if world > 1 else 0
         self.local_expert_ids = placement.local_experts(rank)
-        self.dispatcher = ExpertParallelDispatcher(group, placement, topology, dedup) if world > 1 else None
+        self.dispatcher = ExpertParallelDispatcher(group, placement, topology, dedup, timeout) if world > 1 else None
         if getattr(router, "node_limit", None):
             router.set_expert_groups(
                 torch.tensor([topology.node_of(placement.rank_of(x)) for x in range(e)]))

@@ -7,6 +7,8 @@ on the whole batch: outputs, input gradients, expert gradients, router gradients
 """
 from __future__ import annotations
 
+import datetime
+
 import torch
 import torch.distributed as dist
 
@@ -40,7 +42,7 @@ def check_equivalence(router: str, dedup: str, topology: Topology, placement: Pl
     cfg = ROUTERS[router]
     ref = MoELayer(H, F, dict(cfg), shared_expert_hidden=6)
     ep = MoELayer(H, F, dict(cfg), placement=placement, topology=topology, group=dist.group.WORLD, dedup=dedup,
-                  shared_expert_hidden=6)
+                  shared_expert_hidden=6, timeout=datetime.timedelta(seconds=60))
     ep.router.load_state_dict(ref.router.state_dict())
     if getattr(ep.router, "node_limit", None):  # the reference routes with the EP layer's node groups
         ref.router.group_members = ep.router.group_members.clone()

@@ -114,3 +114,27 @@ def _zero_token_worker(rank, world):
 
 def test_zero_token_ranks_do_not_hang():
     run_workers(_zero_token_worker, 2, timeout=60)
+
+
+def _bad_input_worker(rank, world):
+    import pytest as pt
+    import torch.distributed as dist
+
+    from dist_moe import MoELayer
+    from placement import Placement, Topology
+
+    cfg = {"type": "switch", "num_experts": 4, "top_k": 2}
+    g = dist.group.WORLD
+    with pt.raises(ValueError, match="placement is for 4 experts on 4 ranks"):
+        MoELayer(4, 8, cfg, group=g, placement=Placement.contiguous(4, 4))
+    with pt.raises(ValueError, match="8 experts"):
+        MoELayer(4, 8, {**cfg, "num_experts": 8}, group=g, placement=Placement.contiguous(4, 2))
+    with pt.raises(ValueError, match="has 4 ranks, the group 2"):
+        MoELayer(4, 8, cfg, group=g, topology=Topology(("node", "gpu"), (2, 2)))
+    with pt.raises(ValueError, match="integral"):
+        MoELayer(4, 8, {"type": "switch", "num_experts": 5, "top_k": 2}, group=g)
+    dist.barrier()  # nothing above started a collective: every rank is still in step
+
+
+def test_bad_ep_configuration_fails_before_any_collective():
+    run_workers(_bad_input_worker, 2, timeout=60)

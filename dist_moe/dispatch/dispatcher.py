@@ -46,16 +46,18 @@ def _group_by(key_a: Tensor, key_b: Tensor, n_b: int) -> tuple[Tensor, Tensor, T
 _NODE_GROUPS: dict = {}
 
 
-def node_subgroup(group, topology: Topology):
+def node_subgroup(group, topology: Topology, timeout=None):
     """This rank's node as a process group, created once per (group, topology) and reused.
 
     Creating groups is collective: every rank creates every node's group, in order.
+    ``timeout`` (a timedelta) bounds its collectives; None keeps torch's default
+    (30 minutes for gloo), never infinite.
     """
     key = (id(group), topology.sizes)
     if key not in _NODE_GROUPS:
         g, rank, mine = topology.ranks_per_node, dist.get_rank(group), None
         for node in range(topology.num_nodes):
-            sub = dist.new_group([dist.get_global_rank(group, node * g + i) for i in range(g)])
+            sub = dist.new_group([dist.get_global_rank(group, node * g + i) for i in range(g)], timeout=timeout)
             if node == topology.node_of(rank):
                 mine = sub
         _NODE_GROUPS[key] = mine
@@ -63,7 +65,7 @@ def node_subgroup(group, topology: Topology):
 
 
 class ExpertParallelDispatcher:
-    def __init__(self, group, placement: Placement, topology: Topology, dedup: str = "rank"):
+    def __init__(self, group, placement: Placement, topology: Topology, dedup: str = "rank", timeout=None):
         if dedup not in DEDUP_MODES:
             raise ValueError(f"dedup must be one of {DEDUP_MODES}, got {dedup!r}")
         self.group = group
@@ -76,7 +78,7 @@ class ExpertParallelDispatcher:
         self.rank_of = placement.rank_tensor()
         self.slot_of = placement.local_slot_tensor()
         self.g = topology.ranks_per_node
-        self.node_group = node_subgroup(group, topology) if dedup == "node" else None
+        self.node_group = node_subgroup(group, topology, timeout) if dedup == "node" else None
         self.reset_traffic()
 
     def reset_traffic(self) -> None:
