@@ -6,8 +6,6 @@ placement on 2^m devices two experts share a device iff L <= D - m.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from placement.files import read_yaml_mapping
 from placement.topology import Topology
 
 
@@ -107,22 +108,11 @@ class Placement:
 
     @classmethod
     def tree_prefix(cls, num_experts: int, topology: Topology) -> "Placement":
-        w = topology.world_size
-        _check_divides(num_experts, w)
-        etr = [0] * num_experts
+        def contiguous_shares(experts: list[int], n: int) -> list[list[int]]:
+            share = len(experts) // n
+            return [experts[u * share : (u + 1) * share] for u in range(n)]
 
-        def split(experts: list[int], level: int, rank_base: int, ranks: int) -> None:
-            if level == len(topology.sizes):
-                for e in experts:
-                    etr[e] = rank_base
-                return
-            n = topology.sizes[level]
-            share, sub = len(experts) // n, ranks // n
-            for u in range(n):
-                split(experts[u * share : (u + 1) * share], level + 1, rank_base + u * sub, sub)
-
-        split(list(range(num_experts)), 0, 0, w)
-        return cls(etr, w)
+        return cls(_split_by_levels(num_experts, topology, contiguous_shares), topology.world_size)
 
     @classmethod
     def optimized(cls, coactivation: torch.Tensor, topology: Topology, sweeps: int = 200) -> "Placement":
@@ -131,26 +121,14 @@ class Placement:
             raise ValueError(f"coactivation must be a square [E, E] matrix, got shape {tuple(c.shape)}")
         if bool((c < 0).any()) or not bool(torch.isfinite(c).all()):
             raise ValueError("coactivation must be finite and non-negative")
-        e, w = c.shape[0], topology.world_size
-        _check_divides(e, w)
         c = (c + c.t()) / 2
         c.fill_diagonal_(0)
-        etr = [0] * e
 
-        def assign(experts: list[int], level: int, rank_base: int, ranks: int) -> None:
-            if level == len(topology.sizes):
-                for x in experts:
-                    etr[x] = rank_base
-                return
-            n = topology.sizes[level]
+        def min_cut_shares(experts: list[int], n: int) -> list[list[int]]:
             parts = balanced_partition(c[experts][:, experts], n, sweeps)
-            sub = ranks // n
-            for u in range(n):
-                members = [experts[i] for i in range(len(experts)) if parts[i] == u]
-                assign(members, level + 1, rank_base + u * sub, sub)
+            return [[x for x, p in zip(experts, parts) if p == u] for u in range(n)]
 
-        assign(list(range(e)), 0, 0, w)
-        return cls(etr, w)
+        return cls(_split_by_levels(c.shape[0], topology, min_cut_shares), topology.world_size)
 
     # --- files ---------------------------------------------------------------
     def to_yaml(self, path: str | Path) -> None:
@@ -158,16 +136,27 @@ class Placement:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "Placement":
-        path = Path(path)
-        if not path.exists():
-            raise ValueError(f"placement file {str(path)!r} does not exist")
-        data = yaml.safe_load(path.read_text()) or {}
-        unknown = sorted(set(data) - {"world_size", "expert_to_rank"})
-        if unknown:
-            raise ValueError(f"unknown placement key {unknown[0]!r} in {path}; valid: expert_to_rank, world_size")
-        if "expert_to_rank" not in data or "world_size" not in data:
-            raise ValueError(f"placement file {path} needs 'world_size' and 'expert_to_rank'")
+        data = read_yaml_mapping(path, "placement", required=("world_size", "expert_to_rank"))
         return cls(data["expert_to_rank"], data["world_size"])
+
+
+def _split_by_levels(num_experts: int, topology: Topology, split) -> list[int]:
+    """expert -> rank, splitting the experts level by level: ``split(experts, n)`` -> n equal shares."""
+    w = topology.world_size
+    _check_divides(num_experts, w)
+    etr = [0] * num_experts
+
+    def assign(experts: list[int], level: int, rank_base: int, ranks: int) -> None:
+        if level == len(topology.sizes):
+            for x in experts:
+                etr[x] = rank_base
+            return
+        n = topology.sizes[level]
+        for u, share in enumerate(split(experts, n)):
+            assign(share, level + 1, rank_base + u * (ranks // n), ranks // n)
+
+    assign(list(range(num_experts)), 0, 0, w)
+    return etr
 
 
 def _check_divides(num_experts: int, world_size: int) -> None:

@@ -16,9 +16,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from placement.cost import CostModel
+from placement.files import read_yaml_mapping
 
 
 @dataclass(frozen=True)
@@ -156,15 +155,7 @@ class Topology:
     @classmethod
     def from_yaml(cls, path: str | Path) -> "Topology":
         """levels: [node, gpu]; sizes: [2, 4]; optional cost: {level: {alpha_s:, bandwidth_Bps:}}."""
-        path = Path(path)
-        if not path.exists():
-            raise ValueError(f"topology file {str(path)!r} does not exist")
-        data = yaml.safe_load(path.read_text()) or {}
-        unknown = sorted(set(data) - {"levels", "sizes", "cost"})
-        if unknown:
-            raise ValueError(f"unknown topology key {unknown[0]!r} in {path}; valid keys: cost, levels, sizes")
-        if "levels" not in data or "sizes" not in data:
-            raise ValueError(f"topology file {path} needs 'levels' and 'sizes'")
+        data = read_yaml_mapping(path, "topology", required=("levels", "sizes"), optional=("cost",))
         levels = tuple(data["levels"])
         cost = CostModel.default(levels).updated(data["cost"]) if data.get("cost") else None
         return cls(levels, tuple(data["sizes"]), cost)
