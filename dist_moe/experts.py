@@ -101,8 +101,8 @@ class Experts(nn.Module):
         """x_sorted: tokens grouped by expert (expert 0's first); counts[e] rows each."""
         chunks = x_sorted.split(counts)
         outs = [self.expert(e, chunk) for e, chunk in enumerate(chunks) if chunk.shape[0]]
-        if not outs:
-            return x_sorted.new_zeros(0, x_sorted.shape[1])
+        if not outs:  # still an autograd function of the input and weights, like any other call
+            return self.expert(0, x_sorted[:0])
         return torch.cat(outs)
 
 

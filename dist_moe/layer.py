@@ -66,12 +66,12 @@ class MoELayer(nn.Module):
         self.router = router
         self.num_experts = e
         self.placement, self.topology, self.group, self.dedup = placement, topology, group, dedup
+        if getattr(router, "node_limit", None):  # may raise: before the dispatcher creates any group
+            router.set_expert_groups(
+                torch.tensor([topology.node_of(placement.rank_of(x)) for x in range(e)]))
         rank = dist.get_rank(group) if world > 1 else 0
         self.local_expert_ids = placement.local_experts(rank)
         self.dispatcher = ExpertParallelDispatcher(group, placement, topology, dedup, timeout) if world > 1 else None
-        if getattr(router, "node_limit", None):
-            router.set_expert_groups(
-                torch.tensor([topology.node_of(placement.rank_of(x)) for x in range(e)]))
         self.experts = Experts(len(self.local_expert_ids), hidden_size, ffn_hidden_size, expert_type,
                                **expert_kwargs)
         self.shared_expert = SharedExpert(hidden_size, shared_expert_hidden) if shared_expert_hidden else None
@@ -128,6 +128,11 @@ class MoELayer(nn.Module):
         if self.dispatcher is None:
             return Traffic.zeros(self.topology)
         return Traffic(self.dispatcher.traffic.clone(), self.topology)
+
+    @property
+    def metadata_bytes(self) -> int:
+        """Routing metadata (expert ids, gates, categories) this rank sent since the last reset."""
+        return 0 if self.dispatcher is None else self.dispatcher.metadata_bytes
 
     def reset_traffic(self) -> None:
         if self.dispatcher is not None:

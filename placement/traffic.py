@@ -55,12 +55,12 @@ def destination_ranks(expert_idx: Tensor, placement: Placement) -> Tensor:
     return torch.where(expert_idx >= 0, ranks[expert_idx.clamp_min(0)], -1)
 
 
-def distinct_targets(targets: Tensor, num_targets: int) -> Tensor:
-    """[T, N] bool: which targets (ranks or nodes, -1 = none) each token reaches."""
-    t = targets.shape[0]
-    hit = torch.zeros(t, num_targets + 1, dtype=torch.bool, device=targets.device)
-    hit.scatter_(1, torch.where(targets >= 0, targets, num_targets), True)
-    return hit[:, :num_targets]
+def distinct_targets(targets: Tensor, num_targets: int) -> tuple[Tensor, Tensor]:
+    """Distinct (token, target) pairs of a [T, K] target table (-1 = none): O(T K), not O(T N)."""
+    tok = torch.arange(targets.shape[0], device=targets.device).unsqueeze(1).expand_as(targets)
+    valid = targets >= 0
+    keys = torch.unique(tok[valid] * num_targets + targets[valid])
+    return keys // num_targets, keys % num_targets
 
 
 def dispatch_traffic(expert_idx, src_rank, placement: Placement, topology: Topology, token_bytes: int,
@@ -93,15 +93,15 @@ def dispatch_traffic(expert_idx, src_rank, placement: Placement, topology: Topol
         valid = dst >= 0
         add(src.unsqueeze(1).expand_as(dst)[valid], dst[valid])
     elif dedup == "rank":
-        tok, rank = distinct_targets(dst, w).nonzero(as_tuple=True)
+        tok, rank = distinct_targets(dst, w)
         add(src[tok], rank)
     else:
         g = topology.ranks_per_node
         node = torch.where(dst >= 0, dst // g, -1)
-        tok, dst_node = distinct_targets(node, topology.num_nodes).nonzero(as_tuple=True)
+        tok, dst_node = distinct_targets(node, topology.num_nodes)
         gateway = dst_node * g + src[tok] % g  # own node: the source itself (nothing crosses)
         add(src[tok], gateway)
         # inside each destination node, the gateway forwards one copy per distinct rank
-        tok, rank = distinct_targets(dst, w).nonzero(as_tuple=True)
+        tok, rank = distinct_targets(dst, w)
         add(((rank // g) * g + src[tok] % g), rank)
     return Traffic(matrix, topology)

@@ -89,6 +89,12 @@ def check_equivalence(router: str, dedup: str, topology: Topology, placement: Pl
     dist.all_reduce(analytic)
     assert torch.equal(measured, analytic), f"{tag}: measured {measured.tolist()} != analytic {analytic.tolist()}"
     assert measured.sum() > 0, f"{tag}: nothing crossed a rank boundary; the byte check would be vacuous"
+    if dedup != "node":  # metadata: per pair copy id + expert id + fp32 gate, per copy one category
+        dst = placement.rank_tensor()[ep.last_routing.expert_idx.clamp_min(0)][ep.last_routing.expert_idx >= 0]
+        pairs = int((dst != rank).sum())
+        copies = pairs if dedup == "none" else sum(
+            len(set(placement.rank_of(e) for e in row.tolist() if e >= 0) - {rank}) for row in ep.last_routing.expert_idx)
+        assert ep.metadata_bytes == pairs * 20 + copies * 8, f"{tag}: metadata bytes {ep.metadata_bytes}"
 
 
 def run_all(topology: Topology, dedups=("none", "rank", "node"), routers=None) -> int:

@@ -93,27 +93,57 @@ def test_dispatch_combine_properties():
     run_workers(_property_worker, 4, timeout=300)
 
 
-def _zero_token_worker(rank, world):
+def _edge_worker(rank, world):
+    """Zero-token ranks, frozen routing with inputs that need no gradient, and two node layouts."""
     import torch
     import torch.distributed as dist
 
     from dist_moe import MoELayer
-    from placement import Topology
+    from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher, routing_pairs
+    from dist_moe.experts import Experts, apply_experts
+    from placement import Placement, Topology
 
-    for dedup in ("none", "rank", "node"):
-        torch.manual_seed(0)
-        layer = MoELayer(4, 8, {"type": "switch", "num_experts": 4, "top_k": 2}, group=dist.group.WORLD,
-                         topology=Topology(("node", "gpu"), (2, 1)), dedup=dedup)
-        x = torch.randn(0 if rank == 0 else 5, 4, requires_grad=True)  # rank 0 sends and receives nothing
-        y, aux = layer(x)
-        (y.sum() + aux).backward()
-        assert y.shape == x.shape and x.grad.shape == x.shape
-        sent = layer.traffic.matrix[rank].sum()
-        assert (sent == 0) if rank == 0 else True
+    H, E = 4, 8
+    torch.manual_seed(0)
+    full = Experts(E, H, 6)
+    placement = Placement.contiguous(E, world)
+    topologies = [Topology(("node", "gpu"), (2, 2)), Topology(("node", "socket", "gpu"), (2, 2, 1)),
+                  Topology(("rack", "node", "gpu"), (2, 2, 1))]  # same sizes, different nodes: 2 vs 1 rank each
+    for topo in topologies:
+        for dedup in ("none", "rank", "node"):
+            local = Experts(E // world, H, 6)
+            for name, p in local.named_parameters():
+                p.data.copy_(getattr(full, name).data[placement.local_experts(rank)])
+            disp = ExpertParallelDispatcher(dist.group.WORLD, placement, topo, dedup)
+            # ranks 1 and 3 hold no tokens; rank 0 routes only to its own experts, rank 2 everywhere.
+            # Nothing but the expert weights needs a gradient (a frozen router, a frozen input).
+            t = {0: 3, 1: 0, 2: 5, 3: 0}[rank]
+            x = torch.randn(t, H)
+            own = torch.tensor(placement.local_experts(rank))
+            idx = own[:2].expand(t, 2).clone() if rank == 0 else torch.randint(0, E, (t, 1))
+            gates = torch.rand(t, idx.shape[1])
+            y = disp(x, idx, gates, local)
+            y.sum().backward()  # must not hang: every rank runs every backward exchange
+            full.zero_grad()
+            tok, exp, gate = routing_pairs(idx, gates)
+            ref = apply_experts(full, x, tok, exp, gate)
+            assert torch.allclose(y, ref, atol=1e-6), (topo, dedup)
+            ref.sum().backward()
+            grads = [getattr(full, n).grad for n, _ in local.named_parameters()]
+            summed = [torch.zeros_like(g) if g is None else g.clone() for g in grads]
+            for g in summed:
+                dist.all_reduce(g)
+            for (name, p), g in zip(local.named_parameters(), summed):
+                assert torch.allclose(p.grad, g[placement.local_experts(rank)], atol=1e-6), (topo, dedup, name)
+    # a whole layer with a parameter-free router and an input without gradient
+    layer = MoELayer(H, 6, {"type": "hash", "num_experts": E, "top_k": 2}, group=dist.group.WORLD,
+                     topology=topologies[0], dedup="node")
+    y, aux = layer(torch.randn(0 if rank == 1 else 4, H))
+    y.sum().backward()
 
 
-def test_zero_token_ranks_do_not_hang():
-    run_workers(_zero_token_worker, 2, timeout=60)
+def test_zero_tokens_frozen_inputs_and_two_node_layouts():
+    run_workers(_edge_worker, 4, timeout=120)
 
 
 def _bad_input_worker(rank, world):

@@ -4,7 +4,10 @@ One ``_AllToAll`` node carries every tensor of an exchange (payload rows, gates,
 integer metadata), and its backward sends the float tensors' gradients back in
 the same fixed order. Keeping one autograd node per exchange matters: two
 independent nodes could run their backward collectives in a different order on
-different ranks and deadlock.
+different ranks and deadlock. For the same reason every exchange is always part
+of the autograd graph when grad mode is on (a dummy input that requires grad):
+otherwise a rank whose inputs need no gradient (a frozen router, an input without
+grad, no tokens received) would skip a backward collective its peers enter.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ def _a2a(x: Tensor, send: list[int], recv: list[int], group) -> Tensor:
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, group, splits, *tensors):
+    def forward(ctx, group, splits, _anchor, *tensors):
         """splits[i] = (send, recv) for tensors[i]; returns the received tensors."""
         ctx.group, ctx.splits = group, splits
         ctx.float_mask = [t.is_floating_point() for t in tensors]
@@ -42,11 +45,12 @@ class _AllToAll(torch.autograd.Function):
             if g is None:  # still take part: every rank runs the same collectives
                 g = torch.zeros((sum(recv),) + shape[1:], dtype=dtype, device=device)
             out.append(_a2a(g, recv, send, ctx.group))
-        return (None, None, *out)
+        return (None, None, None, *out)
 
 
 def all_to_all(group, splits, *tensors) -> tuple[Tensor, ...]:
-    return _AllToAll.apply(group, splits, *tensors)
+    anchor = torch.zeros((), requires_grad=torch.is_grad_enabled())
+    return _AllToAll.apply(group, splits, anchor, *tensors)
 
 
 def exchange_counts(counts: Tensor, group) -> Tensor:
@@ -77,10 +81,10 @@ class Received:
 
 
 def send_copies(group, world: int, x: Tensor, dst: Tensor, pair_copy: Tensor, pair_expert: Tensor,
-                pair_gate: Tensor, copy_meta: Tensor | None = None) -> tuple[Received, list[int]]:
+                pair_gate: Tensor, copy_meta: Tensor | None = None) -> tuple[Received, list[int], list[int]]:
     """Send row i of ``x`` to rank ``dst[i]`` with the pairs that point at it.
 
-    Returns what this rank received and how many copies it sent to each rank.
+    Returns what this rank received, and how many copies and pairs it sent to each rank.
     """
     n = x.shape[0]
     order = torch.argsort(dst, stable=True)
@@ -106,4 +110,4 @@ def send_copies(group, world: int, x: Tensor, dst: Tensor, pair_copy: Tensor, pa
     chunk_start = torch.cumsum(recv_counts[:, 0], 0) - recv_counts[:, 0]
     sender = torch.repeat_interleave(torch.arange(world, device=dst.device), recv_counts[:, 1])
     received = Received(rx, rcopy + chunk_start[sender], rexp, rgate, rmeta, position, (recv_c, send_c), group)
-    return received, send_c
+    return received, send_c, send_p

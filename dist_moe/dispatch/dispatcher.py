@@ -13,9 +13,10 @@ node   stage 1: one copy per (token, destination node) to the rank on that node
 
 Every exchange records the payload bytes it sends to each peer in ``traffic``
 (this rank's row), so summed over ranks the measured matrix equals
-``placement.dispatch_traffic`` for the same routings. Routing metadata (expert
-ids, gates, per-copy integer tags such as categories) travels beside the
-payload and is counted separately in ``metadata_bytes``.
+``placement.dispatch_traffic`` for the same routings. Routing metadata travels
+beside the payload and is counted separately in ``metadata_bytes`` (to other
+ranks only): per pair its copy index and expert id (int64 each) and its gate,
+per copy its integer tags (categories) at 8 bytes each.
 """
 from __future__ import annotations
 
@@ -47,20 +48,19 @@ _NODE_GROUPS: dict = {}
 
 
 def node_subgroup(group, topology: Topology, timeout=None):
-    """This rank's node as a process group, created once per (group, topology) and reused.
+    """This rank's node as a process group, created once per (group, node layout, timeout).
 
-    Creating groups is collective: every rank creates every node's group, in order.
-    ``timeout`` (a timedelta) bounds its collectives; None keeps torch's default
-    (30 minutes for gloo), never infinite.
+    Only the node's own ranks take part in creating it (local synchronisation), so
+    layouts where other ranks build other layers cannot hang. ``timeout`` (a
+    timedelta) bounds its collectives; None keeps torch's default (30 minutes for
+    gloo), never infinite.
     """
-    key = (id(group), topology.sizes)
+    rank = dist.get_rank(group)
+    node, g = topology.node_of(rank), topology.ranks_per_node
+    key = (id(group), topology.num_nodes, g, node, timeout)
     if key not in _NODE_GROUPS:
-        g, rank, mine = topology.ranks_per_node, dist.get_rank(group), None
-        for node in range(topology.num_nodes):
-            sub = dist.new_group([dist.get_global_rank(group, node * g + i) for i in range(g)], timeout=timeout)
-            if node == topology.node_of(rank):
-                mine = sub
-        _NODE_GROUPS[key] = mine
+        ranks = [dist.get_global_rank(group, node * g + i) for i in range(g)]
+        _NODE_GROUPS[key] = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
     return _NODE_GROUPS[key]
 
 
@@ -85,17 +85,23 @@ class ExpertParallelDispatcher:
         self.traffic = torch.zeros(self.world, self.world, dtype=torch.long)
         self.metadata_bytes = 0
 
-    def _record(self, sent: list[int], peer_base: int, row_bytes: int, pairs: int, pair_bytes: int) -> None:
-        for i, n in enumerate(sent):
+    def _record(self, copies: list[int], pairs: list[int], peer_base: int, row_bytes: int, copy_meta_bytes: int,
+                pair_bytes: int) -> None:
+        for i, (n_copies, n_pairs) in enumerate(zip(copies, pairs)):
             peer = peer_base + i
-            if peer != self.rank and n:
-                self.traffic[self.rank, peer] += n * row_bytes
-        self.metadata_bytes += pairs * pair_bytes
+            if peer != self.rank:
+                self.traffic[self.rank, peer] += n_copies * row_bytes
+                self.metadata_bytes += n_copies * copy_meta_bytes + n_pairs * pair_bytes
+
+    def _index_tensors(self, device):
+        if self.rank_of.device != device:  # moved once, not on every call
+            self.rank_of, self.slot_of = self.rank_of.to(device), self.slot_of.to(device)
+        return self.rank_of, self.slot_of
 
     def __call__(self, h: Tensor, expert_idx: Tensor, gates: Tensor, experts: Experts,
                  copy_meta: Tensor | None = None) -> Tensor:
         """h [T, H] this rank's tokens -> y [T, H] sum of gated expert outputs per token."""
-        rank_of, slot_of = self.rank_of.to(h.device), self.slot_of.to(h.device)
+        rank_of, slot_of = self._index_tensors(h.device)
         token, expert, gate = routing_pairs(expert_idx, gates)
         dst_rank = rank_of[expert]
         meta = None if copy_meta is None else copy_meta.reshape(h.shape[0], -1).long()
@@ -111,19 +117,21 @@ class ExpertParallelDispatcher:
 
     def _exchange(self, h, copy_row, dst, pair_copy, expert, gate, meta, experts, slot_of, rank_of) -> Tensor:
         row_bytes = h.shape[1] * h.element_size()
-        pair_bytes = 8 + gate.element_size()
+        pair_bytes = 16 + gate.element_size()  # copy index and expert id (int64) and the gate
+        meta_bytes = 0 if meta is None else 8 * meta.shape[1]
         copy_meta = None if meta is None else meta[copy_row]
-        recv, sent = send_copies(self.group, self.world, h[copy_row], dst, pair_copy, expert, gate, copy_meta)
-        self._record(sent, 0, row_bytes, pair_copy.shape[0], pair_bytes)
+        recv, sent, sent_pairs = send_copies(self.group, self.world, h[copy_row], dst, pair_copy, expert, gate,
+                                             copy_meta)
+        self._record(sent, sent_pairs, 0, row_bytes, meta_bytes, pair_bytes)
         if self.dedup != "node":
             y = apply_experts(experts, recv.x, recv.pair_copy, slot_of[recv.pair_expert], recv.pair_gate)
             return recv.send_back(y)
         # stage 2 on the gateway: one copy per destination rank inside this node
         node_base = self.topology.node_of(self.rank) * self.g
         row, local_dst, pair_copy2 = _group_by(recv.pair_copy, rank_of[recv.pair_expert] - node_base, self.g)
-        recv2, sent2 = send_copies(self.node_group, self.g, recv.x[row], local_dst, pair_copy2, recv.pair_expert,
-                                   recv.pair_gate, recv.copy_meta[row])
-        self._record(sent2, node_base, row_bytes, pair_copy2.shape[0], pair_bytes)
+        recv2, sent2, sent_pairs2 = send_copies(self.node_group, self.g, recv.x[row], local_dst, pair_copy2,
+                                                recv.pair_expert, recv.pair_gate, recv.copy_meta[row])
+        self._record(sent2, sent_pairs2, node_base, row_bytes, meta_bytes, pair_bytes)
         y2 = apply_experts(experts, recv2.x, recv2.pair_copy, slot_of[recv2.pair_expert], recv2.pair_gate)
         y = torch.zeros_like(recv.x).index_add(0, row, recv2.send_back(y2))
         return recv.send_back(y)

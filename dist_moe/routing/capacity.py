@@ -21,10 +21,14 @@ def capacity_for(num_tokens: int, top_k: int, num_experts: int, capacity_factor:
 
 def apply_capacity(expert_idx: Tensor, gates: Tensor, num_experts: int, capacity: int) -> tuple[Tensor, Tensor, int]:
     t, k = expert_idx.shape
-    order = expert_idx.t().reshape(-1)  # choice-major: all first choices, then second ...
-    valid = order >= 0
-    onehot = torch.nn.functional.one_hot(torch.where(valid, order, 0), num_experts) * valid.unsqueeze(1)
-    position = (onehot.cumsum(0) * onehot).sum(1) - 1  # slot index within its expert
+    flat = expert_idx.t().reshape(-1)  # choice-major: all first choices, then second ...
+    valid = flat >= 0
+    key = torch.where(valid, flat, num_experts)  # dropped slots sort last
+    order = torch.argsort(key, stable=True)  # grouped by expert, priority order kept inside a group
+    counts = torch.bincount(key, minlength=num_experts + 1)
+    start = torch.cumsum(counts, 0) - counts
+    position = torch.empty_like(order)
+    position[order] = torch.arange(order.numel(), device=order.device) - start[key[order]]  # slot in its expert
     keep = (valid & (position < capacity)).reshape(k, t).t()
     dropped = int((expert_idx >= 0).sum() - keep.sum())
     return torch.where(keep, expert_idx, -1), torch.where(keep, gates, torch.zeros_like(gates)), dropped
