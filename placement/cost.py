@@ -1,13 +1,16 @@
 """Latency-bandwidth (alpha-beta) cost of an all-to-all, per topology level.
 
-Model: each level is a phase. In the phase of level l, rank r exchanges with its
-peers across l; the phase lasts as long as its slowest rank,
+Model: the traffic crossing level l moves over that level's links. Each link
+carries the bytes of one rank, or with ``shared: true`` the bytes of every rank
+of one unit just inside the level (one network card per node, say); a link
+takes its larger direction over the bandwidth, every message costs alpha, and
+the level is as slow as its slowest link,
 
-    t_l = max_r ( alpha_l * peers_l(r) + max(sent_l(r), received_l(r)) / bandwidth_l )
+    t_l = alpha_l * max_r peers_l(r) + max_link max(sent, received) / bandwidth_l.
 
-and the all-to-all takes sum_l t_l. Phases in sequence match node dedup (cross
-the node boundary, then forward inside the node) and are conservative for the
-one-stage modes, where both levels overlap.
+A one-stage exchange (dedup none or rank) drives every level at once and takes
+max_l t_l; node dedup's two stages (cross the node boundary, then forward
+inside the node) run one after the other and take sum_l t_l.
 
 Defaults (overridable per level in a topology YAML ``cost:`` block, or fitted
 from a calibration exchange with ``fit_level``):
@@ -15,8 +18,11 @@ from a calibration exchange with ``fit_level``):
     innermost level (e.g. gpu: NVLink-class)   alpha 5 us,  bandwidth 150 GB/s
     the node level  (e.g. InfiniBand per GPU)  alpha 10 us, bandwidth 25 GB/s
     any level outside it (e.g. rack)           alpha 20 us, bandwidth 12.5 GB/s
+    every level: shared false (a link per rank)
 """
 from __future__ import annotations
+
+import math
 
 from dataclasses import dataclass
 
@@ -31,6 +37,7 @@ _OUTER = {"alpha_s": 20e-6, "bandwidth_Bps": 12.5e9}
 class LevelCost:
     alpha_s: float
     bandwidth_Bps: float
+    shared: bool = False  # one link per unit inside the level instead of one per rank
 
     def __post_init__(self):
         if not (self.alpha_s >= 0 and self.bandwidth_Bps > 0):
@@ -56,42 +63,52 @@ class CostModel:
         for name, values in overrides.items():
             if name not in out:
                 raise ValueError(f"cost given for unknown level {name!r}; levels: {list(out)}")
-            unknown = sorted(set(values) - {"alpha_s", "bandwidth_Bps"})
+            unknown = sorted(set(values) - {"alpha_s", "bandwidth_Bps", "shared"})
             if unknown:
-                raise ValueError(f"unknown cost key {unknown[0]!r} for level {name!r}; valid: alpha_s, bandwidth_Bps")
+                raise ValueError(f"unknown cost key {unknown[0]!r} for level {name!r}; "
+                                 "valid: alpha_s, bandwidth_Bps, shared")
             base = out[name]
             out[name] = LevelCost(float(values.get("alpha_s", base.alpha_s)),
-                                  float(values.get("bandwidth_Bps", base.bandwidth_Bps)))
+                                  float(values.get("bandwidth_Bps", base.bandwidth_Bps)),
+                                  bool(values.get("shared", base.shared)))
         return CostModel(out)
 
     def check_levels(self, names) -> None:
         if list(self.levels) != list(names):
             raise ValueError(f"cost model levels {list(self.levels)} do not match topology levels {list(names)}")
 
-    def phase_times(self, matrix: torch.Tensor, level_of: torch.Tensor) -> dict:
-        """Seconds per level for a [W, W] byte matrix, given crossing-level indices [W, W]."""
+    def phase_times(self, matrix: torch.Tensor, topology) -> dict:
+        """Seconds per level for a [W, W] byte matrix on ``topology``."""
         out = {}
         m = matrix.double()
+        level_of = topology.level_matrix()
         for i, (name, c) in enumerate(self.levels.items()):
             mask = level_of == i
-            sent = (m * mask).sum(1)
-            recv = (m * mask).sum(0)
+            crossing = m * mask
+            sent, recv = crossing.sum(1), crossing.sum(0)
+            if c.shared:  # sum over the ranks of each unit inside this level
+                unit = math.prod(topology.sizes[i + 1 :])
+                sent, recv = sent.reshape(-1, unit).sum(1), recv.reshape(-1, unit).sum(1)
             peers = ((m > 0) & mask).sum(1).double()
-            per_rank = c.alpha_s * peers + torch.maximum(sent, recv) / c.bandwidth_Bps
-            out[name] = float(per_rank.max()) if per_rank.numel() else 0.0
+            alpha = c.alpha_s * float(peers.max()) if peers.numel() else 0.0
+            out[name] = alpha + float(torch.maximum(sent, recv).max()) / c.bandwidth_Bps if sent.numel() else 0.0
         return out
 
-    def estimate(self, traffic) -> float:
-        """Estimated all-to-all seconds for a ``placement.Traffic``."""
-        return sum(self.phase_times(traffic.matrix, traffic.topology.level_matrix()).values())
+    def estimate(self, traffic, dedup: str = "rank") -> float:
+        """Estimated all-to-all seconds for a ``placement.Traffic`` sent with ``dedup``."""
+        phases = self.phase_times(traffic.matrix, traffic.topology).values()
+        return sum(phases) if dedup == "node" else max(phases, default=0.0)
 
 
-def fit_level(peers, nbytes, seconds) -> LevelCost:
-    """Least-squares alpha and 1/bandwidth from calibration samples (seconds ~ alpha*peers + bytes*beta)."""
+def fit_level(peers, nbytes, seconds, shared: bool = False) -> LevelCost:
+    """Least-squares alpha and 1/bandwidth from calibration samples (seconds ~ alpha*peers + bytes*beta).
+
+    ``nbytes`` are per link: per rank, or per unit when ``shared``.
+    """
     a = torch.tensor([[float(p), float(b)] for p, b in zip(peers, nbytes)], dtype=torch.float64)
     y = torch.tensor([float(s) for s in seconds], dtype=torch.float64).unsqueeze(1)
     sol = torch.linalg.lstsq(a, y).solution.flatten()
     alpha, beta = max(float(sol[0]), 0.0), float(sol[1])
     if beta <= 0:
         raise ValueError("calibration did not show time growing with bytes; use larger messages")
-    return LevelCost(alpha, 1.0 / beta)
+    return LevelCost(alpha, 1.0 / beta, shared)

@@ -239,8 +239,14 @@ def test_cost_model_estimate_and_fit():
     m = torch.zeros(4, 4, dtype=torch.long)
     m[0, 2] = 25_000_000  # 25 MB across the node boundary
     m[0, 1] = 150_000_000  # 150 MB inside the node
-    est = cm.estimate(Traffic(m, t))
-    assert math.isclose(est, (10e-6 + 25e6 / 25e9) + (5e-6 + 150e6 / 150e9), rel_tol=1e-9)
+    node_phase, gpu_phase = 10e-6 + 25e6 / 25e9, 5e-6 + 150e6 / 150e9
+    assert math.isclose(cm.estimate(Traffic(m, t), "node"), node_phase + gpu_phase, rel_tol=1e-9)  # two stages
+    assert math.isclose(cm.estimate(Traffic(m, t), "rank"), max(node_phase, gpu_phase), rel_tol=1e-9)  # one stage
+    # a shared node link carries both ranks of node 0: 25 MB + 50 MB
+    m[1, 3] = 50_000_000
+    shared = cm.updated({"node": {"shared": True}})
+    assert math.isclose(shared.phase_times(m, t)["node"], 10e-6 + 75e6 / 25e9, rel_tol=1e-9)
+    assert math.isclose(cm.phase_times(m, t)["node"], 10e-6 + 50e6 / 25e9, rel_tol=1e-9)  # a link per rank
     peers = [1, 1, 3, 3, 2]
     nbytes = [1e6, 4e6, 2e6, 8e6, 5e6]
     secs = [2e-4 * p + b / 5e8 for p, b in zip(peers, nbytes)]
