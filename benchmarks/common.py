@@ -50,3 +50,12 @@ def coactivation(expert_idx: torch.Tensor, num_experts: int = E) -> torch.Tensor
     c = onehot.t() @ onehot
     c.fill_diagonal_(0)
     return c
+
+
+def optimized_placement(model, data, topology):
+    """Placement.optimized from the co-activation counts of the training split under ``model``."""
+    from placement import Placement
+
+    with torch.no_grad():
+        model(data.x_train)
+    return Placement.optimized(coactivation(model.moe.last_routing.expert_idx), topology)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import E, ROUTERS, coactivation, train_router  # noqa: E402
+from benchmarks.common import E, ROUTERS, optimized_placement, train_router  # noqa: E402
 from placement import Placement, Topology, dispatch_traffic, tree_distance  # noqa: E402
 from tests.dist_utils import run_workers  # noqa: E402
 
@@ -35,6 +35,7 @@ def worker(rank, world, jobs, x_val, out_path):
     rows = []
     for router_name, placement_name, etr, router_cfg, state in jobs:
         placement = Placement(etr, world)
+        td = None
         for dedup in DEDUPS:
             layer = MoELayer(x_val.shape[1], 8, dict(router_cfg), placement=placement, topology=TOPOLOGY,
                              group=dist.group.WORLD, dedup=dedup).eval()
@@ -46,10 +47,11 @@ def worker(rank, world, jobs, x_val, out_path):
                                         x_val.shape[1] * 4, dedup).matrix
             dist.all_reduce(measured)
             dist.all_reduce(analytic)
-            idx = [torch.zeros_like(layer.last_routing.expert_idx) for _ in range(world)]
-            dist.all_gather(idx, layer.last_routing.expert_idx)
-            rows.append((router_name, placement_name, dedup, measured, bool(torch.equal(measured, analytic)),
-                         tree_distance(torch.cat(idx), E)))
+            if td is None:  # the routing does not depend on the dedup mode
+                idx = [torch.zeros_like(layer.last_routing.expert_idx) for _ in range(world)]
+                dist.all_gather(idx, layer.last_routing.expert_idx)
+                td = tree_distance(torch.cat(idx), E)
+            rows.append((router_name, placement_name, dedup, measured, bool(torch.equal(measured, analytic)), td))
     if rank == 0:
         torch.save(rows, out_path)
 
@@ -57,17 +59,14 @@ def worker(rank, world, jobs, x_val, out_path):
 def main() -> None:
     torch.set_num_threads(2)
     contiguous = Placement.contiguous(E, TOPOLOGY.world_size)
-    groups = torch.tensor([TOPOLOGY.node_of(contiguous.rank_of(e)) for e in range(E)])
+    groups = contiguous.expert_nodes(TOPOLOGY)
     jobs, x_val = [], None
     for name, cfg in ROUTERS.items():
         model, data = train_router(cfg, groups)
         x_val = data.x_val
-        with torch.no_grad():
-            model(data.x_train)
-        coact = coactivation(model.moe.last_routing.expert_idx)
         state = model.moe.router.state_dict()
         for pname, placement in (("contiguous", contiguous), ("tree_prefix", Placement.tree_prefix(E, TOPOLOGY)),
-                                 ("optimized", Placement.optimized(coact, TOPOLOGY))):
+                                 ("optimized", optimized_placement(model, data, TOPOLOGY))):
             jobs.append((name, pname, placement.expert_to_rank, cfg, state))
     out = Path("/tmp") / f"dispatch_bytes_{torch.randint(0, 10**9, (1,)).item()}.pt"
     run_workers(worker, TOPOLOGY.world_size, args=(jobs, x_val, str(out)), timeout=600)

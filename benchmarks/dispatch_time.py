@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import E, ROUTERS, coactivation, train_router  # noqa: E402
+from benchmarks.common import E, ROUTERS, optimized_placement, train_router  # noqa: E402
 from placement import CostModel, Placement, Topology, Traffic, fit_level  # noqa: E402
 
 D_MODEL = 512
@@ -96,22 +96,20 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     topo = Topology.from_env()
     contiguous = Placement.contiguous(E, world)
-    groups = torch.tensor([topo.node_of(contiguous.rank_of(e)) for e in range(E)])
+    groups = contiguous.expert_nodes(topo)
 
     payload = [None]
     if rank == 0:  # train once, share with every rank
         trained = {}
         for name in CONFIG_ROUTERS:
             model, data = train_router(ROUTERS[name], groups, d_model=D_MODEL, epochs=2)
-            with torch.no_grad():
-                model(data.x_train)
-                coact = coactivation(model.moe.last_routing.expert_idx)
+            with torch.no_grad():  # each model's own input projection makes its MoE tokens
                 tokens = model.input(data.x_val)
-            trained[name] = (model.moe.router.state_dict(), Placement.optimized(coact, topo).expert_to_rank)
-        payload = [(trained, tokens)]
+            trained[name] = (model.moe.router.state_dict(), optimized_placement(model, data, topo).expert_to_rank,
+                             tokens)
+        payload = [trained]
     dist.broadcast_object_list(payload, src=0)
-    trained, tokens = payload[0]
-    shard = torch.tensor_split(tokens, world)[rank].contiguous()
+    trained = payload[0]
 
     cost = calibrate(topo)
     level = topo.level_matrix()
@@ -120,7 +118,8 @@ def main() -> None:
     from dist_moe import MoELayer
 
     for name in CONFIG_ROUTERS:
-        state, optimized = trained[name]
+        state, optimized, tokens = trained[name]
+        shard = torch.tensor_split(tokens, world)[rank].contiguous()
         for pname, placement in (("contiguous", contiguous), ("optimized", Placement(optimized, world))):
             for dedup in ("none", "rank", "node"):
                 torch.manual_seed(0)

@@ -12,14 +12,13 @@ different tokens.
 """
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher, routing_pairs
 from dist_moe.experts import Experts, SharedExpert, apply_experts
 from dist_moe.routing import Router, Routing, build_router
-from dist_moe.routing.capacity import apply_capacity, capacity_for
+from dist_moe.routing.capacity import capacity_for, capacity_step
 from placement import Placement, Topology, Traffic
 from placement.traffic import DEDUP_MODES
 
@@ -67,8 +66,7 @@ class MoELayer(nn.Module):
         self.num_experts = e
         self.placement, self.topology, self.group, self.dedup = placement, topology, group, dedup
         if getattr(router, "node_limit", None):  # may raise: before the dispatcher creates any group
-            router.set_expert_groups(
-                torch.tensor([topology.node_of(placement.rank_of(x)) for x in range(e)]))
+            router.set_expert_groups(placement.expert_nodes(topology))
         rank = dist.get_rank(group) if world > 1 else 0
         self.local_expert_ids = placement.local_experts(rank)
         self.dispatcher = ExpertParallelDispatcher(group, placement, topology, dedup, timeout) if world > 1 else None
@@ -100,13 +98,8 @@ class MoELayer(nn.Module):
         categories = _per_token(categories, shape, "categories")
         token_ids = _per_token(token_ids, shape, "token_ids")
         routing = self.router(h, categories=categories, token_ids=token_ids)
-        if self.capacity_factor is not None:
-            t, k = routing.expert_idx.shape
-            cap = capacity_for(t, k, self.num_experts, self.capacity_factor)
-            idx, gates, dropped = apply_capacity(routing.expert_idx, routing.gates, self.num_experts, cap)
-            routing.expert_idx, routing.gates = idx, gates
-            routing.stats["dropped"] = routing.stats.get("dropped", 0) + dropped
-            routing.stats["capacity"] = cap
+        routing.expert_idx, routing.gates = capacity_step(
+            routing.expert_idx, routing.gates, self.num_experts, self.capacity_factor, routing.stats)
         if self.dispatcher is None:
             token, expert, gate = routing_pairs(routing.expert_idx, routing.gates)
             y = apply_experts(self.experts, h, token, expert, gate)

@@ -36,6 +36,7 @@ case "$NODES$PPN" in *[!0-9]*) echo "emulate_cluster: --nodes and --procs-per-no
 [ "$NODES" -ge 1 ] && [ "$PPN" -ge 1 ] || { echo "emulate_cluster: --nodes and --procs-per-node must be >= 1" >&2; exit 2; }
 [ "$NODES" -le 200 ] || { echo "emulate_cluster: at most 200 nodes" >&2; exit 2; }
 
+SCRIPT_ARGS=("$@")
 PY=$(command -v python || command -v python3)
 [ -n "$PY" ] || { echo "emulate_cluster: no python on PATH" >&2; exit 2; }
 LOGDIR=$(mktemp -d "${TMPDIR:-/tmp}/emulate_cluster.XXXXXX")
@@ -47,6 +48,19 @@ torchrun_cmd() {  # node_rank master_addr
 }
 
 PIDS=()
+start_node() {  # i master [prefix...]: torchrun for node i in its own session; node 0 to the terminal
+  local i=$1 master=$2
+  shift 2
+  if [ "$i" -eq 0 ]; then
+    # shellcheck disable=SC2046
+    setsid "$@" $(torchrun_cmd "$i" "$master") "${SCRIPT_ARGS[@]}" &
+  else
+    # shellcheck disable=SC2046
+    setsid "$@" $(torchrun_cmd "$i" "$master") "${SCRIPT_ARGS[@]}" >"$LOGDIR/node$i.log" 2>&1 &
+  fi
+  PIDS+=($!)
+}
+
 stop_nodes() {  # each node runs in its own session (setsid): stop the whole process group
   local pid
   for pid in "${PIDS[@]}"; do kill -TERM -- "-$pid" 2>/dev/null; done
@@ -72,6 +86,7 @@ wait_nodes() {  # wait for every node; the first failure stops the others (torch
 trap 'stop_nodes; exit 130' INT TERM
 
 can_namespace() {
+  [ -z "${EMULATE_CLUSTER_LOOPBACK:-}" ] || return 1  # force the loopback fallback (tests)
   [ "$(id -u)" -eq 0 ] && command -v ip >/dev/null && command -v tc >/dev/null || return 1
   local probe="dmprobe$$"
   ip netns add "$probe" 2>/dev/null || return 1
@@ -81,13 +96,7 @@ can_namespace() {
 if ! can_namespace; then
   echo "emulate_cluster: cannot create network namespaces (needs root and iproute2); running $NODES" \
        "torchrun invocations on loopback: the inter-node link is NOT throttled" >&2
-  for i in $(seq 0 $((NODES - 1))); do
-    out=/dev/stdout
-    [ "$i" -eq 0 ] || out="$LOGDIR/node$i.log"
-    # shellcheck disable=SC2046
-    setsid $(torchrun_cmd "$i" 127.0.0.1) "$@" >"$out" 2>&1 &
-    PIDS+=($!)
-  done
+  for i in $(seq 0 $((NODES - 1))); do start_node "$i" 127.0.0.1 env; done
   wait_nodes
   exit $?
 fi
@@ -141,13 +150,8 @@ MASTER=$(addr 0)
 [ "$NODES" -eq 1 ] && MASTER=127.0.0.1
 echo "emulate_cluster: $NODES node(s) x $PPN process(es), inter-node link $RATE, master $MASTER" >&2
 for i in $(seq 0 $((NODES - 1))); do
-  out=/dev/stdout
-  [ "$i" -eq 0 ] || out="$LOGDIR/node$i.log"
   IFNAME="${RUN}h$i"
   [ "$NODES" -eq 1 ] && IFNAME=lo
-  # shellcheck disable=SC2046
-  setsid ip netns exec "${NS[$i]}" env PATH="$PATH" GLOO_SOCKET_IFNAME="$IFNAME" \
-    $(torchrun_cmd "$i" "$MASTER") "$@" >"$out" 2>&1 &
-  PIDS+=($!)
+  start_node "$i" "$MASTER" ip netns exec "${NS[$i]}" env PATH="$PATH" GLOO_SOCKET_IFNAME="$IFNAME"
 done
 wait_nodes

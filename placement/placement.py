@@ -58,10 +58,6 @@ class Placement:
         self.num_experts = len(etr)
 
     # --- queries -----------------------------------------------------------
-    @property
-    def experts_per_rank(self) -> int:
-        return self.num_experts // self.world_size
-
     def rank_of(self, expert: int) -> int:
         return self.expert_to_rank[expert]
 
@@ -71,6 +67,10 @@ class Placement:
 
     def rank_tensor(self, device=None) -> torch.Tensor:
         return torch.tensor(self.expert_to_rank, dtype=torch.long, device=device)
+
+    def expert_nodes(self, topology: Topology) -> torch.Tensor:
+        """[E]: the node holding each expert."""
+        return self.rank_tensor() // topology.ranks_per_node
 
     def local_slot_tensor(self, device=None) -> torch.Tensor:
         """[E]: each expert's slot index among its rank's local experts."""

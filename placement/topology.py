@@ -93,7 +93,12 @@ class Topology:
         return None
 
     def level_matrix(self):
-        """[W, W] int64: index into ``levels`` of crossing_level(a, b), -1 on the diagonal."""
+        """[W, W] int64: index into ``levels`` of crossing_level(a, b), -1 on the diagonal (cached)."""
+        if "_level_matrix" not in self.__dict__:  # frozen dataclass: cache beside the fields
+            object.__setattr__(self, "_level_matrix", self._build_level_matrix())
+        return self.__dict__["_level_matrix"]
+
+    def _build_level_matrix(self):
         import torch
 
         w = self.world_size

@@ -40,9 +40,6 @@ class Traffic:
     def total(self) -> int:
         return int(self.matrix.sum())
 
-    def __add__(self, other: "Traffic") -> "Traffic":
-        return Traffic(self.matrix + other.matrix, self.topology)
-
     @classmethod
     def zeros(cls, topology: Topology) -> "Traffic":
         w = topology.world_size
@@ -55,12 +52,18 @@ def destination_ranks(expert_idx: Tensor, placement: Placement) -> Tensor:
     return torch.where(expert_idx >= 0, ranks[expert_idx.clamp_min(0)], -1)
 
 
+def unique_pairs(a: Tensor, b: Tensor, n_b: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Distinct (a, b) combinations (b < n_b): their a, their b, and each input's combination index."""
+    keys, inverse = torch.unique(a * n_b + b, return_inverse=True)
+    return keys // n_b, keys % n_b, inverse
+
+
 def distinct_targets(targets: Tensor, num_targets: int) -> tuple[Tensor, Tensor]:
     """Distinct (token, target) pairs of a [T, K] target table (-1 = none): O(T K), not O(T N)."""
     tok = torch.arange(targets.shape[0], device=targets.device).unsqueeze(1).expand_as(targets)
     valid = targets >= 0
-    keys = torch.unique(tok[valid] * num_targets + targets[valid])
-    return keys // num_targets, keys % num_targets
+    token, target, _ = unique_pairs(tok[valid], targets[valid], num_targets)
+    return token, target
 
 
 def dispatch_traffic(expert_idx, src_rank, placement: Placement, topology: Topology, token_bytes: int,

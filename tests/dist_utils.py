@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 
 import torch.multiprocessing as mp
@@ -24,8 +25,18 @@ def _entry(rank, fn, world_size, port, args):
                             timeout=__import__("datetime").timedelta(seconds=60))
     try:
         fn(rank, world_size, *args)
+        dist.barrier()  # nobody tears down while a peer still has collectives in flight
     finally:
+        from dist_moe.dispatch.dispatcher import release_node_groups
+
+        release_node_groups()
         dist.destroy_process_group()
+    # Every check has passed on every rank by now. Skip interpreter teardown: gloo's
+    # destructors occasionally abort ("terminate called without an active exception")
+    # at exit, which would fail a run whose results are already in.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_workers(fn, world_size: int = 2, args=(), timeout: float = 120.0) -> None:

@@ -27,6 +27,11 @@ ROUTERS = {
     "switch_node_limited": {"type": "switch", "num_experts": E, "top_k": 2, "jitter_eps": 0.0, "node_limit": 1},
     "deepseek_v3_node_limited": {"type": "deepseek_v3", "num_experts": E, "top_k": 2, "node_limit": 1},
     "specdrop": {"type": "specdrop", "num_experts": E, "num_categories": 5, "p_assigned": 0.6, "p_leak": 0.1},
+    "specdrop_bernoulli": {"type": "specdrop", "num_experts": E, "num_categories": 5, "p_assigned": 0.8,
+                           "p_leak": 0.3, "variant": "bernoulli"},
+    "specdrop_hard": {"type": "specdrop", "num_experts": E, "num_categories": 5, "p_assigned": 0.9,
+                      "variant": "hard", "top_k": 1},
+    "specdrop_uniform": {"type": "specdrop", "num_experts": E, "num_categories": 5, "variant": "uniform"},
 }
 
 
@@ -89,6 +94,12 @@ def check_equivalence(router: str, dedup: str, topology: Topology, placement: Pl
     dist.all_reduce(analytic)
     assert torch.equal(measured, analytic), f"{tag}: measured {measured.tolist()} != analytic {analytic.tolist()}"
     assert measured.sum() > 0, f"{tag}: nothing crossed a rank boundary; the byte check would be vacuous"
+    if router == "specdrop":  # dense soft routing: copies per token, summed over ranks
+        copies = measured.sum() // (H * 4)
+        if dedup == "none":  # every expert off the source rank: E - E/W copies per token
+            assert copies == n * (E - E // world), f"{tag}: {copies} copies for {n} tokens"
+        elif dedup == "rank":  # one per other rank
+            assert copies == n * (world - 1), f"{tag}: {copies} copies for {n} tokens"
     if dedup != "node":  # metadata: per pair copy id + expert id + fp32 gate, per copy one category
         dst = placement.rank_tensor()[ep.last_routing.expert_idx.clamp_min(0)][ep.last_routing.expert_idx >= 0]
         pairs = int((dst != rank).sum())

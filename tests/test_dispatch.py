@@ -168,3 +168,38 @@ def _bad_input_worker(rank, world):
 
 def test_bad_ep_configuration_fails_before_any_collective():
     run_workers(_bad_input_worker, 2, timeout=60)
+
+
+def _category_worker(rank, world):
+    """Hard SpecDrop routes each token to its category's expert only: tokens dealt to random ranks must
+    come back with exactly that expert's output (categories travel with their tokens)."""
+    import torch
+    import torch.distributed as dist
+
+    from dist_moe import MoELayer
+    from placement import Placement, Topology
+
+    H, E, n = 6, 8, 60
+    g = torch.Generator().manual_seed(7)
+    x_all = torch.randn(n, H, generator=g)
+    cats_all = torch.randint(0, 16, (n,), generator=g)  # 16 categories round-robin onto 8 experts
+    owner = torch.randint(0, world, (n,), generator=g)  # a random permutation of tokens over ranks
+    placement = Placement(torch.randperm(E, generator=g).remainder(world).tolist(), world)
+    for dedup in ("none", "rank", "node"):
+        torch.manual_seed(0)
+        full = MoELayer(H, 10, {"type": "specdrop", "num_experts": E, "num_categories": 16, "p_assigned": 1.0,
+                                "variant": "hard", "top_k": 1})
+        layer = MoELayer(H, 10, {"type": "specdrop", "num_experts": E, "num_categories": 16, "p_assigned": 1.0,
+                                 "variant": "hard", "top_k": 1}, group=dist.group.WORLD, placement=placement,
+                         topology=Topology(("node", "gpu"), (2, 2)), dedup=dedup)
+        for name, p in layer.experts.named_parameters():
+            p.data.copy_(getattr(full.experts, name).data[layer.local_expert_ids])
+        mine = owner == rank
+        y, _ = layer(x_all[mine], categories=cats_all[mine])
+        for row, (x, c) in zip(y, zip(x_all[mine], cats_all[mine])):
+            expected = full.experts.expert(int(c) % E, x.unsqueeze(0))[0]  # gate p_a/S = 1
+            assert torch.allclose(row, expected, atol=1e-6), (dedup, int(c))
+
+
+def test_categories_travel_with_their_tokens():
+    run_workers(_category_worker, 4, timeout=120)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist_utils import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "launch" / "emulate_cluster.sh"
 
@@ -29,8 +31,9 @@ def _can_namespace() -> bool:
 needs_netns = pytest.mark.skipif(not _can_namespace(), reason="needs root and iproute2 to create network namespaces")
 
 
-def _run(*args, timeout=120):
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
+def _run(*args, timeout=120, **extra_env):
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
+           **extra_env}
     return subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
@@ -53,6 +56,13 @@ def test_a_failing_node_fails_the_run_and_cleans_up(tmp_path):
     assert r.returncode != 0
     assert "node<i>.log" in r.stderr
     assert _namespaces() == before
+
+
+def test_loopback_fallback_says_the_link_is_not_throttled():
+    r = _run("--nodes", "2", "--procs-per-node", "1", "--port", str(free_port()), str(ROOT / "tests/scripts/cluster_check.py"),
+             EMULATE_CLUSTER_LOOPBACK="1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "NOT throttled" in r.stderr and "CLUSTER OK node=2,gpu=1" in r.stdout
 
 
 def test_usage_errors():

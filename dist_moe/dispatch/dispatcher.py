@@ -27,7 +27,7 @@ from torch import Tensor
 from dist_moe.dispatch.all_to_all import send_copies
 from dist_moe.experts import Experts, apply_experts
 from placement import Placement, Topology
-from placement.traffic import DEDUP_MODES
+from placement.traffic import DEDUP_MODES, unique_pairs
 
 
 def routing_pairs(expert_idx: Tensor, gates: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -38,30 +38,38 @@ def routing_pairs(expert_idx: Tensor, gates: Tensor) -> tuple[Tensor, Tensor, Te
     return token, expert_idx.reshape(-1)[valid], gates.reshape(-1)[valid]
 
 
-def _group_by(key_a: Tensor, key_b: Tensor, n_b: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Distinct (a, b) combinations: (a of each, b of each, index of each input's combination)."""
-    uniq, inverse = torch.unique(key_a * n_b + key_b, return_inverse=True)
-    return uniq // n_b, uniq % n_b, inverse
-
-
 _NODE_GROUPS: dict = {}
 
 
 def node_subgroup(group, topology: Topology, timeout=None):
     """This rank's node as a process group, created once per (group, node layout, timeout).
 
-    Only the node's own ranks take part in creating it (local synchronisation), so
-    layouts where other ranks build other layers cannot hang. ``timeout`` (a
-    timedelta) bounds its collectives; None keeps torch's default (30 minutes for
-    gloo), never infinite.
+    Creating groups is collective over ``group``: every rank creates every node's
+    group, in the same order, so every rank of the group must build its node-dedup
+    layers in the same order (as with any ``new_group``). Groups made with
+    ``use_local_synchronization`` would avoid that, but with gloo on torch 2.13
+    they aborted at process exit in about one run in twelve, so they are not used.
+    ``timeout`` (a timedelta) bounds the group's collectives; None keeps torch's
+    default (30 minutes for gloo), never infinite.
     """
     rank = dist.get_rank(group)
     node, g = topology.node_of(rank), topology.ranks_per_node
     key = (id(group), topology.num_nodes, g, node, timeout)
     if key not in _NODE_GROUPS:
-        ranks = [dist.get_global_rank(group, node * g + i) for i in range(g)]
-        _NODE_GROUPS[key] = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
+        for other in range(topology.num_nodes):
+            ranks = [dist.get_global_rank(group, other * g + i) for i in range(g)]
+            sub = dist.new_group(ranks, timeout=timeout)
+            if other == node:
+                _NODE_GROUPS[key] = sub
     return _NODE_GROUPS[key]
+
+
+def release_node_groups() -> None:
+    """Destroy the cached per-node groups (call before ``destroy_process_group`` at shutdown)."""
+    for sub in _NODE_GROUPS.values():
+        if sub is not None:
+            dist.destroy_process_group(sub)
+    _NODE_GROUPS.clear()
 
 
 class ExpertParallelDispatcher:
@@ -108,9 +116,9 @@ class ExpertParallelDispatcher:
         if self.dedup == "none":
             copy_token, dst, pair_copy = token, dst_rank, torch.arange(token.shape[0], device=h.device)
         elif self.dedup == "rank":
-            copy_token, dst, pair_copy = _group_by(token, dst_rank, self.world)
+            copy_token, dst, pair_copy = unique_pairs(token, dst_rank, self.world)
         else:
-            copy_token, dst_node, pair_copy = _group_by(token, dst_rank // self.g, self.topology.num_nodes)
+            copy_token, dst_node, pair_copy = unique_pairs(token, dst_rank // self.g, self.topology.num_nodes)
             dst = dst_node * self.g + self.rank % self.g  # the gateway on each destination node
         y_copies = self._exchange(h, copy_token, dst, pair_copy, expert, gate, meta, experts, slot_of, rank_of)
         return torch.zeros_like(h).index_add(0, copy_token, y_copies)
@@ -128,7 +136,7 @@ class ExpertParallelDispatcher:
             return recv.send_back(y)
         # stage 2 on the gateway: one copy per destination rank inside this node
         node_base = self.topology.node_of(self.rank) * self.g
-        row, local_dst, pair_copy2 = _group_by(recv.pair_copy, rank_of[recv.pair_expert] - node_base, self.g)
+        row, local_dst, pair_copy2 = unique_pairs(recv.pair_copy, rank_of[recv.pair_expert] - node_base, self.g)
         recv2, sent2, sent_pairs2 = send_copies(self.node_group, self.g, recv.x[row], local_dst, pair_copy2,
                                                 recv.pair_expert, recv.pair_gate, recv.copy_meta[row])
         self._record(sent2, sent_pairs2, node_base, row_bytes, meta_bytes, pair_bytes)

@@ -32,3 +32,16 @@ def apply_capacity(expert_idx: Tensor, gates: Tensor, num_experts: int, capacity
     keep = (valid & (position < capacity)).reshape(k, t).t()
     dropped = int((expert_idx >= 0).sum() - keep.sum())
     return torch.where(keep, expert_idx, -1), torch.where(keep, gates, torch.zeros_like(gates)), dropped
+
+
+def capacity_step(expert_idx: Tensor, gates: Tensor, num_experts: int, capacity_factor, stats: dict):
+    """Apply ``capacity_factor`` (None: dropless) and record "dropped" (added up) and "capacity" in stats."""
+    stats.setdefault("dropped", 0)
+    if capacity_factor is None:
+        return expert_idx, gates
+    t, k = expert_idx.shape
+    cap = capacity_for(t, k, num_experts, capacity_factor)
+    expert_idx, gates, dropped = apply_capacity(expert_idx, gates, num_experts, cap)
+    stats["dropped"] += dropped
+    stats["capacity"] = cap
+    return expert_idx, gates

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from dist_moe.routing.base import Router, Routing, expert_load, select_top_k, zero_aux
-from dist_moe.routing.capacity import apply_capacity, capacity_for
+from dist_moe.routing.capacity import capacity_for, capacity_step
 from dist_moe.routing.hashing import hash_combine
 from dist_moe.routing.node_map import NodeMap
 
@@ -31,17 +31,6 @@ def switch_aux_loss(probs: Tensor, expert_idx: Tensor, coeff: float) -> Tensor:
     f = expert_load(expert_idx, e) / kept.sum().clamp_min(1)
     mean_prob = probs.sum(0) / max(t, 1)  # a rank with zero tokens contributes 0, not NaN
     return coeff * e * (f.to(probs.dtype) * mean_prob).sum()
-
-
-def _finish_capacity(stats: dict, idx: Tensor, gates: Tensor, num_experts: int, capacity_factor):
-    if capacity_factor is None:
-        stats["dropped"] = 0
-        return idx, gates
-    cap = capacity_for(idx.shape[0], idx.shape[1], num_experts, capacity_factor)
-    idx, gates, dropped = apply_capacity(idx, gates, num_experts, cap)
-    stats["dropped"] = dropped
-    stats["capacity"] = cap
-    return idx, gates
 
 
 class _LearnedFlatRouter(Router):
@@ -60,7 +49,8 @@ class _LearnedFlatRouter(Router):
         self.hidden_size = hidden_size
         self.node_limit = node_limit
         self.node_map = NodeMap(hidden_size, num_experts, node_map, mlp_hidden)
-        self.group_members: Tensor | None = None  # [G, E/G] expert ids per group
+        # [G, E/G] expert ids per group; a buffer so that .to(device) moves it, not saved with the weights
+        self.register_buffer("group_members", None, persistent=False)
 
     def set_expert_groups(self, expert_group: Tensor) -> None:
         """expert_group [E]: the group (node) of each expert; groups must be equally sized."""
@@ -72,7 +62,8 @@ class _LearnedFlatRouter(Router):
             raise ValueError(f"expert groups must be equally sized, got sizes {counts.tolist()}")
         if self.node_limit is not None and self.top_k > self.node_limit * int(counts[0]):
             raise ValueError(f"top_k={self.top_k} cannot fit in node_limit={self.node_limit} groups of {int(counts[0])}")
-        self.group_members = torch.argsort(expert_group, stable=True).reshape(len(counts), -1)
+        members = torch.argsort(expert_group, stable=True).reshape(len(counts), -1)
+        self.group_members = members.to(self.node_map.parameters().__next__().device)
 
     def limit_to_groups(self, scores: Tensor) -> Tensor:
         """Selection scores with every expert outside the token's best node_limit groups at -inf."""
@@ -81,7 +72,7 @@ class _LearnedFlatRouter(Router):
         if self.group_members is None:
             raise ValueError("node_limit needs expert groups: build the router in an MoELayer with a placement "
                              "and topology, or call set_expert_groups")
-        members = self.group_members.to(scores.device)
+        members = self.group_members
         g, size = members.shape
         if self.node_limit >= g:
             return scores
@@ -135,7 +126,7 @@ class SwitchRouter(_LearnedFlatRouter):
         gates = vals / vals.sum(1, keepdim=True) if self.normalize_gates else vals
         aux = switch_aux_loss(probs, idx, self.aux_loss_coeff)
         stats = {}
-        idx, gates = _finish_capacity(stats, idx, gates, self.num_experts, self.capacity_factor)
+        idx, gates = capacity_step(idx, gates, self.num_experts, self.capacity_factor, stats)
         stats["load"] = expert_load(idx, self.num_experts)
         return Routing(probs=probs, expert_idx=idx, gates=gates, aux_loss=aux, stats=stats)
 
