@@ -12,6 +12,8 @@ different tokens.
 """
 from __future__ import annotations
 
+import os
+
 import torch.distributed as dist
 from torch import Tensor, nn
 
@@ -113,8 +115,6 @@ class MoELayer(nn.Module):
         self.last_token_layout = (tuple(shape[:-1]), padding_mask)
         return y.reshape(shape), routing.aux_loss
 
-
-
     @property
     def traffic(self) -> Traffic:
         """Payload bytes this rank sent in forward dispatch since the last reset (its row)."""
@@ -134,8 +134,6 @@ class MoELayer(nn.Module):
 
 def _default_topology(world: int) -> Topology:
     """The launcher's topology when this group spans the launched world, else one node."""
-    import os
-
     if world > 1 and os.environ.get("WORLD_SIZE") == str(world):
         return Topology.from_env()
     return Topology.flat(world)
