@@ -10,6 +10,16 @@ form of appendix G.2. For observation units m (same-task example groups):
 
 Router parameters get grad(L_task + lambda L_norm); all other parameters get
 grad(L_task); then one global-norm clip and one optimizer step.
+
+Under expert parallelism (MoE layers with a process group) every rank takes the
+same number of groups, and the m-th group of every rank together form
+observation unit m, so the observations of all replicas enter one criterion:
+g_m sums the template gradients of every rank's experts (an all-reduce), p_m
+averages every rank's examples of the unit, and each rank backpropagates its
+share of the task loss (w_m * its examples / all examples of the unit). The
+router gradients, summed over the ranks (which the step does for every
+replicated parameter before its global clip), equal one process running the
+union of the groups.
 """
 from __future__ import annotations
 
@@ -18,6 +28,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
+
+from dist_moe.dispatch.stats import all_reduce_sum
 
 
 @dataclass
@@ -138,6 +150,16 @@ def moe_layers(model: nn.Module) -> list:
     return [m for m in model.modules() if isinstance(m, MoELayer)]
 
 
+def expert_parallel_group(layers):
+    """The process group the MoE layers dispatch over, or None when they all run locally."""
+    groups = {id(layer.group): layer.group for layer in layers if layer.dispatcher is not None}
+    if not groups:
+        return None
+    if len(groups) > 1 or any(layer.dispatcher is None for layer in layers):
+        raise ValueError("GAR needs every MoE layer on the same expert-parallel group")
+    return next(iter(groups.values()))
+
+
 @dataclass
 class Observations:
     """What one GAR update collects per MoE layer during task-gradient accumulation."""
@@ -148,9 +170,10 @@ class Observations:
     task_loss: float
     mode: str
     weights: Sequence[float]
+    group: object = None  # the expert-parallel process group, if any
 
 
-def collect_observations(model, groups, loss_fn, weights, mode="materialized") -> Observations:
+def collect_observations(model, groups, loss_fn, weights, mode="materialized", sizes=None) -> Observations:
     """Accumulate grad(L_task), L_task = sum_m w_m l_m, one group at a time (steps 1-3).
 
     g_m is read off the accumulation: each group's backward writes its expert gradients
@@ -168,11 +191,22 @@ def collect_observations(model, groups, loss_fn, weights, mode="materialized") -
     layers = moe_layers(model)
     if not layers:
         raise ValueError("GAR found no MoELayer in the model")
+    ep = expert_parallel_group(layers)
+    shares = list(weights)
+    if ep is not None:
+        if mode == "gram":
+            raise NotImplementedError("GAR's gram mode is not available under expert parallelism yet; "
+                                      "use mode='materialized'")
+        if sizes is None or len(sizes) != len(groups) or any(int(n) < 1 for n in sizes):
+            raise ValueError("under expert parallelism pass sizes=[examples of each group on this rank], "
+                             f"each >= 1 (got {sizes!r})")
+        totals = all_reduce_sum(torch.tensor([float(n) for n in sizes], dtype=torch.float64), ep).tolist()
+        shares = [w * n / total for w, n, total in zip(weights, sizes, totals)]
     inputs = [[] for _ in layers]
     per_group = [[] for _ in layers]
     task_loss = 0.0
     template = [list(layer.experts.template().values()) for layer in layers]
-    for group, w in zip(groups, weights):
+    for group, w, share in zip(groups, weights, shares):
         if mode == "materialized":
             stashes = [_stash_grads(params) for params in template]
         else:
@@ -180,56 +214,67 @@ def collect_observations(model, groups, loss_fn, weights, mode="materialized") -
                 layer.experts.capture = FactorCapture()
         try:
             loss = loss_fn(model, group)
-            (w * loss).backward()
+            (share * loss).backward()
         finally:
             captures = [layer.experts.capture for layer in layers]
             for layer in layers:
                 layer.experts.capture = None
-        task_loss += w * float(loss.detach())
+        task_loss += share * float(loss.detach())
         for li, layer in enumerate(layers):
             inputs[li].append((layer.last_router_input, dict(layer.last_router_extras), layer.last_token_layout))
-            if mode == "materialized":
-                per_group[li].append(template_gradient(layer.experts) / w)
+            if mode == "materialized":  # every rank's experts enter the template sum
+                per_group[li].append(all_reduce_sum(template_gradient(layer.experts), ep) / w)
                 _restore_grads(template[li], stashes[li])
             else:
                 per_group[li].append(captures[li])
-    return Observations(layers, inputs, per_group, task_loss, mode, list(weights))
+    if ep is not None:
+        task_loss = float(all_reduce_sum(torch.tensor(task_loss, dtype=torch.float64), ep))
+    return Observations(layers, inputs, per_group, task_loss, mode, list(weights), ep)
 
 
-def example_mean(summary: Tensor, layout) -> Tensor:
-    """p_m: average each example's valid tokens (q_n), then average the examples (step 5).
+def example_sum(summary: Tensor, layout) -> tuple[Tensor, int]:
+    """(sum over examples of q_n, number of examples): q_n averages an example's valid tokens.
 
     ``layout`` is (leading shape, padding mask or None) as the MoE layer saw the input:
     [B] means one token per example, [B, S] means S token positions per example.
     """
     shape, padding = layout
     if len(shape) <= 1:
-        return summary.mean(0)
+        return summary.sum(0), summary.shape[0]
     q = summary.reshape(shape[0], -1, summary.shape[-1])
     if padding is None:
-        return q.mean(1).mean(0)
+        return q.mean(1).sum(0), shape[0]
     valid = (~padding.reshape(shape[0], -1)).to(q.dtype).unsqueeze(-1)
     per_example = (q * valid).sum(1) / valid.sum(1).clamp_min(1)
-    return per_example[valid.sum((1, 2)) > 0].mean(0)
+    keep = valid.sum((1, 2)) > 0  # a fully padded example is no example
+    return per_example[keep].sum(0), int(keep.sum())
 
 
-def group_route_summaries(router, router_inputs) -> Tensor:
-    """P [M, E]: per group, the router summary recomputed from detached inputs (steps 4-5).
+def example_mean(summary: Tensor, layout) -> Tensor:
+    """p_m: average each example's valid tokens (q_n), then average the examples (step 5)."""
+    total, count = example_sum(summary, layout)
+    return total / count
+
+
+def group_route_summaries(router, router_inputs, group=None) -> Tensor:
+    """P [M, E]: per unit, the router summary recomputed from detached inputs (steps 4-5).
 
     The recomputation runs the router in its training mode, so a Switch router's input
     jitter is drawn afresh here (the configured rule, not the forward's exact noise).
+    With a process group the unit's examples on every rank are averaged together.
     """
     with router.frozen_state():  # recomputation must not move anchors, biases or schedules again
-        return torch.stack(
-            [example_mean(router_summary(router(h, **extras)), layout) for h, extras, layout in router_inputs]
-        )
+        parts = [example_sum(router_summary(router(h, **extras)), layout) for h, extras, layout in router_inputs]
+    sums = torch.stack([s for s, _ in parts])
+    counts = torch.tensor([float(c) for _, c in parts], dtype=sums.dtype, device=sums.device)
+    return all_reduce_sum(sums, group) / all_reduce_sum(counts, group).unsqueeze(1)
 
 
 def gar_objective(obs: Observations, eps: float = 1e-8) -> Tensor:
     """L_norm summed over MoE layers (steps 6-7); differentiable in router parameters only."""
     total = torch.zeros((), device=obs.router_inputs[0][0][0].device)
     for li, layer in enumerate(obs.layers):
-        P = group_route_summaries(layer.router, obs.router_inputs[li])
+        P = group_route_summaries(layer.router, obs.router_inputs[li], obs.group)
         if obs.mode == "materialized":
             total = total + gar_loss(P, torch.stack(obs.per_group[li]), eps)
         else:
@@ -247,21 +292,61 @@ def gar_train_step(
     eps: float = 1e-8,
     max_grad_norm: float | None = 1.0,
     mode: str = "materialized",
+    sizes: Sequence[int] | None = None,
 ) -> dict:
-    """One GAR update (Algorithm 1) on a single process.
+    """One GAR update (Algorithm 1).
 
     ``groups`` are the observation units (same-task example groups); ``loss_fn(model,
     group)`` runs the ordinary forward and returns the group's mean loss l_m;
-    L_task = sum_m weights[m] l_m (see ``equal_task_weights``).
+    L_task = sum_m weights[m] l_m (see ``equal_task_weights``). Under expert
+    parallelism also pass ``sizes`` (this rank's examples per group); the step then
+    sums replicated parameters' gradients over the group and clips by the norm of
+    every parameter on every rank.
     """
     optimizer.zero_grad(set_to_none=True)
-    obs = collect_observations(model, groups, loss_fn, weights, mode)
+    obs = collect_observations(model, groups, loss_fn, weights, mode, sizes)
     aux = gar_objective(obs, eps)
     if lam and aux.requires_grad:
-        (lam * aux).backward()  # reaches router parameters only: inputs and observations are detached
-    params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
+        # every rank holds the same L_norm: each contributes 1/W so the summed gradient is one L_norm's
+        world = 1 if obs.group is None else torch.distributed.get_world_size(obs.group)
+        (lam * aux / world).backward()  # router parameters only: inputs and observations are detached
+    params = [p for p in model.parameters() if p.requires_grad]
+    if obs.group is not None:
+        _sum_replicated_grads(params, obs.layers, obs.group)
     grad_norm = None
     if max_grad_norm is not None:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))  # one global clip
+        grad_norm = _clip_global(params, obs.layers, obs.group, max_grad_norm)
     optimizer.step()
     return {"task_loss": obs.task_loss, "gar_loss": float(aux.detach()), "grad_norm": grad_norm}
+
+
+def _expert_param_ids(layers) -> set[int]:
+    return {id(p) for layer in layers for p in layer.experts.parameters()}
+
+
+def _sum_replicated_grads(params, layers, group) -> None:
+    """Data-parallel gradient sum of the parameters every rank holds (experts are rank-local)."""
+    local = _expert_param_ids(layers)
+    for p in params:
+        if id(p) in local:
+            continue
+        if p.grad is None:  # still take part: every rank reduces every replicated parameter
+            p.grad = torch.zeros_like(p)
+        p.grad = all_reduce_sum(p.grad, group)
+
+
+def _clip_global(params, layers, group, max_norm: float) -> float:
+    """One global-norm clip over all parameters; rank-local experts' squares are summed over ranks."""
+    local = _expert_param_ids(layers)
+    grads = [p.grad for p in params if p.grad is not None]
+    if group is None:
+        return float(torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm))
+    replicated = sum((g.double() ** 2).sum() for p, g in zip(params, [p.grad for p in params])
+                     if g is not None and id(p) not in local)
+    experts = sum((p.grad.double() ** 2).sum() for p in params if p.grad is not None and id(p) in local)
+    total = float(replicated + all_reduce_sum(torch.as_tensor(experts, dtype=torch.float64), group)) ** 0.5
+    coef = max_norm / (total + 1e-6)
+    if coef < 1:
+        for g in grads:
+            g.mul_(coef)
+    return total
