@@ -222,13 +222,15 @@ def collect_observations(model, groups, loss_fn, weights, mode="materialized", s
         task_loss += share * float(loss.detach())
         for li, layer in enumerate(layers):
             inputs[li].append((layer.last_router_input, dict(layer.last_router_extras), layer.last_token_layout))
-            if mode == "materialized":  # every rank's experts enter the template sum
-                per_group[li].append(all_reduce_sum(template_gradient(layer.experts), ep) / w)
+            if mode == "materialized":
+                per_group[li].append(template_gradient(layer.experts) / w)
                 _restore_grads(template[li], stashes[li])
             else:
                 per_group[li].append(captures[li])
     if ep is not None:
         task_loss = float(all_reduce_sum(torch.tensor(task_loss, dtype=torch.float64), ep))
+        if mode == "materialized":  # every rank's experts enter the template sum: one all-reduce per layer
+            per_group = [list(all_reduce_sum(torch.stack(rows), ep).unbind(0)) for rows in per_group]
     return Observations(layers, inputs, per_group, task_loss, mode, list(weights), ep)
 
 
