@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
@@ -76,6 +77,7 @@ class MoELayer(nn.Module):
                                **expert_kwargs)
         self.shared_expert = SharedExpert(hidden_size, shared_expert_hidden) if shared_expert_hidden else None
         self.capacity_factor = capacity_factor
+        self.ablated_experts: frozenset = frozenset()  # zero-ablation for diagnostics (SpecDrop's Align)
         self.last_routing: Routing | None = None
         self.last_router_input: Tensor | None = None
         self.last_router_extras: dict = {}
@@ -102,6 +104,9 @@ class MoELayer(nn.Module):
         routing = self.router(h, categories=categories, token_ids=token_ids)
         routing.expert_idx, routing.gates = capacity_step(
             routing.expert_idx, routing.gates, self.num_experts, self.capacity_factor, routing.stats)
+        if self.ablated_experts:  # the expert still runs; its gated output is zeroed (denominators unchanged)
+            off = torch.isin(routing.expert_idx, torch.tensor(sorted(self.ablated_experts), device=h.device))
+            routing.gates = torch.where(off, torch.zeros_like(routing.gates), routing.gates)
         if self.dispatcher is None:
             token, expert, gate = routing_pairs(routing.expert_idx, routing.gates)
             y = apply_experts(self.experts, h, token, expert, gate)
