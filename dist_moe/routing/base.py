@@ -92,7 +92,10 @@ class Router(nn.Module):
             raise ValueError(f"router input hidden size {x.shape[1]} != hidden_size={hidden_size}")
         if not x.is_floating_point():
             raise ValueError(f"router input must be floating point, got {x.dtype}")
-        if not bool(torch.isfinite(x).all()):
+        if x.is_cuda:
+            # No host sync per layer on GPUs: a device-side assert stops the step instead (torch 2.x).
+            torch._assert_async(torch.isfinite(x).all(), "router input contains NaN or Inf")
+        elif not bool(torch.isfinite(x).all()):
             bad = int((~torch.isfinite(x)).any(dim=1).sum())
             raise ValueError(f"router input contains NaN or Inf in {bad} of {x.shape[0]} tokens")
         # Routing math runs in fp32 whatever the activation dtype (bf16 underflows masks).
