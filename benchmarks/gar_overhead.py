@@ -31,28 +31,16 @@ from tests.dist_utils import run_workers  # noqa: E402
 
 def worker(rank, world, args, out_path):
     import torch.distributed as dist
-    from torch import nn
 
-    from dist_moe import MoELayer
-    from dist_moe.routing.gar import equal_task_weights, gar_train_step
+    from dist_moe.models import MoERegressor
+    from dist_moe.routing.gar import equal_task_weights, gar_train_step, sum_replicated_grads
 
     torch.set_num_threads(1)
     H = args.hidden
 
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inp = nn.Linear(32, H)
-            self.moe = MoELayer(H, args.ffn, {"type": "switch", "num_experts": 8, "top_k": 2, "jitter_eps": 0.0},
-                                group=dist.group.WORLD, dedup="rank", expert_type=args.experts)
-            self.head = nn.Linear(H, 1)
-
-        def forward(self, x):
-            h, aux = self.moe(torch.relu(self.inp(x)))
-            return self.head(h).squeeze(-1), aux
-
     torch.manual_seed(0)
-    model = Net()
+    router = {"type": "switch", "num_experts": 8, "top_k": 2, "jitter_eps": 0.0}
+    model = MoERegressor(32, H, args.ffn, router, group=dist.group.WORLD, dedup="rank", expert_type=args.experts)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(rank)
     groups, tasks = [], []
@@ -74,9 +62,7 @@ def worker(rank, world, args, out_path):
         share = 1.0 / world
         for grp, w in zip(groups, weights):
             (share * w * loss_fn(model, grp)).backward()
-        for p in model.parameters():  # data-parallel sum of replicated parameters, as GAR's step does
-            if p.grad is not None and p not in set(model.moe.experts.parameters()):
-                dist.all_reduce(p.grad)
+        sum_replicated_grads(list(model.parameters()), [model.moe], dist.group.WORLD)  # as GAR's step does
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
 

@@ -9,9 +9,8 @@ def _gar_worker(rank, world, router_type):
 
     import torch
     import torch.distributed as dist
-    from torch import nn
 
-    from dist_moe import MoELayer
+    from dist_moe.models import MoERegressor
     from dist_moe.routing.gar import equal_task_weights, gar_train_step
     from placement import Placement, Topology
 
@@ -20,24 +19,13 @@ def _gar_worker(rank, world, router_type):
     if router_type in ("switch", "skywork"):
         cfg["jitter_eps"] = 0.0
 
-    class Net(nn.Module):
-        def __init__(self, **layer_kw):
-            super().__init__()
-            self.inp = nn.Linear(4, H)
-            self.moe = MoELayer(H, 8, dict(cfg), **layer_kw)
-            self.head = nn.Linear(H, 1)
-
-        def forward(self, x):
-            h, aux = self.moe(torch.relu(self.inp(x)))
-            return self.head(h).squeeze(-1), aux
-
     torch.manual_seed(0)
-    ref = Net()
+    ref = MoERegressor(4, H, 8, cfg)
     placement = Placement.round_robin(E, world)
     topo = Topology(("node", "gpu"), (2, world // 2))
 
     def expert_parallel_copy():  # a process group cannot be deep-copied: build, then load the weights
-        ep = Net(group=dist.group.WORLD, placement=placement, topology=topo, dedup="node")
+        ep = MoERegressor(4, H, 8, cfg, group=dist.group.WORLD, placement=placement, topology=topo, dedup="node")
         ep.load_state_dict({k: v for k, v in ref.state_dict().items() if ".experts." not in k}, strict=False)
         for name, p in ep.moe.experts.named_parameters():
             p.data.copy_(getattr(ref.moe.experts, name).data[ep.moe.local_expert_ids])

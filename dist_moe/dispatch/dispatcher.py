@@ -109,7 +109,7 @@ class ExpertParallelDispatcher:
     def __call__(self, h: Tensor, expert_idx: Tensor, gates: Tensor, experts: Experts,
                  copy_meta: Tensor | None = None) -> Tensor:
         """h [T, H] this rank's tokens -> y [T, H] sum of gated expert outputs per token."""
-        rank_of, slot_of = self._index_tensors(h.device)
+        rank_of, _ = self._index_tensors(h.device)
         token, expert, gate = routing_pairs(expert_idx, gates)
         dst_rank = rank_of[expert]
         meta = None if copy_meta is None else copy_meta.reshape(h.shape[0], -1).long()
@@ -120,10 +120,11 @@ class ExpertParallelDispatcher:
         else:
             copy_token, dst_node, pair_copy = unique_pairs(token, dst_rank // self.g, self.topology.num_nodes)
             dst = dst_node * self.g + self.rank % self.g  # the gateway on each destination node
-        y_copies = self._exchange(h, copy_token, dst, pair_copy, expert, gate, meta, experts, slot_of, rank_of)
+        y_copies = self._exchange(h, copy_token, dst, pair_copy, expert, gate, meta, experts)
         return torch.zeros_like(h).index_add(0, copy_token, y_copies)
 
-    def _exchange(self, h, copy_row, dst, pair_copy, expert, gate, meta, experts, slot_of, rank_of) -> Tensor:
+    def _exchange(self, h, copy_row, dst, pair_copy, expert, gate, meta, experts) -> Tensor:
+        rank_of, slot_of = self.rank_of, self.slot_of  # already on h's device (__call__)
         row_bytes = h.shape[1] * h.element_size()
         pair_bytes = 16 + gate.element_size()  # copy index and expert id (int64) and the gate
         meta_bytes = 0 if meta is None else 8 * meta.shape[1]

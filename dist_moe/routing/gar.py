@@ -229,8 +229,8 @@ def collect_observations(model, groups, loss_fn, weights, mode="materialized", s
                 per_group[li].append(captures[li])
     if ep is not None:
         task_loss = float(all_reduce_sum(torch.tensor(task_loss, dtype=torch.float64), ep))
-        if mode == "materialized":  # every rank's experts enter the template sum: one all-reduce per layer
-            per_group = [list(all_reduce_sum(torch.stack(rows), ep).unbind(0)) for rows in per_group]
+        # every rank's experts enter the template sum: one all-reduce per layer (EP is materialized only)
+        per_group = [list(all_reduce_sum(torch.stack(rows), ep).unbind(0)) for rows in per_group]
     return Observations(layers, inputs, per_group, task_loss, mode, list(weights), ep)
 
 
@@ -314,7 +314,7 @@ def gar_train_step(
         (lam * aux / world).backward()  # router parameters only: inputs and observations are detached
     params = [p for p in model.parameters() if p.requires_grad]
     if obs.group is not None:
-        _sum_replicated_grads(params, obs.layers, obs.group)
+        sum_replicated_grads(params, obs.layers, obs.group)
     grad_norm = None
     if max_grad_norm is not None:
         grad_norm = _clip_global(params, obs.layers, obs.group, max_grad_norm)
@@ -326,7 +326,7 @@ def _expert_param_ids(layers) -> set[int]:
     return {id(p) for layer in layers for p in layer.experts.parameters()}
 
 
-def _sum_replicated_grads(params, layers, group) -> None:
+def sum_replicated_grads(params, layers, group) -> None:
     """Data-parallel gradient sum of the parameters every rank holds (experts are rank-local)."""
     local = _expert_param_ids(layers)
     for p in params:
@@ -339,16 +339,16 @@ def _sum_replicated_grads(params, layers, group) -> None:
 
 def _clip_global(params, layers, group, max_norm: float) -> float:
     """One global-norm clip over all parameters; rank-local experts' squares are summed over ranks."""
-    local = _expert_param_ids(layers)
-    grads = [p.grad for p in params if p.grad is not None]
+    with_grad = [p for p in params if p.grad is not None]
     if group is None:
-        return float(torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm))
-    replicated = sum((g.double() ** 2).sum() for p, g in zip(params, [p.grad for p in params])
-                     if g is not None and id(p) not in local)
-    experts = sum((p.grad.double() ** 2).sum() for p in params if p.grad is not None and id(p) in local)
-    total = float(replicated + all_reduce_sum(torch.as_tensor(experts, dtype=torch.float64), group)) ** 0.5
+        return float(torch.nn.utils.clip_grad_norm_(with_grad, max_norm))
+    local = _expert_param_ids(layers)
+    squares = torch.zeros(2, dtype=torch.float64)  # [replicated, rank-local experts]
+    for p in with_grad:
+        squares[int(id(p) in local)] += (p.grad.double() ** 2).sum()
+    total = float(squares[0] + all_reduce_sum(squares[1:], group)[0]) ** 0.5
     coef = max_norm / (total + 1e-6)
     if coef < 1:
-        for g in grads:
-            g.mul_(coef)
+        for p in with_grad:
+            p.grad.mul_(coef)
     return total
