@@ -25,16 +25,27 @@ def _init(shape, fan_in) -> nn.Parameter:
 
 
 class FactorCapture:
-    """Block inputs x and output gradients delta, per template slot, for the Gram form."""
+    """Block inputs x and output gradients delta, per template slot, for the Gram form.
 
-    def __init__(self):
+    A capture that needs to know whose rows it saw (GAR's example and token units)
+    gets ``source_tags(layout) -> [T]`` from its owner: the MoE layer tags each of
+    its tokens with it, the tags travel with the token copies, and every recorded
+    chunk keeps its rows' tags in ``tags``.
+    """
+
+    def __init__(self, source_tags=None):
         self.inputs: dict[str, list[Tensor]] = {}
         self.grads: dict[str, list[Tensor]] = {}
+        self.tags: dict[str, list[Tensor]] = {}
+        self.source_tags = source_tags
+        self.current_tags: Tensor | None = None  # tags of the chunk an expert is running on
 
     def record(self, slot: str, x: Tensor, out: Tensor) -> None:
         if not out.requires_grad:
             return
         self.inputs.setdefault(slot, []).append(x.detach())
+        if self.current_tags is not None:
+            self.tags.setdefault(slot, []).append(self.current_tags)
         grads = self.grads.setdefault(slot, [])
         index = len(grads)
         grads.append(None)
@@ -82,40 +93,56 @@ class Experts(nn.Module):
         """Trainable stacked parameters; slot name -> [E, ...]."""
         return {n: p for n, p in self.named_parameters() if p.requires_grad}
 
-    def _linear(self, slot: str, e: int, x: Tensor, w: Tensor) -> Tensor:
-        out = x @ w[e].to(x.dtype)
+    def _linear(self, slot: str, x: Tensor, w: Tensor) -> Tensor:
+        out = x @ w.to(x.dtype)
         if self.capture is not None and torch.is_grad_enabled():
             self.capture.record(slot, x, out)
         return out
 
-    def expert(self, e: int, x: Tensor) -> Tensor:
+    def expert(self, e: int, x: Tensor, weights: dict[str, Tensor] | None = None) -> Tensor:
+        """Expert ``e`` on rows x; ``weights`` maps slot -> that expert's [in, out] weight."""
+        w = weights if weights is not None else {n: p[e] for n, p in self.template().items()}
         if self.kind == "swiglu":
-            h = F.silu(self._linear("w_gate", e, x, self.w_gate)) * self._linear("w_up", e, x, self.w_up)
-            return self._linear("w_down", e, h, self.w_down)
+            h = F.silu(self._linear("w_gate", x, w["w_gate"])) * self._linear("w_up", x, w["w_up"])
+            return self._linear("w_down", h, w["w_down"])
         if self.kind == "gelu":
-            return self._linear("w_fc2", e, F.gelu(self._linear("w_fc1", e, x, self.w_fc1)), self.w_fc2)
-        z = self._linear("lora_A", e, x, self.lora_A)
-        return x @ self.base.to(x.dtype) + self.lora_scale * self._linear("lora_B", e, z, self.lora_B)
+            return self._linear("w_fc2", F.gelu(self._linear("w_fc1", x, w["w_fc1"])), w["w_fc2"])
+        z = self._linear("lora_A", x, w["lora_A"])
+        return x @ self.base.to(x.dtype) + self.lora_scale * self._linear("lora_B", z, w["lora_B"])
 
-    def forward(self, x_sorted: Tensor, counts: list[int]) -> Tensor:
-        """x_sorted: tokens grouped by expert (expert 0's first); counts[e] rows each."""
-        chunks = x_sorted.split(counts)
-        outs = [self.expert(e, chunk) for e, chunk in enumerate(chunks) if chunk.shape[0]]
+    def forward(self, x_sorted: Tensor, counts: list[int], tags: Tensor | None = None) -> Tensor:
+        """x_sorted: tokens grouped by expert (expert 0's first); counts[e] rows each;
+        ``tags`` [rows], for a tagging capture, say whose row each is."""
+        # unbind once: its backward stacks the experts' gradients into one tensor, where
+        # indexing p[e] per expert would zero-fill a full [E, ...] gradient for each expert
+        views = {n: p.unbind(0) for n, p in self.template().items()}
+        tagging = self.capture is not None and tags is not None
+        chunk_tags = tags.split(counts) if tagging else [None] * len(counts)
+        outs = []
+        for e, (chunk, chunk_tag) in enumerate(zip(x_sorted.split(counts), chunk_tags)):
+            if chunk.shape[0]:
+                if tagging:
+                    self.capture.current_tags = chunk_tag
+                outs.append(self.expert(e, chunk, {n: v[e] for n, v in views.items()}))
         if not outs:  # still an autograd function of the input and weights, like any other call
+            if tagging:
+                self.capture.current_tags = tags[:0]
             return self.expert(0, x_sorted[:0])
         return torch.cat(outs)
 
 
-def apply_experts(experts: Experts, x: Tensor, pair_row: Tensor, pair_slot: Tensor, pair_gate: Tensor) -> Tensor:
+def apply_experts(experts: Experts, x: Tensor, pair_row: Tensor, pair_slot: Tensor, pair_gate: Tensor,
+                  row_tags: Tensor | None = None) -> Tensor:
     """y[r] = sum over pairs p with pair_row[p] == r of gate_p * expert_{slot_p}(x[r]).
 
     Pairs are grouped by local expert slot with one stable sort, so each expert runs
     once on a contiguous slice; gated outputs are reduced per row with index_add.
+    ``row_tags`` [rows of x] are handed to a tagging capture (GAR observations).
     """
     order = torch.argsort(pair_slot, stable=True)
     rows, gates = pair_row[order], pair_gate[order]
     counts = torch.bincount(pair_slot, minlength=experts.num_experts).tolist()
-    out = experts(x[rows], counts)
+    out = experts(x[rows], counts, None if row_tags is None else row_tags[rows])
     y = torch.zeros_like(x)
     return y.index_add(0, rows, (out * gates.unsqueeze(1).to(out.dtype)).to(x.dtype))
 

@@ -107,11 +107,14 @@ class MoELayer(nn.Module):
         if self.ablated_experts:  # the expert still runs; its gated output is zeroed (denominators unchanged)
             off = torch.isin(routing.expert_idx, torch.tensor(sorted(self.ablated_experts), device=h.device))
             routing.gates = torch.where(off, torch.zeros_like(routing.gates), routing.gates)
+        capture = self.experts.capture
+        tags = None if capture is None or capture.source_tags is None else capture.source_tags(shape[:-1], padding_mask)
         if self.dispatcher is None:
             token, expert, gate = routing_pairs(routing.expert_idx, routing.gates)
-            y = apply_experts(self.experts, h, token, expert, gate)
+            y = apply_experts(self.experts, h, token, expert, gate, tags)
         else:
-            y = self.dispatcher(h, routing.expert_idx, routing.gates, self.experts, copy_meta=categories)
+            y = self.dispatcher(h, routing.expert_idx, routing.gates, self.experts, copy_meta=categories,
+                                row_tags=tags)
         if self.shared_expert is not None:
             y = y + self.shared_expert(h)
         self.last_routing = routing.detached()  # keeping the graph alive would pin activations

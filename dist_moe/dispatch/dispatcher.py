@@ -107,12 +107,17 @@ class ExpertParallelDispatcher:
         return self.rank_of, self.slot_of
 
     def __call__(self, h: Tensor, expert_idx: Tensor, gates: Tensor, experts: Experts,
-                 copy_meta: Tensor | None = None) -> Tensor:
-        """h [T, H] this rank's tokens -> y [T, H] sum of gated expert outputs per token."""
+                 copy_meta: Tensor | None = None, row_tags: Tensor | None = None) -> Tensor:
+        """h [T, H] this rank's tokens -> y [T, H] sum of gated expert outputs per token.
+
+        ``copy_meta`` [T] or [T, C] integers travel with each copy (categories);
+        ``row_tags`` [T] too, and reach the experts' capture at the destination.
+        """
         rank_of, _ = self._index_tensors(h.device)
         token, expert, gate = routing_pairs(expert_idx, gates)
         dst_rank = rank_of[expert]
-        meta = None if copy_meta is None else copy_meta.reshape(h.shape[0], -1).long()
+        parts = [t.reshape(h.shape[0], -1).long() for t in (copy_meta, row_tags) if t is not None]
+        meta = torch.cat(parts, 1) if parts else None
         if self.dedup == "none":
             copy_token, dst, pair_copy = token, dst_rank, torch.arange(token.shape[0], device=h.device)
         elif self.dedup == "rank":
@@ -120,10 +125,11 @@ class ExpertParallelDispatcher:
         else:
             copy_token, dst_node, pair_copy = unique_pairs(token, dst_rank // self.g, self.topology.num_nodes)
             dst = dst_node * self.g + self.rank % self.g  # the gateway on each destination node
-        y_copies = self._exchange(h, copy_token, dst, pair_copy, expert, gate, meta, experts)
+        y_copies = self._exchange(h, copy_token, dst, pair_copy, expert, gate, meta, experts, row_tags is not None)
         return torch.zeros_like(h).index_add(0, copy_token, y_copies)
 
-    def _exchange(self, h, copy_row, dst, pair_copy, expert, gate, meta, experts) -> Tensor:
+    def _exchange(self, h, copy_row, dst, pair_copy, expert, gate, meta, experts, tagged: bool) -> Tensor:
+        tags = (lambda m: m[:, -1]) if tagged else (lambda m: None)  # the last meta column holds row tags
         rank_of, slot_of = self.rank_of, self.slot_of  # already on h's device (__call__)
         row_bytes = h.shape[1] * h.element_size()
         pair_bytes = 16 + gate.element_size()  # copy index and expert id (int64) and the gate
@@ -133,7 +139,8 @@ class ExpertParallelDispatcher:
                                              copy_meta)
         self._record(sent, sent_pairs, 0, row_bytes, meta_bytes, pair_bytes)
         if self.dedup != "node":
-            y = apply_experts(experts, recv.x, recv.pair_copy, slot_of[recv.pair_expert], recv.pair_gate)
+            y = apply_experts(experts, recv.x, recv.pair_copy, slot_of[recv.pair_expert], recv.pair_gate,
+                              tags(recv.copy_meta))
             return recv.send_back(y)
         # stage 2 on the gateway: one copy per destination rank inside this node
         node_base = self.topology.node_of(self.rank) * self.g
@@ -141,6 +148,7 @@ class ExpertParallelDispatcher:
         recv2, sent2, sent_pairs2 = send_copies(self.node_group, self.g, recv.x[row], local_dst, pair_copy2,
                                                 recv.pair_expert, recv.pair_gate, recv.copy_meta[row])
         self._record(sent2, sent_pairs2, node_base, row_bytes, meta_bytes, pair_bytes)
-        y2 = apply_experts(experts, recv2.x, recv2.pair_copy, slot_of[recv2.pair_expert], recv2.pair_gate)
+        y2 = apply_experts(experts, recv2.x, recv2.pair_copy, slot_of[recv2.pair_expert], recv2.pair_gate,
+                           tags(recv2.copy_meta))
         y = torch.zeros_like(recv.x).index_add(0, row, recv2.send_back(y2))
         return recv.send_back(y)

@@ -1,4 +1,4 @@
-"""All-reduce of small routing statistics (BRANCH anchor sums, DeepSeek-V3 loads).
+"""Reductions for routing statistics (BRANCH anchor sums, DeepSeek-V3 loads) and GAR observations.
 
 Routers call this instead of torch.distributed so that the strategies stay pure
 tensor math; with ``group=None`` (or no initialised process group) it is the
@@ -31,12 +31,38 @@ class _AllReduceSum(torch.autograd.Function):
 
 
 def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
-    if group is None or not dist.is_available() or not dist.is_initialized():
-        return t
-    if dist.get_world_size(group) == 1:
+    """Sum over ``group``, differentiable when ``t`` requires grad; the identity without a group."""
+    if not _active(group):
         return t
     if t.requires_grad:
         return _AllReduceSum.apply(t, group)
     out = t.clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out
+
+
+def _active(group) -> bool:
+    return group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def all_reduce_sum_(t: torch.Tensor, group=None) -> None:
+    """In-place sum over ``group`` of a tensor outside autograd (GAR's observations)."""
+    if _active(group):
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+
+
+def all_gather_rows(t: torch.Tensor, group=None) -> torch.Tensor:
+    """Concatenate every rank's ``t`` along dim 0 in rank order; row counts may differ."""
+    if not _active(group):
+        return t
+    world = dist.get_world_size(group)
+    n = torch.tensor([t.shape[0]], device=t.device)
+    counts = [torch.empty_like(n) for _ in range(world)]
+    dist.all_gather(counts, n, group=group)
+    counts = [int(c) for c in counts]
+    most = max(counts)
+    padded = t.new_zeros((most,) + tuple(t.shape[1:]))
+    padded[: t.shape[0]] = t
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded.contiguous(), group=group)
+    return torch.cat([p[:c] for p, c in zip(parts, counts)])

@@ -1,25 +1,24 @@
 """GAR: gradient-aligned routing, an auxiliary objective for differentiable routers.
 
 gar-paper.txt section 5.2, Algorithm 1 (appendix G.1) and the factorized Gram
-form of appendix G.2. For observation units m (same-task example groups):
+form of appendix G.2. For observation units m (same-task example groups by
+default; examples or tokens as options, see ``gar_observe``):
 
   g_m      = sum_e grad_{theta_e} l_m  in a common parameter template, detached
-  p_m      = mean of the units' router summaries, recomputed from detached
-             router inputs so only router parameters see the auxiliary gradient
+  p_m      = the unit's router summary, recomputed from detached router inputs
+             so only router parameters see the auxiliary gradient
   L_norm   = - sum_k ||sum_m p_mk g_m||^2 / (sum_m p_mk + eps)
 
 Router parameters get grad(L_task + lambda L_norm); all other parameters get
 grad(L_task); then one global-norm clip and one optimizer step.
 
-Under expert parallelism (MoE layers with a process group) every rank takes the
-same number of groups, and the m-th group of every rank together form
-observation unit m, so the observations of all replicas enter one criterion:
-g_m sums the template gradients of every rank's experts (an all-reduce), p_m
-averages every rank's examples of the unit, and each rank backpropagates its
-share of the task loss (w_m * its examples / all examples of the unit). The
-router gradients, summed over the ranks (which the step does for every
-replicated parameter before its global clip), equal one process running the
-union of the groups.
+Under expert parallelism (MoE layers with a process group) the observations of
+all replicas enter one criterion: the m-th group of every rank is one group unit,
+g_m sums the template gradients of every rank's experts, p_m averages every
+rank's examples of the unit, and each rank backpropagates its share of the task
+loss (w_m * its examples / all examples of the unit). The router gradients,
+summed over the ranks (which the step does for every replicated parameter before
+its global clip), equal one process running the union of the groups.
 """
 from __future__ import annotations
 
@@ -30,6 +29,23 @@ import torch
 from torch import Tensor, nn
 
 from dist_moe.dispatch.stats import all_reduce_sum
+from dist_moe.routing.gar_factors import factor_gram, factor_observations
+from dist_moe.routing.gar_observe import (
+    MODES,
+    UNITS,
+    Observations,
+    collect_observations,
+    example_mean,
+    example_sum,
+    group_route_summaries,
+    template_gradient,
+)
+
+__all__ = [
+    "GARConfig", "MODES", "UNITS", "Observations", "collect_observations", "equal_task_weights", "example_mean",
+    "example_sum", "factor_gram", "factor_observations", "gar_loss", "gar_loss_gram", "gar_objective",
+    "gar_train_step", "group_route_summaries", "router_summary", "sum_replicated_grads", "template_gradient",
+]
 
 
 @dataclass
@@ -37,21 +53,24 @@ class GARConfig:
     lam: float = 1e-3
     eps: float = 1e-8
     mode: str = "materialized"  # or "gram" (appendix G.2, no [M, d] observation matrix)
+    unit: str = "group"  # observation unit: "group", "example" or "token"
+
+    _KEYS = {"lambda": "lam", "eps": "eps", "mode": "mode", "unit": "unit"}
 
     @classmethod
     def from_dict(cls, d: dict) -> "GARConfig":
         if not isinstance(d, dict):
             raise ValueError(f"router key 'gar' must be a mapping, got {d!r}")
-        unknown = sorted(set(d) - {"lambda", "eps", "mode"})
+        unknown = sorted(set(d) - set(cls._KEYS))
         if unknown:
-            raise ValueError(f"unknown gar key {unknown[0]!r}; valid keys: ['eps', 'lambda', 'mode']")
-        cfg = cls(lam=d.get("lambda", cls.lam), eps=d.get("eps", cls.eps), mode=d.get("mode", cls.mode))
-        if isinstance(cfg.lam, bool) or not isinstance(cfg.lam, (int, float)) or cfg.lam < 0:
-            raise ValueError(f"gar key 'lambda' must be a number >= 0, got {cfg.lam!r}")
-        if isinstance(cfg.eps, bool) or not isinstance(cfg.eps, (int, float)) or cfg.eps < 0:
-            raise ValueError(f"gar key 'eps' must be a number >= 0, got {cfg.eps!r}")
-        if cfg.mode not in ("materialized", "gram"):
-            raise ValueError(f"gar key 'mode' must be 'materialized' or 'gram', got {cfg.mode!r}")
+            raise ValueError(f"unknown gar key {unknown[0]!r}; valid keys: {sorted(cls._KEYS)}")
+        cfg = cls(**{cls._KEYS[k]: v for k, v in d.items()})
+        for key, value in (("lambda", cfg.lam), ("eps", cfg.eps)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ValueError(f"gar key {key!r} must be a finite number >= 0, got {value!r}")
+        for key, value, allowed in (("mode", cfg.mode, MODES), ("unit", cfg.unit, UNITS)):
+            if value not in allowed:
+                raise ValueError(f"gar key {key!r} must be one of {list(allowed)}, got {value!r}")
         return cfg
 
 
@@ -85,57 +104,6 @@ def router_summary(routing) -> Tensor:
     return summary
 
 
-def template_gradient(experts) -> Tensor:
-    """Flattened sum over experts of each stacked parameter's gradient (one slot per parameter)."""
-    parts = []
-    for p in experts.template().values():
-        g = p.grad if p.grad is not None else torch.zeros_like(p)
-        parts.append(g.sum(0).flatten())
-    return torch.cat(parts)
-
-
-def _stash_grads(params: list) -> list:
-    """Take the accumulated gradients out (so the next backward writes one group's alone)."""
-    stash = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    return stash
-
-
-def _restore_grads(params: list, stash: list) -> None:
-    for p, g in zip(params, stash):
-        if g is not None:
-            p.grad = g if p.grad is None else p.grad + g
-
-
-def factor_gram(captures: Sequence, scales: Sequence[float]) -> Tensor:
-    """Exact Gram W_ij = <g_i, g_j> from per-group block inputs x and output gradients delta.
-
-    For slot b: v_mb = sum_{rows r of m} delta_r x_r^T, so <v_ib, v_jb> = sum_{r in i, r' in j}
-    <delta_r, delta_r'> <x_r, x_r'>; rows of every expert using slot b enter the same sum.
-    """
-    m = len(captures)
-    device = next((x.device for c in captures for xs in c.inputs.values() for x in xs), torch.device("cpu"))
-    W = torch.zeros(m, m, dtype=torch.float64, device=device)
-    slots = {s for c in captures for s in c.inputs}
-    for slot in sorted(slots):
-        xs, ds, owner = [], [], []
-        for i, (cap, scale) in enumerate(zip(captures, scales)):
-            for x, d in zip(cap.inputs.get(slot, []), cap.grads.get(slot, [])):
-                if d is None:  # block output received no gradient
-                    continue
-                xs.append(x.double())
-                ds.append(d.double() / scale)
-                owner.append(torch.full((x.shape[0],), i, dtype=torch.long, device=device))
-        if not xs:
-            continue
-        X, D, own = torch.cat(xs), torch.cat(ds), torch.cat(owner)
-        K = (D @ D.t()) * (X @ X.t())  # [R, R] over routed rows: memory grows with R^2, not with d
-        S = torch.nn.functional.one_hot(own, m).double()
-        W += S.t() @ K @ S
-    return W
-
-
 def equal_task_weights(tasks: Sequence[int], sizes: Sequence[int]) -> list[float]:
     """w_m so that L_task = sum_m w_m l_m weighs tasks equally and examples equally within a task."""
     totals: dict[int, int] = {}
@@ -144,143 +112,15 @@ def equal_task_weights(tasks: Sequence[int], sizes: Sequence[int]) -> list[float
     return [n / totals[t] / len(totals) for t, n in zip(tasks, sizes)]
 
 
-def moe_layers(model: nn.Module) -> list:
-    from dist_moe.layer import MoELayer
-
-    return [m for m in model.modules() if isinstance(m, MoELayer)]
-
-
-def expert_parallel_group(layers):
-    """The process group the MoE layers dispatch over, or None when they all run locally."""
-    groups = {id(layer.group): layer.group for layer in layers if layer.dispatcher is not None}
-    if not groups:
-        return None
-    if len(groups) > 1 or any(layer.dispatcher is None for layer in layers):
-        raise ValueError("GAR needs every MoE layer on the same expert-parallel group")
-    return next(iter(groups.values()))
-
-
-@dataclass
-class Observations:
-    """What one GAR update collects per MoE layer during task-gradient accumulation."""
-
-    layers: list
-    router_inputs: list  # [layer][group] -> (detached router input [T, H], extras for the router call)
-    per_group: list  # [layer][group] -> g_m [d] (materialized) or FactorCapture (gram)
-    task_loss: float
-    mode: str
-    weights: Sequence[float]
-    group: object = None  # the expert-parallel process group, if any
-
-
-def collect_observations(model, groups, loss_fn, weights, mode="materialized", sizes=None) -> Observations:
-    """Accumulate grad(L_task), L_task = sum_m w_m l_m, one group at a time (steps 1-3).
-
-    g_m is read off the accumulation: each group's backward writes its expert gradients
-    alone (the running sum is stashed and added back after), which gives w_m grad l_m
-    exactly; divided by w_m and summed over experts in the template.
-    """
-    from dist_moe.experts import FactorCapture
-
-    if mode not in ("materialized", "gram"):
-        raise ValueError(f"mode must be 'materialized' or 'gram', got {mode!r}")
-    if len(weights) != len(groups) or not groups:
-        raise ValueError(f"need one weight per group: {len(weights)} weights for {len(groups)} groups")
-    if any(not w > 0 for w in weights):
-        raise ValueError(f"group weights must be > 0, got {list(weights)}")
-    layers = moe_layers(model)
-    if not layers:
-        raise ValueError("GAR found no MoELayer in the model")
-    ep = expert_parallel_group(layers)
-    shares = list(weights)
-    if ep is not None:
-        if mode == "gram":
-            raise NotImplementedError("GAR's gram mode is not available under expert parallelism yet; "
-                                      "use mode='materialized'")
-        if sizes is None or len(sizes) != len(groups) or any(int(n) < 1 for n in sizes):
-            raise ValueError("under expert parallelism pass sizes=[examples of each group on this rank], "
-                             f"each >= 1 (got {sizes!r})")
-        totals = all_reduce_sum(torch.tensor([float(n) for n in sizes], dtype=torch.float64), ep).tolist()
-        shares = [w * n / total for w, n, total in zip(weights, sizes, totals)]
-    inputs = [[] for _ in layers]
-    per_group = [[] for _ in layers]
-    task_loss = 0.0
-    template = [list(layer.experts.template().values()) for layer in layers]
-    for group, w, share in zip(groups, weights, shares):
-        if mode == "materialized":
-            stashes = [_stash_grads(params) for params in template]
-        else:
-            for layer in layers:
-                layer.experts.capture = FactorCapture()
-        try:
-            loss = loss_fn(model, group)
-            (share * loss).backward()
-        finally:
-            captures = [layer.experts.capture for layer in layers]
-            for layer in layers:
-                layer.experts.capture = None
-        task_loss += share * float(loss.detach())
-        for li, layer in enumerate(layers):
-            inputs[li].append((layer.last_router_input, dict(layer.last_router_extras), layer.last_token_layout))
-            if mode == "materialized":
-                per_group[li].append(template_gradient(layer.experts) / w)
-                _restore_grads(template[li], stashes[li])
-            else:
-                per_group[li].append(captures[li])
-    if ep is not None:
-        task_loss = float(all_reduce_sum(torch.tensor(task_loss, dtype=torch.float64), ep))
-        # every rank's experts enter the template sum: one all-reduce per layer (EP is materialized only)
-        per_group = [list(all_reduce_sum(torch.stack(rows), ep).unbind(0)) for rows in per_group]
-    return Observations(layers, inputs, per_group, task_loss, mode, list(weights), ep)
-
-
-def example_sum(summary: Tensor, layout) -> tuple[Tensor, int]:
-    """(sum over examples of q_n, number of examples): q_n averages an example's valid tokens.
-
-    ``layout`` is (leading shape, padding mask or None) as the MoE layer saw the input:
-    [B] means one token per example, [B, S] means S token positions per example.
-    """
-    shape, padding = layout
-    if len(shape) <= 1:
-        return summary.sum(0), summary.shape[0]
-    q = summary.reshape(shape[0], -1, summary.shape[-1])
-    if padding is None:
-        return q.mean(1).sum(0), shape[0]
-    valid = (~padding.reshape(shape[0], -1)).to(q.dtype).unsqueeze(-1)
-    per_example = (q * valid).sum(1) / valid.sum(1).clamp_min(1)
-    keep = valid.sum((1, 2)) > 0  # a fully padded example is no example
-    return per_example[keep].sum(0), int(keep.sum())
-
-
-def example_mean(summary: Tensor, layout) -> Tensor:
-    """p_m: average each example's valid tokens (q_n), then average the examples (step 5)."""
-    total, count = example_sum(summary, layout)
-    return total / count
-
-
-def group_route_summaries(router, router_inputs, group=None) -> Tensor:
-    """P [M, E]: per unit, the router summary recomputed from detached inputs (steps 4-5).
-
-    The recomputation runs the router in its training mode, so a Switch router's input
-    jitter is drawn afresh here (the configured rule, not the forward's exact noise).
-    With a process group the unit's examples on every rank are averaged together.
-    """
-    with router.frozen_state():  # recomputation must not move anchors, biases or schedules again
-        parts = [example_sum(router_summary(router(h, **extras)), layout) for h, extras, layout in router_inputs]
-    sums = torch.stack([s for s, _ in parts])
-    counts = torch.tensor([float(c) for _, c in parts], dtype=sums.dtype, device=sums.device)
-    return all_reduce_sum(sums, group) / all_reduce_sum(counts, group).unsqueeze(1)
-
-
 def gar_objective(obs: Observations, eps: float = 1e-8) -> Tensor:
     """L_norm summed over MoE layers (steps 6-7); differentiable in router parameters only."""
     total = torch.zeros((), device=obs.router_inputs[0][0][0].device)
-    for li, layer in enumerate(obs.layers):
-        P = group_route_summaries(layer.router, obs.router_inputs[li], obs.group)
-        if obs.mode == "materialized":
-            total = total + gar_loss(P, torch.stack(obs.per_group[li]), eps)
+    for li in range(len(obs.layers)):
+        P = obs.route_summaries(li)
+        if obs.G[li] is not None:
+            total = total + gar_loss(P, obs.G[li], eps)
         else:
-            total = total + gar_loss_gram(P, factor_gram(obs.per_group[li], obs.weights).to(P.dtype), eps)
+            total = total + gar_loss_gram(P, obs.W[li].to(P.dtype), eps)
     return total
 
 
@@ -295,6 +135,7 @@ def gar_train_step(
     max_grad_norm: float | None = 1.0,
     mode: str = "materialized",
     sizes: Sequence[int] | None = None,
+    unit: str = "group",
 ) -> dict:
     """One GAR update (Algorithm 1).
 
@@ -303,10 +144,11 @@ def gar_train_step(
     L_task = sum_m weights[m] l_m (see ``equal_task_weights``). Under expert
     parallelism also pass ``sizes`` (this rank's examples per group); the step then
     sums replicated parameters' gradients over the group and clips by the norm of
-    every parameter on every rank.
+    every parameter on every rank. ``unit`` picks the observation unit ("group",
+    "example", "token"); ``mode`` the materialized or the Gram form.
     """
     optimizer.zero_grad(set_to_none=True)
-    obs = collect_observations(model, groups, loss_fn, weights, mode, sizes)
+    obs = collect_observations(model, groups, loss_fn, weights, mode, sizes, unit)
     aux = gar_objective(obs, eps)
     if lam and aux.requires_grad:
         # every rank holds the same L_norm: each contributes 1/W so the summed gradient is one L_norm's
