@@ -87,6 +87,8 @@ def test_branch_top_k_aux_is_zero_and_switch_aux_scaled():
         ({**CONFIGS["branch"], "gar": {"lambda": -1}}, "'lambda'"),
         ({**CONFIGS["branch"], "gar": {"lamda": 1}}, "'lamda'"),
         ({**CONFIGS["hash"], "gar": {"lambda": 1}}, "'gar'"),
+        ({**CONFIGS["branch"], "gar": {"unit": "sentence"}}, "'sentence'"),
+        ({**CONFIGS["branch"], "gar": {"mode": "dense"}}, "'dense'"),
         ({**CONFIGS["switch"], "normalize_gates": "yes"}, "'normalize_gates'"),
         ({**CONFIGS["branch"], "hidden_size": 0}, "hidden_size"),
         ({**CONFIGS["switch"], "hidden_size": -1}, "hidden_size"),

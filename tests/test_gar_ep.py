@@ -1,10 +1,11 @@
-"""GAR under expert parallelism: 2 and 4 ranks equal one process running the union of the groups."""
+"""GAR under expert parallelism: 2 and 4 ranks equal one process running the union of the groups,
+for every observation unit and both the materialized and the Gram form."""
 import pytest
 
 from tests.dist_utils import run_workers
 
 
-def _gar_worker(rank, world, router_type):
+def _gar_worker(rank, world, router_type, mode="materialized", unit="group"):
     import copy
 
     import torch
@@ -37,7 +38,9 @@ def _gar_worker(rank, world, router_type):
     for t in range(3):
         w = torch.randn(4, generator=g)
         for _ in range(2):
-            parts = [torch.randn(2 + r, 4, generator=g) + t for r in range(world)]
+            # example and token units run on sequences of 3 tokens (one token per example otherwise)
+            shape = (3, 4) if unit != "group" else (4,)
+            parts = [torch.randn(2 + r, *shape, generator=g) + t for r in range(world)]
             x = torch.cat(parts)
             union.append((x, x @ w))
             local.append((parts[rank], parts[rank] @ w))
@@ -59,8 +62,9 @@ def _gar_worker(rank, world, router_type):
     for clip in (None, 0.05):
         r_model, e_model = copy.deepcopy(ref), expert_parallel_copy()
         r_opt, e_opt = Record(r_model.parameters()), Record(e_model.parameters())
-        out_r = gar_train_step(r_model, union, loss_fn, r_opt, weights, lam=50.0, max_grad_norm=clip)
-        out_e = gar_train_step(e_model, local, loss_fn, e_opt, weights, lam=50.0, max_grad_norm=clip, sizes=sizes)
+        kw = {"lam": 50.0, "max_grad_norm": clip, "mode": mode, "unit": unit}
+        out_r = gar_train_step(r_model, union, loss_fn, r_opt, weights, **kw)
+        out_e = gar_train_step(e_model, local, loss_fn, e_opt, weights, sizes=sizes, **kw)
         assert abs(out_r["gar_loss"] - out_e["gar_loss"]) < 1e-5 * (1 + abs(out_r["gar_loss"]))
         assert abs(out_r["task_loss"] - out_e["task_loss"]) < 1e-5
         if clip is not None:
@@ -71,7 +75,7 @@ def _gar_worker(rank, world, router_type):
             expected = ref_grads[name]
             if ".experts." in name:
                 expected = expected[e_model.moe.local_expert_ids]
-            assert torch.allclose(grad, expected, atol=1e-5), (router_type, clip, name)
+            assert torch.allclose(grad, expected, atol=1e-5), (router_type, mode, unit, clip, name)
         router = [n for n in names if ".router." in n]
         assert router and all(ref_grads[n].abs().sum() > 0 for n in router)
 
@@ -82,3 +86,14 @@ def test_gar_expert_parallel_equals_single_process(world, router_type):
     if world == 4 and router_type not in ("branch", "switch"):
         pytest.skip("4 ranks: two routers are enough; 2 ranks cover all four")
     run_workers(_gar_worker, world, args=(router_type,), timeout=120)
+
+
+@pytest.mark.parametrize("world,router_type,mode,unit", [
+    (2, "switch", "gram", "group"),
+    (2, "branch", "materialized", "example"),
+    (2, "branch", "gram", "token"),
+    (2, "deepseek_v3", "materialized", "token"),
+    (4, "switch", "gram", "example"),
+])
+def test_gar_units_and_gram_under_expert_parallelism(world, router_type, mode, unit):
+    run_workers(_gar_worker, world, args=(router_type, mode, unit), timeout=120)

@@ -97,24 +97,26 @@ def unit_rows(summary: Tensor, layout, unit: str) -> Tensor:
     return summary if padding is None else summary[~padding.reshape(-1)]
 
 
-def local_unit_ids(layout, unit: str, device=None) -> Tensor:
-    """[T] index of each token's unit among this forward's units (the order of ``unit_rows``), -1 for none."""
+def local_unit_ids(layout, unit: str, device=None) -> tuple[Tensor, int]:
+    """([T] index of each token's unit among this forward's units (the order of ``unit_rows``),
+    -1 for none; the number of units)."""
     shape, padding = layout
     t = 1
     for s in shape:
         t *= s
     valid = torch.ones(t, dtype=torch.bool, device=device) if padding is None else ~padding.reshape(-1).to(device)
     if unit == "token" or len(shape) <= 1:
-        return torch.where(valid, torch.cumsum(valid, 0) - 1, -1)
+        return torch.where(valid, torch.cumsum(valid, 0) - 1, -1), int(valid.sum())
     per_example = valid.reshape(shape[0], -1)
     keep = per_example.any(1)
     example_id = torch.where(keep, torch.cumsum(keep, 0) - 1, -1)
-    return example_id.repeat_interleave(per_example.shape[1])  # every row of a kept example, padding too
+    # every row of a kept example, padding too: its gradient is the example's whole gradient
+    return example_id.repeat_interleave(per_example.shape[1]), int(keep.sum())
 
 
 def _source_tagger(rank: int, unit: str):
     def tags(shape, padding):
-        ids = local_unit_ids((tuple(shape), padding), unit)
+        ids, _ = local_unit_ids((tuple(shape), padding), unit)
         return torch.where(ids >= 0, (rank << _TAG_BITS) | ids, -1)
 
     return tags
@@ -295,7 +297,7 @@ def _finish_factor_rows(obs: Observations, rows: list, template: list, num_group
             counts[:, 0] = 1  # unit m is group m, on whichever rank its rows ran (offsets[m, 0] = m)
         else:
             for m, (_, _, layout) in enumerate(obs.router_inputs[li]):
-                counts[m, obs.rank] = int((local_unit_ids(layout, obs.unit) >= 0).sum())
+                counts[m, obs.rank] = local_unit_ids(layout, obs.unit)[1]
             all_reduce_sum_(counts, obs.group)
         flat = counts.flatten()
         offsets = (torch.cumsum(flat, 0) - flat).reshape(num_groups, world)

@@ -147,5 +147,6 @@ def _gar_step(model, opt, xb, yb, gar, tcfg) -> dict:
         return F.cross_entropy(logits, group[1]) + aux
 
     weights = [len(grp[0]) / len(xb) for grp in groups]
-    out = gar_train_step(model, groups, loss_fn, opt, weights, gar.lam, gar.eps, tcfg["max_grad_norm"], gar.mode)
+    out = gar_train_step(model, groups, loss_fn, opt, weights, gar.lam, gar.eps, tcfg["max_grad_norm"], gar.mode,
+                         unit=gar.unit)
     return {"loss": out["task_loss"], "gar_loss": out["gar_loss"]}
