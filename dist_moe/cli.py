@@ -14,6 +14,8 @@ def _print_summary(s: dict) -> None:
     print(f"  load CV {s['val_load_cv']:.3f}  dropped {100 * s['val_dropped_fraction']:.2f}% of slots")
     if td is not None and rp:  # None with top-1 routing: no co-selected pairs
         print(f"  tree distance {td:.3f} (random pairs {rp:.3f}, {100 * (1 - td / rp):+.1f}% more local)")
+    if s.get("val_align") is not None:
+        print(f"  Align {s['val_align']:.3f} (share of categories hurt most by ablating their own expert)")
     print(f"  metrics: {s['output_dir']}/metrics.jsonl")
 
 
@@ -27,7 +29,12 @@ def main(argv=None) -> int:
     tr.add_argument("overrides", nargs="*",
                     help="key.sub=value overrides, e.g. router.type=switch train.epochs=2 (a new router type "
                          "keeps the keys it also takes, such as num_experts and top_k)")
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides may also follow an option (argparse stops the positional list there)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    args.overrides = [*args.overrides, *extra]
 
     from dist_moe.train.config import load_config
     from dist_moe.train.trainer import train

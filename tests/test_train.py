@@ -140,3 +140,64 @@ def test_shipped_configs_load():
     for f in files:
         cfg = load_config(f)
         build_router({**cfg["router"], "hidden_size": 10})
+
+
+SPECDROP_CONFIGS = ["tabular_specdrop", "tabular_specdrop_norouting", "tabular_specdrop_hardcategory",
+                    "tabular_dense_labelmask"]
+
+
+@pytest.mark.parametrize("name", SPECDROP_CONFIGS)
+def test_specdrop_and_its_controls_train_from_their_configs(tmp_path, name):
+    from dist_moe.train.trainer import train
+
+    cfg = load_config(f"configs/{name}.yaml", [f"output.dir={tmp_path}", "train.max_steps=30",
+                                                "data.max_rows=1500"])
+    summary = train(cfg, quiet=True)
+    assert summary["val_acc"] > 0.5  # 6 classes: chance is below 0.3
+    assert 0.0 <= summary["val_align"] <= 1.0
+    if name == "tabular_specdrop_hardcategory":
+        assert summary["val_align"] == 1.0  # each category runs through its own expert alone
+
+
+def test_label_mask_keeps_predictions_inside_the_category():
+    from dist_moe.models import TabularMoE
+
+    split = tabular_split("satimage", categories="satimage_landcover", max_rows=300)
+    router = {"type": "specdrop", "num_experts": 3, "num_categories": 3, "variant": "uniform"}
+    model = TabularMoE(36, 6, router, class_category=split.class_category, label_mask=True)
+    c = split.categories(split.y_val)
+    logits, _ = model(split.x_val, c)
+    allowed = split.class_category.unsqueeze(0) == c.unsqueeze(1)
+    assert torch.isinf(logits[~allowed]).all() and torch.isfinite(logits[allowed]).all()
+    assert (split.class_category[logits.argmax(1)] == c).all()
+    assert split.category_names == ["dry soil", "damp soil", "vegetation"]
+    assert [split.classes[i] for i in range(6) if split.class_category[i] == 2] == ["2", "5"]
+
+
+@pytest.mark.parametrize("schedule", ["step", "epoch"])
+def test_specdrop_schedule_moves_per_step_or_per_epoch(tmp_path, schedule):
+    rc = main(["train", "--quiet", "--config", "configs/tabular_specdrop.yaml", f"output.dir={tmp_path}",
+               "data.max_rows=1000", "train.batch_size=100", "train.epochs=4", "train.log_every=1",
+               f"train.schedule={schedule}", "router.warmup_fraction=0.5"])
+    assert rc == 0
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    progress = [r["schedule_progress"] for r in lines if "schedule_progress" in r]
+    assert len(progress) == 32  # 800 training rows / 100 per batch, 4 epochs
+    if schedule == "epoch":
+        assert progress == [e / 4 for e in range(4) for _ in range(8)]
+    else:
+        assert progress == [s / 32 for s in range(32)]
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--config", "configs/tabular_switch.yaml", "router.type=specdrop", "router.num_categories=3"],
+     "data.categories"),
+    (["--config", "configs/tabular_specdrop.yaml", "router.num_categories=4"], "num_categories=4"),
+    (["--config", "configs/tabular_specdrop.yaml", "data.name=magic"], "'satimage_landcover'"),
+    (["--config", "configs/tabular_specdrop.yaml", "data.categories=colours"], "'colours'"),
+    (["model.label_mask=true"], "label_mask"),
+    (["--config", "configs/tabular_specdrop.yaml", "train.schedule=batch"], "train.schedule"),
+])
+def test_category_config_errors_name_the_value(tmp_path, capsys, args, match):
+    assert main(["train", "--quiet", f"output.dir={tmp_path}", *args]) == 2
+    assert match in capsys.readouterr().err

@@ -3,6 +3,10 @@
 On the UCI datasets the input stage is feature standardisation alone (done by
 the data loader), so the MoE hidden size is the feature count unless
 ``d_model`` asks for a projection. The MoE block has no residual connection.
+
+With categories (a coarse label per row, e.g. ``satimage_landcover``) the MoE
+layer routes by them (SpecDrop), and ``label_mask`` gives SpecDrop paper's
+dense control: logits of classes outside the row's category are masked out.
 """
 from __future__ import annotations
 
@@ -24,16 +28,28 @@ class TabularMoE(nn.Module):
         capacity_factor: float | None = None,
         expert_type: str = "swiglu",
         post_norm: bool = False,
+        class_category: Tensor | None = None,
+        label_mask: bool = False,
     ):
         super().__init__()
+        if label_mask and class_category is None:
+            raise ValueError("model.label_mask needs categories: set data.categories")
+        self.label_mask = label_mask
+        self.register_buffer("class_category", class_category, persistent=False)
         hidden = d_model or num_features
         self.input = nn.Linear(num_features, d_model) if d_model else nn.Identity()
         self.moe = MoELayer(hidden, ffn_hidden_size, router, capacity_factor=capacity_factor, expert_type=expert_type)
         self.norm = nn.LayerNorm(hidden) if post_norm else nn.Identity()
         self.head = nn.Linear(hidden, num_classes)
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, categories: Tensor | None = None) -> tuple[Tensor, Tensor]:
         # Hash routing keys on the example's raw feature vector (BRANCH paper B.2).
         ids = hash_rows(x) if isinstance(self.moe.router, HashRouter) else None
-        h, aux = self.moe(self.input(x), token_ids=ids)
-        return self.head(self.norm(h)), aux
+        h, aux = self.moe(self.input(x), categories=categories, token_ids=ids)
+        logits = self.head(self.norm(h))
+        if self.label_mask:
+            if categories is None:
+                raise ValueError("a label-masked model needs the categories of its rows")
+            outside = self.class_category.unsqueeze(0) != categories.unsqueeze(1)
+            logits = logits.masked_fill(outside, float("-inf"))
+        return logits, aux

@@ -29,14 +29,17 @@ def _yaml(text: str):
 DEFAULT_CONFIG: dict = {
     "name": "demo",
     "seed": 0,
-    "data": {"name": "magic", "val_fraction": 0.2, "max_rows": None},
+    # categories: a coarse label per row (data.CATEGORY_SETS), required by specdrop routing
+    "data": {"name": "magic", "val_fraction": 0.2, "max_rows": None, "categories": None},
+    # label_mask: mask the logits of classes outside the row's category (SpecDrop's dense control)
     "model": {"ffn_hidden_size": 32, "d_model": 0, "capacity_factor": 1.25, "expert_type": "swiglu",
-              "post_norm": False},
+              "post_norm": False, "label_mask": False},
     # BRANCH paper setup: E=16 SwiGLU experts, top-4, capacity factor 1.25, Adam lr 1e-3.
     "router": {"type": "branch", "num_experts": 16, "top_k": 4, "node_map": "linear"},
     # max_steps, when set, is the run's length in optimizer steps instead of epochs
+    # schedule: how often a scheduled router (SpecDrop) advances, every "step" or every "epoch"
     "train": {"epochs": 20, "batch_size": 256, "lr": 1e-3, "max_grad_norm": 1.0, "log_every": 10,
-              "max_steps": None, "gar_group_size": 32},
+              "max_steps": None, "gar_group_size": 32, "schedule": "step"},
     "output": {"dir": "runs/{name}"},
 }
 _OPEN_SECTIONS = {"router"}  # free-form here, checked by build_router
@@ -49,11 +52,13 @@ _RULES = {
     "data.name": (str, False, None),  # the loader names the valid datasets
     "data.val_fraction": (float, False, ("a number in (0, 1)", lambda v: 0 < v < 1)),
     "data.max_rows": (int, True, ("an int >= 10", lambda v: v >= 10)),
+    "data.categories": (str, True, None),  # the loader names the valid category sets
     "model.ffn_hidden_size": (int, False, _POSITIVE),
     "model.d_model": (int, False, ("an int >= 0 (0: no input projection)", lambda v: v >= 0)),
     "model.capacity_factor": (float, True, ("a number > 0", lambda v: v > 0)),
     "model.expert_type": (str, False, ("one of swiglu, gelu, lora", lambda v: v in ("swiglu", "gelu", "lora"))),
     "model.post_norm": (bool, False, None),
+    "model.label_mask": (bool, False, None),
     "train.epochs": (int, False, _POSITIVE),
     "train.batch_size": (int, False, _POSITIVE),
     "train.lr": (float, False, ("a finite number > 0", lambda v: 0 < v < float("inf"))),
@@ -61,6 +66,7 @@ _RULES = {
     "train.log_every": (int, False, _POSITIVE),
     "train.max_steps": (int, True, _POSITIVE),
     "train.gar_group_size": (int, False, _POSITIVE),
+    "train.schedule": (str, False, ("'step' or 'epoch'", lambda v: v in ("step", "epoch"))),
     "output.dir": (str, False, ("a non-empty path", lambda v: bool(v.strip()))),
 }
 

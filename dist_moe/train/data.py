@@ -17,6 +17,18 @@ import torch
 
 DATASETS = ("magic", "letter", "penbased", "satimage", "texture", "optdigits", "spambase")
 
+# Coarse categories over a dataset's classes, for SpecDrop and its controls. These are
+# this project's groupings (the datasets ship none); each is named for what it groups.
+CATEGORY_SETS = {
+    # UCI Statlog satimage classes: 1 red soil, 2 cotton crop, 3 grey soil, 4 damp grey
+    # soil, 5 soil with vegetation stubble, 7 very damp grey soil
+    "satimage_landcover": ("satimage", {"dry soil": ("1", "3"), "damp soil": ("4", "7"),
+                                        "vegetation": ("2", "5")}),
+    # pen-based digits grouped by the strokes that draw them
+    "penbased_strokes": ("penbased", {"closed loops": ("0", "6", "8", "9"), "straight strokes": ("1", "4", "7"),
+                                      "open curves": ("2", "3", "5")}),
+}
+
 
 def data_dir() -> Path:
     """Project data directory: $DIST_MOE_DATA, else ./data."""
@@ -62,9 +74,31 @@ class TabularSplit:
     y_val: torch.Tensor
     num_classes: int
     classes: list[str]
+    class_category: torch.Tensor | None = None  # [num_classes] category of each class, if categorised
+    category_names: list[str] | None = None
+
+    def categories(self, y: torch.Tensor) -> torch.Tensor | None:
+        """Each row's category (from its class), or None for an uncategorised split."""
+        return None if self.class_category is None else self.class_category[y]
 
 
-def tabular_split(name: str, val_fraction: float = 0.2, seed: int = 0, max_rows: int | None = None) -> TabularSplit:
+def class_categories(set_name: str, dataset: str, classes: list[str]) -> tuple[torch.Tensor, list[str]]:
+    """[num_classes] category id per class for the named category set, and the category names."""
+    if set_name not in CATEGORY_SETS:
+        raise ValueError(f"data.categories must be one of {sorted(CATEGORY_SETS)} or null, got {set_name!r}")
+    for_dataset, groups = CATEGORY_SETS[set_name]
+    if for_dataset != dataset:
+        raise ValueError(f"data.categories={set_name!r} groups the classes of {for_dataset!r}, "
+                         f"not of data.name={dataset!r}")
+    owner = {cls: c for c, members in enumerate(groups.values()) for cls in members}
+    missing = sorted(set(classes) - set(owner))
+    if missing:
+        raise ValueError(f"category set {set_name!r} leaves classes {missing} of {dataset!r} without a category")
+    return torch.tensor([owner[cls] for cls in classes]), list(groups)
+
+
+def tabular_split(name: str, val_fraction: float = 0.2, seed: int = 0, max_rows: int | None = None,
+                  categories: str | None = None) -> TabularSplit:
     """Seeded train/validation split, standardised with training statistics.
 
     Columns whose training variance is below 1e-4 keep unit scale (BRANCH paper B.1:
@@ -73,6 +107,7 @@ def tabular_split(name: str, val_fraction: float = 0.2, seed: int = 0, max_rows:
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"data.val_fraction must lie in (0, 1), got {val_fraction!r}")
     x, y, classes = load_keel(name)
+    class_category, category_names = class_categories(categories, name, classes) if categories else (None, None)
     perm = np.random.default_rng(seed).permutation(len(x))
     if max_rows is not None:
         perm = perm[:max_rows]
@@ -84,6 +119,5 @@ def tabular_split(name: str, val_fraction: float = 0.2, seed: int = 0, max_rows:
     var = x[train].var(0)
     std = np.where(var < 1e-4, 1.0, np.sqrt(var))
     norm = lambda a: torch.from_numpy(((a - mean) / std).astype(np.float32))  # noqa: E731
-    return TabularSplit(
-        norm(x[train]), torch.from_numpy(y[train]), norm(x[val]), torch.from_numpy(y[val]), len(classes), classes
-    )
+    return TabularSplit(norm(x[train]), torch.from_numpy(y[train]), norm(x[val]), torch.from_numpy(y[val]),
+                        len(classes), classes, class_category, category_names)

@@ -17,7 +17,8 @@ def load_cv(load: Tensor) -> float:
 
 def routing_metrics(expert_idx: Tensor, load: Tensor, dropped: int, num_experts: int) -> dict:
     """Load CV, normalised tree distance and dropped-slot fraction of one or more routings."""
-    td = tree_distance(expert_idx, num_experts) if num_experts >= 2 and expert_idx.shape[1] >= 2 else math.nan
+    tree = num_experts >= 2 and not num_experts & (num_experts - 1)  # a complete binary tree of experts
+    td = tree_distance(expert_idx, num_experts) if tree and expert_idx.shape[1] >= 2 else math.nan
     return {
         "load_cv": load_cv(load),
         "tree_distance": td,
