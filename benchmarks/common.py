@@ -38,7 +38,7 @@ def train_router(router_cfg: dict, expert_groups: torch.Tensor, d_model: int = 0
     for _ in range(epochs):
         perm = torch.randperm(len(data.x_train), generator=g)
         for i in range(0, len(perm), 256):
-            _plain_step(model, opt, data.x_train[perm[i : i + 256]], data.y_train[perm[i : i + 256]], cfg["train"])
+            _plain_step(model, opt, data.x_train[perm[i : i + 256]], data.y_train[perm[i : i + 256]], None, cfg["train"])
     return model.eval(), data
 
 

@@ -8,6 +8,12 @@ same). ``optimized`` places experts from the co-activation counts of the
 training split. The lower bound is one copy per token to one other node when
 the token's source node is uniformly random: token_bytes * (nodes - 1) / nodes.
 
+Soft SpecDrop is dense (every token reaches every expert), so its bytes do not
+depend on the categories: it runs untrained, with category = row index mod 16,
+and its table gives the copies per token sent to other ranks next to the
+analytic counts (none: E - E/W, rank: W - 1, node: nodes - 1 across plus the
+forwards inside each node).
+
     .venv/bin/python benchmarks/dispatch_bytes.py
 """
 from __future__ import annotations
@@ -40,8 +46,12 @@ def worker(rank, world, jobs, x_val, out_path):
             layer = MoELayer(x_val.shape[1], 8, dict(router_cfg), placement=placement, topology=TOPOLOGY,
                              group=dist.group.WORLD, dedup=dedup).eval()
             layer.router.load_state_dict(state, strict=False)
+            cats = None
+            if router_cfg["type"] == "specdrop":  # any categories: dense soft routing sends the same bytes
+                start = sum(len(p) for p in torch.tensor_split(x_val, world)[:rank])
+                cats = (torch.arange(len(shard)) + start) % router_cfg["num_categories"]
             with torch.no_grad():
-                layer(shard)
+                layer(shard, categories=cats)
             measured = layer.traffic.matrix.clone()
             analytic = dispatch_traffic(layer.last_routing.expert_idx, rank, placement, TOPOLOGY,
                                         x_val.shape[1] * 4, dedup).matrix
@@ -68,6 +78,8 @@ def main() -> None:
         for pname, placement in (("contiguous", contiguous), ("tree_prefix", Placement.tree_prefix(E, TOPOLOGY)),
                                  ("optimized", optimized_placement(model, data, TOPOLOGY))):
             jobs.append((name, pname, placement.expert_to_rank, cfg, state))
+    specdrop = {"type": "specdrop", "num_experts": E, "num_categories": E, "p_assigned": 0.7}
+    jobs.append(("specdrop soft (dense)", "contiguous", contiguous.expert_to_rank, specdrop, {}))
     out = Path("/tmp") / f"dispatch_bytes_{torch.randint(0, 10**9, (1,)).item()}.pt"
     run_workers(worker, TOPOLOGY.world_size, args=(jobs, x_val, str(out)), timeout=600)
     rows = torch.load(out, weights_only=False)
@@ -85,14 +97,32 @@ def main() -> None:
         table.setdefault((router, pname), {})[dedup] = (float(m[level == 0].sum()) / n, same, td)
     base = table["switch", "contiguous"]["none"][0]
     for (router, pname), cols in table.items():
+        if router.startswith("specdrop"):
+            continue
         td = next(iter(cols.values()))[2]
         same = all(v[1] for v in cols.values())
         print(f"{router:<30}{pname:<13}{td:>10.3f}" + "".join(f"{cols[d][0]:>10.1f}" for d in DEDUPS)
               + f"{str(same):>20}")
-    best = min((v[0], r, p, d) for (r, p), cols in table.items() for d, v in cols.items())
+    best = min((v[0], r, p, d) for (r, p), cols in table.items() for d, v in cols.items()
+               if not r.startswith("specdrop"))
     print(f"\nnode-crossing bytes per token; baseline switch + contiguous + none = {base:.1f} B/token")
     print(f"fewest: {best[1]} + {best[2]} + {best[3]} = {best[0]:.1f} B/token "
           f"({best[0] / base:.2f}x the baseline, {best[0] / lower:.2f}x the lower bound)")
+    specdrop_table(rows, n, token_bytes, level)
+
+
+
+def specdrop_table(rows, n, token_bytes, level) -> None:
+    w, nodes = TOPOLOGY.world_size, TOPOLOGY.num_nodes
+    expected = {"none": E - E // w, "rank": w - 1, "node": (nodes - 1) + (TOPOLOGY.ranks_per_node - 1) * nodes}
+    print(f"\nsoft SpecDrop (dense, E={E}, every expert on every token), contiguous placement:")
+    print(f"{'dedup':<8}{'node-crossing B/token':>24}{'copies/token to other ranks':>30}{'analytic':>10}"
+          f"{'measured==analytic':>20}")
+    for router, _, dedup, m, same, _ in rows:
+        if router.startswith("specdrop"):
+            copies = float(m.sum()) / n / token_bytes
+            print(f"{dedup:<8}{float(m[level == 0].sum()) / n:>24.1f}{copies:>30.2f}{expected[dedup]:>10}"
+                  f"{str(same):>20}")
 
 
 if __name__ == "__main__":
