@@ -38,6 +38,7 @@ from dist_moe.routing.gar_observe import (
     example_mean,
     example_sum,
     group_route_summaries,
+    router_summary,
     template_gradient,
 )
 
@@ -88,20 +89,6 @@ def gar_loss_gram(P: Tensor, W: Tensor, eps: float = 1e-8) -> Tensor:
         raise ValueError(f"gar_loss_gram needs W [M, M] with M={P.shape[0]}, got {tuple(W.shape)}")
     quad = ((W.detach().to(P.dtype) @ P) * P).sum(0)  # diag(P^T W P)
     return -(quad / (P.sum(0) + eps)).sum()
-
-
-def router_summary(routing) -> Tensor:
-    """Per-token configured gate distribution [T, E]: selected gates renormalised to sum 1.
-
-    With one expert per token that distribution is one-hot and has no gradient; as in
-    the paper's top-1 extension (appendix D.4) its derivative is then the full
-    distribution's (straight-through): value one-hot, gradient d probs.
-    """
-    dense = routing.dense_gates()
-    summary = dense / dense.sum(1, keepdim=True).clamp_min(torch.finfo(dense.dtype).tiny)
-    if routing.expert_idx.shape[1] == 1:
-        summary = summary.detach() + routing.probs - routing.probs.detach()
-    return summary
 
 
 def equal_task_weights(tasks: Sequence[int], sizes: Sequence[int]) -> list[float]:

@@ -122,6 +122,20 @@ def _source_tagger(rank: int, unit: str):
     return tags
 
 
+def router_summary(routing) -> Tensor:
+    """Per-token configured gate distribution [T, E]: selected gates renormalised to sum 1.
+
+    With one expert per token that distribution is one-hot and has no gradient; as in
+    the paper's top-1 extension (appendix D.4) its derivative is then the full
+    distribution's (straight-through): value one-hot, gradient d probs.
+    """
+    dense = routing.dense_gates()
+    summary = dense / dense.sum(1, keepdim=True).clamp_min(torch.finfo(dense.dtype).tiny)
+    if routing.expert_idx.shape[1] == 1:
+        summary = summary.detach() + routing.probs - routing.probs.detach()
+    return summary
+
+
 def group_route_summaries(router, router_inputs, group=None) -> Tensor:
     """P [M, E] for group units: the router summary recomputed from detached inputs (steps 4-5).
 
@@ -129,8 +143,6 @@ def group_route_summaries(router, router_inputs, group=None) -> Tensor:
     jitter is drawn afresh here (the configured rule, not the forward's exact noise).
     With a process group the unit's examples on every rank are averaged together.
     """
-    from dist_moe.routing.gar import router_summary
-
     with router.frozen_state():  # recomputation must not move anchors, biases or schedules again
         parts = [example_sum(router_summary(router(h, **extras)), layout) for h, extras, layout in router_inputs]
     sums = torch.stack([s for s, _ in parts])
@@ -158,8 +170,6 @@ class Observations:
         router, inputs = self.layers[li].router, self.router_inputs[li]
         if self.unit == "group":
             return group_route_summaries(router, inputs, self.group)
-        from dist_moe.routing.gar import router_summary
-
         offsets = self.offsets[li]
         with router.frozen_state():  # as for groups: no second move of router state
             rows = [unit_rows(router_summary(router(h, **extras)), layout, self.unit) for h, extras, layout in inputs]
