@@ -147,12 +147,20 @@ def apply_experts(experts: Experts, x: Tensor, pair_row: Tensor, pair_slot: Tens
     return y.index_add(0, rows, (out * gates.unsqueeze(1).to(out.dtype)).to(x.dtype))
 
 
-class SharedExpert(nn.Module):
-    """Always-on dense SwiGLU expert added after the routed merge (SpecDrop eq. 4)."""
+class SingleExpert(nn.Module):
+    """One expert as a module of its own: the unit DeepSpeed's and Megatron's expert
+    containers replicate, with the same math and slot names as one slice of ``Experts``."""
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int):
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, kind: str = "swiglu", **expert_kwargs):
         super().__init__()
-        self.inner = Experts(1, hidden_size, ffn_hidden_size, "swiglu")
+        self.inner = Experts(1, hidden_size, ffn_hidden_size, kind, **expert_kwargs)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.inner.expert(0, x)
+
+
+class SharedExpert(SingleExpert):
+    """Always-on dense SwiGLU expert added after the routed merge (SpecDrop eq. 4)."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int):
+        super().__init__(hidden_size, ffn_hidden_size, "swiglu")

@@ -66,3 +66,12 @@ def all_gather_rows(t: torch.Tensor, group=None) -> torch.Tensor:
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded.contiguous(), group=group)
     return torch.cat([p[:c] for p, c in zip(parts, counts)])
+
+
+def all_reduce_max(value: int, group=None) -> int:
+    """Largest ``value`` over ``group`` (e.g. one expert capacity every EP rank agrees on)."""
+    if not _active(group):
+        return int(value)
+    t = torch.tensor([int(value)], dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t)

@@ -19,17 +19,22 @@ def capacity_for(num_tokens: int, top_k: int, num_experts: int, capacity_factor:
     return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
 
 
-def apply_capacity(expert_idx: Tensor, gates: Tensor, num_experts: int, capacity: int) -> tuple[Tensor, Tensor, int]:
+def slot_positions(expert_idx: Tensor, num_experts: int) -> Tensor:
+    """[T, K] each choice's index among its expert's choices, choice-major (all first choices
+    before any second choice), token order inside; dropped (-1) choices get positions past the end."""
     t, k = expert_idx.shape
-    flat = expert_idx.t().reshape(-1)  # choice-major: all first choices, then second ...
-    valid = flat >= 0
-    key = torch.where(valid, flat, num_experts)  # dropped slots sort last
+    flat = expert_idx.t().reshape(-1)
+    key = torch.where(flat >= 0, flat, num_experts)  # dropped slots sort last
     order = torch.argsort(key, stable=True)  # grouped by expert, priority order kept inside a group
     counts = torch.bincount(key, minlength=num_experts + 1)
     start = torch.cumsum(counts, 0) - counts
     position = torch.empty_like(order)
     position[order] = torch.arange(order.numel(), device=order.device) - start[key[order]]  # slot in its expert
-    keep = (valid & (position < capacity)).reshape(k, t).t()
+    return position.reshape(k, t).t()
+
+
+def apply_capacity(expert_idx: Tensor, gates: Tensor, num_experts: int, capacity: int) -> tuple[Tensor, Tensor, int]:
+    keep = (expert_idx >= 0) & (slot_positions(expert_idx, num_experts) < capacity)
     dropped = int((expert_idx >= 0).sum() - keep.sum())
     return torch.where(keep, expert_idx, -1), torch.where(keep, gates, torch.zeros_like(gates)), dropped
 

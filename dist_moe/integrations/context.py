@@ -1,0 +1,43 @@
+"""Per-token routing inputs for layers whose forward takes hidden states only.
+
+DeepSpeed's ``MOELayer`` hands its gate only the tokens (and ``used_token``);
+Megatron's router gets hidden states and a padding mask. A model that routes by
+category (SpecDrop) or hashes token ids sets them around the layer call:
+
+    with routing_context(categories=c):
+        y = moe_layer(x)
+
+The values are per token in the layer's flattening order ([B, S] flattens row
+by row, Megatron's [S, B] column by column: pass them in the layer's layout).
+A context variable, so threads and nested calls each see their own.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+from torch import Tensor
+
+_CONTEXT: contextvars.ContextVar[dict] = contextvars.ContextVar("dist_moe_routing_context", default={})
+
+
+@contextlib.contextmanager
+def routing_context(categories: Tensor | None = None, token_ids: Tensor | None = None):
+    token = _CONTEXT.set({"categories": categories, "token_ids": token_ids})
+    try:
+        yield
+    finally:
+        _CONTEXT.reset(token)
+
+
+def routing_extras(num_tokens: int) -> dict:
+    """The active context's per-token tensors, flattened and checked against ``num_tokens``."""
+    extras = {}
+    for name, value in _CONTEXT.get().items():
+        if value is None:
+            continue
+        flat = value.reshape(-1)
+        if flat.numel() != num_tokens:
+            raise ValueError(f"routing_context {name} has {flat.numel()} entries for {num_tokens} tokens")
+        extras[name] = flat
+    return extras

@@ -1,0 +1,136 @@
+"""Any dist-moe routing strategy inside DeepSpeed's MoE layer (written against 0.19.8).
+
+``DistMoEGate`` implements the gate contract of ``deepspeed.moe.sharded_moe.MOELayer``:
+``gate(tokens [S, M], used_token, sparse_routes, use_tutel)`` returns seven values,
+``(l_aux, C, E, indices [K, S], locations [K, S], gates [K, S], exp_counts [E])``:
+indices -1 for dropped routes, (expert, location) slots unique and below C, and C
+the same on every expert-parallel rank (DeepSpeed sends E x C capacity-padded
+slots per rank). The router gradient flows through ``gates``.
+
+Placement: DeepSpeed keeps expert slot s on EP rank s // (E / ep). A dist-moe
+placement is honoured by relabelling: logical expert e goes to the physical slot
+(rank of e) * E/ep + (local index of e), so the experts DeepSpeed holds on rank r
+are ``placement.local_experts(r)`` in order. The router, its aux loss and
+``last_routing`` stay in logical expert ids.
+
+SpecDrop categories and hash token ids reach the gate through
+``dist_moe.integrations.context.routing_context`` (DeepSpeed passes the gate
+nothing but tokens).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from dist_moe.dispatch.stats import all_reduce_max
+from dist_moe.experts import SingleExpert
+from dist_moe.integrations import deepspeed_patches
+from dist_moe.integrations.context import routing_extras
+from dist_moe.routing import Router, build_router
+from dist_moe.routing.capacity import apply_capacity, capacity_for, slot_positions
+from placement import Placement
+
+
+class DistMoEGate(nn.Module):
+    def __init__(self, router: Router | dict, hidden_size: int, ep_size: int = 1, placement: Placement | None = None,
+                 capacity_factor: float | None = None, min_capacity: int = 0):
+        super().__init__()
+        if isinstance(router, dict):
+            router = build_router({"hidden_size": hidden_size, **router})
+            self._owns_stats = True  # reduce its statistics over the EP group once DeepSpeed names it
+        else:
+            self._owns_stats = False
+        e = router.num_experts
+        if ep_size < 1 or e % ep_size:
+            raise ValueError(f"DeepSpeed needs num_experts ({e}) divisible by ep_size ({ep_size})")
+        placement = placement if placement is not None else Placement.contiguous(e, ep_size)
+        placement.check(e, ep_size)
+        per_rank = e // ep_size
+        uneven = [r for r in range(ep_size) if len(placement.local_experts(r)) != per_rank]
+        if uneven:
+            raise ValueError(f"DeepSpeed holds {per_rank} experts on every EP rank; the placement gives rank "
+                             f"{uneven[0]} {len(placement.local_experts(uneven[0]))}")
+        if capacity_factor is not None:
+            capacity_for(1, 1, 1, capacity_factor)  # validates
+        self.router, self.placement, self.ep_size = router, placement, ep_size
+        self.capacity_factor, self.min_capacity = capacity_factor, min_capacity
+        self.register_buffer("physical_slot", placement.rank_tensor() * per_rank + placement.local_slot_tensor(),
+                             persistent=False)
+        self.ep_group = None
+        self.last_routing = None
+        self.reset_traffic()
+
+    def _set_ep_group(self, group) -> None:
+        self.ep_group = group
+        if self._owns_stats:  # the EP ranks hold different tokens: their statistics are summed
+            self.router.stats_group = group
+
+    def reset_traffic(self) -> None:
+        """Dispatch-direction bytes this rank sent: ``padded`` (what DeepSpeed's all-to-all
+        moves, E x C slots) and ``payload`` (routed token copies for other ranks)."""
+        self.traffic = {"padded_bytes": 0, "payload_bytes": 0}
+
+    def _ep_rank(self) -> int:
+        return 0 if self.ep_group is None or self.ep_size == 1 else torch.distributed.get_rank(self.ep_group)
+
+    def forward(self, x: Tensor, used_token: Tensor | None = None, sparse_routes: bool = True,
+                use_tutel: bool = False):
+        if use_tutel or not sparse_routes:
+            raise ValueError("DistMoEGate returns sparse routes only (use_tutel=False)")
+        e = self.router.num_experts
+        routing = self.router(x, **routing_extras(x.shape[0]))
+        idx, gates = routing.expert_idx, routing.gates
+        if used_token is not None:  # unused tokens are routed nowhere
+            used = used_token.reshape(-1, 1) > 0
+            idx, gates = torch.where(used, idx, -1), torch.where(used, gates, torch.zeros_like(gates))
+        if self.capacity_factor is not None:
+            tokens = all_reduce_max(x.shape[0], self.ep_group)
+            capacity = max(capacity_for(tokens, idx.shape[1], e, self.capacity_factor), self.min_capacity)
+            idx, gates, dropped = apply_capacity(idx, gates, e, capacity)
+            routing.stats["dropped"] = dropped
+        else:  # dropless: the fullest expert on any rank sets the (shared) capacity
+            counts = torch.bincount(idx[idx >= 0], minlength=e)
+            capacity = all_reduce_max(max(int(counts.max()) if counts.numel() else 0, self.min_capacity, 1),
+                                      self.ep_group)
+        routing.expert_idx, routing.gates = idx, gates
+        routed = idx >= 0
+        physical = torch.where(routed, self.physical_slot.to(idx.device)[idx.clamp_min(0)], -1)
+        locations = torch.where(routed, slot_positions(idx, e), 0)
+        exp_counts = torch.bincount(physical[routed], minlength=e)
+        self._record(physical, capacity, x)
+        self.last_routing = routing.detached()
+        return routing.aux_loss, capacity, e, physical.t(), locations.t(), gates.t(), exp_counts
+
+    def _record(self, physical: Tensor, capacity: int, x: Tensor) -> None:
+        row = x.shape[1] * x.element_size()
+        per_rank = self.router.num_experts // self.ep_size
+        remote = (physical >= 0) & (physical // per_rank != self._ep_rank())
+        self.traffic["payload_bytes"] += int(remote.sum()) * row
+        self.traffic["padded_bytes"] += (self.ep_size - 1) * per_rank * capacity * row
+
+
+def deepspeed_moe_layer(hidden_size: int, ffn_hidden_size: int, router: Router | dict, ep_size: int = 1,
+                        placement: Placement | None = None, capacity_factor: float | None = None,
+                        expert_type: str = "swiglu", **expert_kwargs):
+    """A ``deepspeed.moe.layer.MoE`` whose gate is ``DistMoEGate`` and whose experts are dist-moe's.
+
+    Call ``set_deepspeed_parallelism()`` (or let ``deepspeed.initialize`` do it) after
+    ``deepspeed.init_distributed``; the layer returns (output, aux loss, expert counts).
+    """
+    deepspeed_patches.apply()
+    from deepspeed.moe.layer import MoE
+
+    gate = DistMoEGate(router, hidden_size, ep_size, placement, capacity_factor)
+    expert = SingleExpert(hidden_size, ffn_hidden_size, expert_type, **expert_kwargs)
+    # k=1 only satisfies MoE's own TopKGate check; that gate is replaced before any use
+    moe = MoE(hidden_size, expert, num_experts=gate.router.num_experts, ep_size=ep_size, k=1)
+    moe.deepspeed_moe.gate = gate
+    return moe
+
+
+def init_distributed() -> None:
+    """``deepspeed.init_distributed`` on gloo for CPU (nccl with CUDA), with the CPU patches."""
+    deepspeed_patches.apply()
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")

@@ -1,0 +1,25 @@
+"""Every change dist-moe makes to DeepSpeed (written against 0.19.8), in one place.
+
+``apply()`` is idempotent and is called by ``dist_moe.integrations.deepspeed``
+before DeepSpeed's communication backend starts.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+_APPLIED = False
+
+
+def apply() -> None:
+    global _APPLIED
+    if _APPLIED:
+        return
+    if not torch.cuda.is_available():
+        # 0.19.8: TorchBackend.__init__ JIT-builds a shared-memory comm op (about 100 s on a
+        # 2-core CPU, on every start) that only inference all-reduce uses. The module must
+        # be reached through importlib: `import deepspeed.comm.torch as m` resolves to the
+        # `torch` package re-exported by deepspeed.comm and patches the wrong module.
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    _APPLIED = True
