@@ -1,0 +1,162 @@
+"""Any dist-moe routing strategy as a megatron-core MoE router (written against 0.16.1).
+
+``DistMoERouter`` meets Megatron's router interface: built as
+``router(config=..., pg_collection=...)``, called as ``router(hidden [S, B, H],
+padding_mask [S, B] True=valid)``, it returns ``probs [T, E]`` (the gates of the
+selected experts, zero elsewhere) and a bool ``routing_map [T, E]``. The
+strategy's aux loss rides on ``probs`` through Megatron's
+``MoEAuxLossAutoScaler``, so it reaches the router in the same backward.
+Use it through the spec:
+
+    spec = get_moe_module_spec(use_te=False, num_experts=E)
+    spec.submodules.router = functools.partial(DistMoERouter, router={"type": "branch", ...})
+
+(``megatron_moe_layer`` does that). Megatron keeps experts contiguous (slot s on
+EP rank s // (E/ep)); a dist-moe placement is honoured by relabelling the
+columns, so the experts Megatron holds on EP rank r are
+``placement.local_experts(r)`` in order. The router's statistics (BRANCH
+anchors, DeepSeek-V3 loads) are summed over the data-parallel group, whose
+ranks hold different tokens. Categories and token ids come from
+``routing_context`` in Megatron's [S, B] token order.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor, nn
+
+from dist_moe.integrations import megatron_patches
+from dist_moe.integrations.context import routing_extras
+from dist_moe.routing import Router, build_router
+from placement import Placement
+
+DISPATCHERS = ("alltoall", "allgather")
+
+
+class DistMoERouter(nn.Module):
+    def __init__(self, *, config, pg_collection=None, router: Router | dict, placement: Placement | None = None):
+        super().__init__()
+        megatron_patches.apply()
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        self._attach_aux = MoEAuxLossAutoScaler.apply
+        self.config = config
+        e, ep = config.num_moe_experts, config.expert_model_parallel_size
+        if isinstance(router, dict):
+            # every rank that routes its own tokens; tensor-parallel ranks repeat the same tokens,
+            # which scales BRANCH's and DeepSeek-V3's sums uniformly and leaves their ratios as they are
+            stats = getattr(pg_collection, "tp_dp_cp", None) if pg_collection is not None else None
+            router = build_router({"hidden_size": config.hidden_size, "num_experts": e, **router}, stats_group=stats)
+        if router.num_experts != e:
+            raise ValueError(f"router has {router.num_experts} experts, config.num_moe_experts is {e}")
+        if router.top_k != config.moe_router_topk:  # dropless dispatch sizes its buffers as T x topk
+            raise ValueError(f"router top_k {router.top_k} != config.moe_router_topk {config.moe_router_topk}")
+        placement = placement if placement is not None else Placement.contiguous(e, ep)
+        placement.check(e, ep)
+        per_rank = e // ep
+        if any(len(placement.local_experts(r)) != per_rank for r in range(ep)):
+            raise ValueError(f"Megatron holds {per_rank} experts on every EP rank; placement "
+                             f"{placement.expert_to_rank} is uneven")
+        physical = placement.rank_tensor() * per_rank + placement.local_slot_tensor()
+        # column p of Megatron's view holds logical expert logical_at[p]
+        self.register_buffer("logical_at", torch.argsort(physical), persistent=False)
+        self.router, self.placement = router, placement
+        self.layer_number = None
+        self.last_routing = None
+        self.last_aux_loss = None
+
+    def set_layer_number(self, layer_number: int) -> None:
+        self.layer_number = layer_number
+
+    def forward(self, hidden: Tensor, padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        h = hidden.reshape(-1, hidden.shape[-1])
+        routing = self.router(h, **routing_extras(h.shape[0]))
+        idx = routing.expert_idx
+        if bool((idx < 0).any()):
+            raise ValueError("Megatron's dropless dispatch needs every token routed to top_k experts; "
+                             "use Megatron's moe_expert_capacity_factor for capacity, not the router's")
+        if padding_mask is not None:  # True at valid tokens: padding keeps its routes (Megatron sizes
+            # its buffers as T x topk) with zero weight, so it adds nothing to any output
+            routing.gates = routing.gates * padding_mask.reshape(-1, 1).to(routing.gates.dtype)
+        probs = routing.dense_gates()  # [T, E], gates at the selected experts
+        routing_map = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, idx, True)
+        probs = self._attach_aux(probs, routing.aux_loss)
+        self.last_routing, self.last_aux_loss = routing.detached(), routing.aux_loss.detach()
+        return probs[:, self.logical_at], routing_map[:, self.logical_at]
+
+
+def megatron_config(hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, ep_size: int = 1,
+                    dispatcher: str = "alltoall", expert_type: str = "swiglu", **overrides):
+    """A TransformerConfig for one MoE layer whose experts compute dist-moe's expert math
+    (``top_k`` is the strategy's: Megatron sizes its dropless buffers with it)."""
+    if dispatcher not in DISPATCHERS:
+        raise ValueError(f"dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
+    if expert_type not in ("swiglu", "gelu"):
+        raise ValueError(f"Megatron experts map dist-moe's swiglu or gelu experts, got {expert_type!r}")
+    megatron_patches.apply()
+    from megatron.core.transformer import TransformerConfig
+
+    cpu = not torch.cuda.is_available()
+    fields = dict(
+        num_layers=1, hidden_size=hidden_size, num_attention_heads=1, ffn_hidden_size=ffn_hidden_size,
+        moe_ffn_hidden_size=ffn_hidden_size, num_moe_experts=num_experts, moe_router_topk=top_k,
+        moe_router_pre_softmax=top_k == 1,  # Megatron's check for its own top-1 router; unused here
+        expert_model_parallel_size=ep_size, moe_token_dispatcher_type=dispatcher, add_bias_linear=False,
+        gated_linear_unit=expert_type == "swiglu",
+        activation_func=torch.nn.functional.silu if expert_type == "swiglu" else torch.nn.functional.gelu,
+        use_cpu_initialization=cpu, gradient_accumulation_fusion=False, bf16=False, params_dtype=torch.float32,
+        moe_aux_loss_coeff=0.0,  # the strategy's own aux loss is attached by DistMoERouter
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def megatron_moe_layer(config, router: Router | dict, placement: Placement | None = None, pg_collection=None):
+    """Megatron's MoELayer (SequentialMLP experts) with a ``DistMoERouter``."""
+    megatron_patches.apply()
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    spec.submodules.router = functools.partial(DistMoERouter, router=router, placement=placement)
+    return MoELayer(config, submodules=spec.submodules, pg_collection=pg_collection)
+
+
+def load_dist_moe_experts(layer, experts) -> None:
+    """Copy this rank's dist-moe ``Experts`` (same local order) into Megatron's SequentialMLP."""
+    local = layer.experts.local_experts
+    if len(local) != experts.num_experts:
+        raise ValueError(f"Megatron holds {len(local)} local experts, the dist-moe Experts {experts.num_experts}")
+    with torch.no_grad():
+        for j, mlp in enumerate(local):
+            if experts.kind == "swiglu":  # Megatron's GLU: first half of fc1 is the gate
+                mlp.linear_fc1.weight.copy_(torch.cat([experts.w_gate[j].t(), experts.w_up[j].t()]))
+                mlp.linear_fc2.weight.copy_(experts.w_down[j].t())
+            else:
+                mlp.linear_fc1.weight.copy_(experts.w_fc1[j].t())
+                mlp.linear_fc2.weight.copy_(experts.w_fc2[j].t())
+
+
+def expert_grads_as_dist_moe(layer, kind: str = "swiglu") -> list[dict]:
+    """Per local expert, its gradients in dist-moe's slot names and [in, out] layout."""
+    out = []
+    for mlp in layer.experts.local_experts:
+        g1, g2 = mlp.linear_fc1.weight.grad, mlp.linear_fc2.weight.grad
+        if kind == "swiglu":
+            gate, up = g1.chunk(2, 0)
+            out.append({"w_gate": gate.t(), "w_up": up.t(), "w_down": g2.t()})
+        else:
+            out.append({"w_fc1": g1.t(), "w_fc2": g2.t()})
+    return out
+
+
+def sent_bytes(layer) -> int:
+    """Payload bytes this rank's last alltoall dispatch sent to other EP ranks (from its splits)."""
+    dispatcher = layer.token_dispatcher
+    splits = getattr(dispatcher, "input_splits", None)
+    if splits is None:
+        raise ValueError("sent_bytes reads the alltoall dispatcher's input splits after a forward")
+    rank = layer.ep_group.rank()
+    row = layer.config.hidden_size * layer.config.params_dtype.itemsize
+    return sum(int(n) for peer, n in enumerate(splits) if peer != rank) * row
