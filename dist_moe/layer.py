@@ -12,7 +12,6 @@ different tokens.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.distributed as dist
@@ -59,7 +58,7 @@ class MoELayer(nn.Module):
             raise ValueError(f"router must be a Router or a config dict, got {type(router).__name__}")
         e = router.num_experts
         # every check below happens before the first collective
-        topology = topology if topology is not None else _default_topology(world)
+        topology = topology if topology is not None else Topology.launched(world)
         if topology.world_size != world:
             raise ValueError(f"topology {topology.describe()} has {topology.world_size} ranks, the group {world}")
         placement = placement if placement is not None else Placement.contiguous(e, world)
@@ -73,8 +72,8 @@ class MoELayer(nn.Module):
         rank = dist.get_rank(group) if world > 1 else 0
         self.local_expert_ids = placement.local_experts(rank)
         self.dispatcher = ExpertParallelDispatcher(group, placement, topology, dedup, timeout) if world > 1 else None
-        self.experts = Experts(len(self.local_expert_ids), hidden_size, ffn_hidden_size, expert_type,
-                               **expert_kwargs)
+        self.experts = _local_experts(world, rank, len(self.local_expert_ids), hidden_size, ffn_hidden_size,
+                                      expert_type, **expert_kwargs)
         self.shared_expert = SharedExpert(hidden_size, shared_expert_hidden) if shared_expert_hidden else None
         self.capacity_factor = capacity_factor
         self.ablated_experts: frozenset = frozenset()  # zero-ablation for diagnostics (SpecDrop's Align)
@@ -140,11 +139,15 @@ class MoELayer(nn.Module):
             self.dispatcher.reset_traffic()
 
 
-def _default_topology(world: int) -> Topology:
-    """The launcher's topology when this group spans the launched world, else one node."""
-    if world > 1 and os.environ.get("WORLD_SIZE") == str(world):
-        return Topology.from_env()
-    return Topology.flat(world)
+def _local_experts(world: int, rank: int, *args, **kwargs) -> Experts:
+    """This rank's experts. Under expert parallelism each rank draws them from its own stream
+    (one global seed would give every rank the same experts) and leaves the global stream
+    where it was, so the replicated modules built next stay identical across ranks."""
+    if world == 1:
+        return Experts(*args, **kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(torch.initial_seed() + 1 + rank)
+        return Experts(*args, **kwargs)
 
 
 def _per_token(t: Tensor | None, shape, name: str) -> Tensor | None:

@@ -146,6 +146,13 @@ class Topology:
         return topo
 
     @classmethod
+    def launched(cls, world: int) -> "Topology":
+        """The launcher's topology when ``world`` is the launched world, else one node of ``world``."""
+        if world > 1 and os.environ.get("WORLD_SIZE") == str(world):
+            return cls.from_env()
+        return cls.flat(world)
+
+    @classmethod
     def parse(cls, spec: str) -> "Topology":
         """``"rack=2,node=2,gpu=4"`` -> Topology(("rack", "node", "gpu"), (2, 2, 4))."""
         levels, sizes = [], []

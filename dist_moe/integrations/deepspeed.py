@@ -134,3 +134,53 @@ def init_distributed() -> None:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+class DeepSpeedHostedMoE(nn.Module):
+    """dist-moe's layer interface over a DeepSpeed-hosted MoE: ``(y, aux) = layer(x, categories, token_ids)``.
+
+    Needs ``deepspeed.init_distributed`` (``init_distributed`` here) first when ``ep_size > 1``.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, router: Router | dict, ep_size: int = 1,
+                 placement: Placement | None = None, capacity_factor: float | None = None,
+                 expert_type: str = "swiglu", **expert_kwargs):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.moe = deepspeed_moe_layer(hidden_size, ffn_hidden_size, router, ep_size, placement, capacity_factor,
+                                       expert_type, **expert_kwargs)
+        rank = 0
+        if torch.distributed.is_initialized():
+            self.moe.set_deepspeed_parallelism()
+            rank = torch.distributed.get_rank()
+        # DeepSpeed deep-copies one expert module into every slot of every rank: give each
+        # expert its own draw, off the global stream (replicated modules stay identical)
+        local = self.moe.deepspeed_moe.experts.deepspeed_experts
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(torch.initial_seed() + 1 + rank)
+            for expert in local:
+                fresh = SingleExpert(hidden_size, ffn_hidden_size, expert_type, **expert_kwargs)
+                expert.load_state_dict(fresh.state_dict())
+
+    @property
+    def gate(self) -> DistMoEGate:
+        return self.moe.deepspeed_moe.gate
+
+    @property
+    def router(self) -> Router:
+        return self.gate.router
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.num_experts
+
+    @property
+    def last_routing(self):
+        return self.gate.last_routing
+
+    def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None):
+        from dist_moe.integrations.context import routing_context
+
+        with routing_context(categories=categories, token_ids=token_ids):
+            y, aux, _ = self.moe(x.reshape(-1, self.hidden_size))
+        return y.reshape(x.shape), aux

@@ -160,3 +160,42 @@ def sent_bytes(layer) -> int:
     rank = layer.ep_group.rank()
     row = layer.config.hidden_size * layer.config.params_dtype.itemsize
     return sum(int(n) for peer, n in enumerate(splits) if peer != rank) * row
+
+
+class MegatronHostedMoE(nn.Module):
+    """dist-moe's layer interface over a Megatron-hosted MoE: ``(y, aux) = layer(x, categories, token_ids)``.
+
+    Rows of ``x`` are Megatron's [S, B=1] tokens. The aux loss already reaches the
+    router through Megatron's ``MoEAuxLossAutoScaler`` in the output's backward, so
+    the returned aux is detached: adding it to a loss reports it without counting
+    its gradient twice. Needs ``parallel_state.initialize_model_parallel`` first.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, router: dict, ep_size: int = 1,
+                 placement: Placement | None = None, dispatcher: str = "alltoall", expert_type: str = "swiglu"):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):  # a probe for top_k and the expert count; no RNG drawn
+            probe = build_router({"hidden_size": hidden_size, **router})
+        config = megatron_config(hidden_size, ffn_hidden_size, probe.num_experts, probe.top_k, ep_size,
+                                 dispatcher, expert_type)
+        self.hidden_size = hidden_size
+        self.moe = megatron_moe_layer(config, router, placement)
+
+    @property
+    def router(self) -> Router:
+        return self.moe.router.router
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.num_experts
+
+    @property
+    def last_routing(self):
+        return self.moe.router.last_routing
+
+    def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None):
+        from dist_moe.integrations.context import routing_context
+
+        with routing_context(categories=categories, token_ids=token_ids):
+            y, _ = self.moe(x.reshape(-1, 1, self.hidden_size))
+        return y.reshape(x.shape), self.moe.router.last_aux_loss

@@ -30,7 +30,10 @@ class TabularMoE(nn.Module):
         post_norm: bool = False,
         class_category: Tensor | None = None,
         label_mask: bool = False,
+        moe: nn.Module | None = None,
     ):
+        """``moe``: an engine-hosted layer with MoELayer's interface (``dist_moe.train.engines``);
+        by default a local MoELayer built from ``router``."""
         super().__init__()
         if label_mask and class_category is None:
             raise ValueError("model.label_mask needs categories: set data.categories")
@@ -38,7 +41,9 @@ class TabularMoE(nn.Module):
         self.register_buffer("class_category", class_category, persistent=False)
         hidden = d_model or num_features
         self.input = nn.Linear(num_features, d_model) if d_model else nn.Identity()
-        self.moe = MoELayer(hidden, ffn_hidden_size, router, capacity_factor=capacity_factor, expert_type=expert_type)
+        if moe is None:
+            moe = MoELayer(hidden, ffn_hidden_size, router, capacity_factor=capacity_factor, expert_type=expert_type)
+        self.moe = moe
         self.norm = nn.LayerNorm(hidden) if post_norm else nn.Identity()
         self.head = nn.Linear(hidden, num_classes)
 

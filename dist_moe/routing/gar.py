@@ -45,7 +45,8 @@ from dist_moe.routing.gar_observe import (
 __all__ = [
     "GARConfig", "MODES", "UNITS", "Observations", "collect_observations", "equal_task_weights", "example_mean",
     "example_sum", "factor_gram", "factor_observations", "gar_loss", "gar_loss_gram", "gar_objective",
-    "gar_train_step", "group_route_summaries", "router_summary", "sum_replicated_grads", "template_gradient",
+    "gar_train_step", "group_route_summaries", "rank_local_param_ids", "router_summary", "sum_replicated_grads",
+    "template_gradient", "clip_global",
 ]
 
 
@@ -142,39 +143,39 @@ def gar_train_step(
         world = 1 if obs.group is None else torch.distributed.get_world_size(obs.group)
         (lam * aux / world).backward()  # router parameters only: inputs and observations are detached
     params = [p for p in model.parameters() if p.requires_grad]
+    local = rank_local_param_ids(obs.layers)
     if obs.group is not None:
-        sum_replicated_grads(params, obs.layers, obs.group)
+        sum_replicated_grads(params, local, obs.group)
     grad_norm = None
     if max_grad_norm is not None:
-        grad_norm = _clip_global(params, obs.layers, obs.group, max_grad_norm)
+        grad_norm = clip_global(params, local, obs.group, max_grad_norm)
     optimizer.step()
     return {"task_loss": obs.task_loss, "gar_loss": float(aux.detach()), "grad_norm": grad_norm}
 
 
-def _expert_param_ids(layers) -> set[int]:
+def rank_local_param_ids(layers) -> set[int]:
+    """ids of the parameters each rank holds alone: its MoE layers' experts."""
     return {id(p) for layer in layers for p in layer.experts.parameters()}
 
 
-def sum_replicated_grads(params, layers, group) -> None:
-    """Data-parallel gradient sum of the parameters every rank holds (experts are rank-local)."""
-    local = _expert_param_ids(layers)
+def sum_replicated_grads(params, local_ids: set[int], group) -> None:
+    """Data-parallel gradient sum of the parameters every rank holds (not those in ``local_ids``)."""
     for p in params:
-        if id(p) in local:
+        if id(p) in local_ids:
             continue
         if p.grad is None:  # still take part: every rank reduces every replicated parameter
             p.grad = torch.zeros_like(p)
         p.grad = all_reduce_sum(p.grad, group)
 
 
-def _clip_global(params, layers, group, max_norm: float) -> float:
-    """One global-norm clip over all parameters; rank-local experts' squares are summed over ranks."""
+def clip_global(params, local_ids: set[int], group, max_norm: float) -> float:
+    """One global-norm clip over all parameters; rank-local parameters' squares are summed over ranks."""
     with_grad = [p for p in params if p.grad is not None]
     if group is None:
         return float(torch.nn.utils.clip_grad_norm_(with_grad, max_norm))
-    local = _expert_param_ids(layers)
-    squares = torch.zeros(2, dtype=torch.float64)  # [replicated, rank-local experts]
+    squares = torch.zeros(2, dtype=torch.float64)  # [replicated, rank-local]
     for p in with_grad:
-        squares[int(id(p) in local)] += (p.grad.double() ** 2).sum()
+        squares[int(id(p) in local_ids)] += (p.grad.double() ** 2).sum()
     total = float(squares[0] + all_reduce_sum(squares[1:], group)[0]) ** 0.5
     coef = max_norm / (total + 1e-6)
     if coef < 1:

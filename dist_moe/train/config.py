@@ -29,6 +29,10 @@ def _yaml(text: str):
 DEFAULT_CONFIG: dict = {
     "name": "demo",
     "seed": 0,
+    # which MoE layer hosts the router: dist-moe's own ("torch"), DeepSpeed's or Megatron-core's
+    "engine": "torch",
+    # expert parallelism over the launched world (torchrun / deepspeed launcher; 1 process: local)
+    "parallel": {"placement": "contiguous", "dedup": "rank", "megatron_dispatcher": "alltoall"},
     # categories: a coarse label per row (data.CATEGORY_SETS), required by specdrop routing
     "data": {"name": "magic", "val_fraction": 0.2, "max_rows": None, "categories": None},
     # label_mask: mask the logits of classes outside the row's category (SpecDrop's dense control)
@@ -49,6 +53,11 @@ _POSITIVE = ("a positive int", lambda v: v >= 1)
 _RULES = {
     "name": (str, False, ("a non-empty name", lambda v: bool(v.strip()))),
     "seed": (int, False, ("an int >= 0", lambda v: v >= 0)),
+    "engine": (str, False, ("one of torch, deepspeed, megatron", lambda v: v in ("torch", "deepspeed", "megatron"))),
+    "parallel.placement": (str, False, ("one of contiguous, round_robin, tree_prefix",
+                                        lambda v: v in ("contiguous", "round_robin", "tree_prefix"))),
+    "parallel.dedup": (str, False, ("one of none, rank, node", lambda v: v in ("none", "rank", "node"))),
+    "parallel.megatron_dispatcher": (str, False, ("alltoall or allgather", lambda v: v in ("alltoall", "allgather"))),
     "data.name": (str, False, None),  # the loader names the valid datasets
     "data.val_fraction": (float, False, ("a number in (0, 1)", lambda v: 0 < v < 1)),
     "data.max_rows": (int, True, ("an int >= 10", lambda v: v >= 10)),

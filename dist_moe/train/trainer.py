@@ -29,6 +29,7 @@ from dist_moe.routing.gar import gar_train_step
 from dist_moe.train.align import specdrop_align
 from dist_moe.train.data import tabular_split
 from dist_moe.train.config import validate
+from dist_moe.train.engines import Runtime
 from dist_moe.train.metrics import metrics_of, routing_metrics
 from placement import random_pair_tree_distance
 
@@ -53,28 +54,37 @@ class JsonlLogger:
 
 @torch.no_grad()
 def evaluate(model: TabularMoE, x: torch.Tensor, y: torch.Tensor, c: torch.Tensor | None = None,
-             batch_size: int = 4096) -> dict:
+             batch_size: int = 4096, runtime: Runtime | None = None) -> dict:
+    """Validation metrics; under a multi-rank runtime each rank takes its share of the rows
+    and every sum is reduced (every rank runs the same number of forwards)."""
+    world, rank = (runtime.world, runtime.rank) if runtime is not None else (1, 0)
+    total = len(x)
+    mine = torch.tensor_split(torch.arange(total), world)[rank]
+    x, y = x[mine], y[mine]
+    c = None if c is None else c[mine]
     model.eval()
-    loss, correct, routings = 0.0, 0, []
-    for i in range(0, len(x), batch_size):
-        logits, _ = model(x[i : i + batch_size], None if c is None else c[i : i + batch_size])
-        loss += float(F.cross_entropy(logits, y[i : i + batch_size], reduction="sum"))
-        correct += int((logits.argmax(1) == y[i : i + batch_size]).sum())
+    sums = torch.zeros(3, dtype=torch.float64)  # loss, correct, rows
+    routings = []
+    for rows in torch.tensor_split(torch.arange(len(x)), max(1, math.ceil(math.ceil(total / world) / batch_size))):
+        logits, _ = model(x[rows], None if c is None else c[rows])
+        sums[0] += float(F.cross_entropy(logits, y[rows], reduction="sum")) if len(rows) else 0.0
+        sums[1] += int((logits.argmax(1) == y[rows]).sum())
+        sums[2] += len(rows)
         routings.append(model.moe.last_routing)
-    metrics = routing_metrics(
-        torch.cat([r.expert_idx for r in routings]),
-        sum(r.stats["load"] for r in routings),
-        sum(r.stats.get("dropped", 0) for r in routings),
-        model.moe.num_experts,
-    )
-    out = {"val_loss": loss / len(x), "val_acc": correct / len(x), **{f"val_{k}": v for k, v in metrics.items()}}
+    reduce = runtime.sum if runtime is not None else (lambda t: t)
+    sums = reduce(sums)
+    load = reduce(sum(r.stats["load"] for r in routings).double())
+    dropped = int(reduce(torch.tensor([float(sum(r.stats.get("dropped", 0) for r in routings))])))
+    metrics = routing_metrics(torch.cat([r.expert_idx for r in routings]), load, dropped, model.moe.num_experts)
+    out = {"val_loss": float(sums[0] / sums[2]), "val_acc": float(sums[1] / sums[2]),
+           **{f"val_{k}": v for k, v in metrics.items()}}
     if c is not None:
-        out["val_align"] = _align(model, x, y, c)
+        out["val_align"] = _align(model, x, y, c, None if runtime is None or world == 1 else runtime.group)
     model.train()
     return out
 
 
-def _align(model: TabularMoE, x, y, c) -> float:
+def _align(model: TabularMoE, x, y, c, group=None) -> float:
     """SpecDrop's Align on the validation rows (expert c mod E is category c's)."""
     num_categories = int(model.class_category.max()) + 1
     e = model.moe.num_experts
@@ -85,7 +95,7 @@ def _align(model: TabularMoE, x, y, c) -> float:
         return (torch.zeros(num_categories, dtype=torch.float64).index_add_(0, c, losses),
                 torch.bincount(c, minlength=num_categories).double())
 
-    return specdrop_align(model, per_category_loss, torch.arange(num_categories) % e, e)["align"]
+    return specdrop_align(model, per_category_loss, torch.arange(num_categories) % e, e, group)["align"]
 
 
 def _categorised_router(cfg: dict, data) -> dict:
@@ -104,28 +114,43 @@ def _categorised_router(cfg: dict, data) -> dict:
 
 
 def train(cfg: dict, quiet: bool = False) -> dict:
+    """Train the tabular model with ``cfg["engine"]`` over the launched world (one process: local)."""
     validate(cfg)
-    tcfg = cfg["train"]
-    torch.manual_seed(cfg["seed"])
-    dcfg = cfg["data"]
-    data = tabular_split(dcfg["name"], dcfg["val_fraction"], cfg["seed"], dcfg["max_rows"], dcfg["categories"])
-    model = TabularMoE(data.x_train.shape[1], data.num_classes, _categorised_router(cfg, data),
-                       class_category=data.class_category, **cfg["model"])
-    router = model.moe.router
-    opt = torch.optim.Adam(model.parameters(), lr=tcfg["lr"])
-    out_dir = Path(cfg["output"]["dir"].format(name=cfg["name"]))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    logger = JsonlLogger(out_dir / "metrics.jsonl")
+    runtime = Runtime(cfg["engine"], cfg["parallel"])
+    try:
+        return _train(cfg, runtime, quiet)
+    finally:
+        runtime.shutdown()
 
-    n, bs = len(data.x_train), tcfg["batch_size"]
-    steps_per_epoch = math.ceil(n / bs)
-    total = tcfg["max_steps"] or tcfg["epochs"] * steps_per_epoch
-    gen = torch.Generator().manual_seed(cfg["seed"])
+
+def _train(cfg: dict, rt: Runtime, quiet: bool) -> dict:
+    tcfg, dcfg, mcfg = cfg["train"], cfg["data"], cfg["model"]
+    torch.manual_seed(cfg["seed"])  # the same on every rank: replicated modules start identical
+    data = tabular_split(dcfg["name"], dcfg["val_fraction"], cfg["seed"], dcfg["max_rows"], dcfg["categories"])
+    router_cfg = _categorised_router(cfg, data)
+    features = data.x_train.shape[1]
+    moe = rt.build_moe(mcfg["d_model"] or features, mcfg["ffn_hidden_size"], router_cfg, mcfg["capacity_factor"],
+                       mcfg["expert_type"])
+    model = TabularMoE(features, data.num_classes, router_cfg, class_category=data.class_category, moe=moe, **mcfg)
+    router = model.moe.router
     gar = getattr(router, "gar_config", None)
+    if gar is not None and rt.engine != "torch":
+        raise ValueError(f"GAR training runs with engine torch for now, got engine {rt.engine!r}")
+    bs = tcfg["batch_size"]  # per rank, as DeepSpeed's train_micro_batch_size_per_gpu
+    step_fn = rt.stepper(model, tcfg["lr"], tcfg["max_grad_norm"], bs)
+    out_dir = Path(cfg["output"]["dir"].format(name=cfg["name"]))
+    if rt.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    logger = JsonlLogger(out_dir / "metrics.jsonl") if rt.is_main else None
+
+    n, global_bs = len(data.x_train), bs * rt.world
+    steps_per_epoch = math.ceil(n / global_bs)
+    total = tcfg["max_steps"] or tcfg["epochs"] * steps_per_epoch
+    gen = torch.Generator().manual_seed(cfg["seed"])  # the same order on every rank; each takes its share
     step, start, last_eval = 0, time.time(), {}
     # Redrawn 10x a second on a terminal; in a log file (CI, nohup) every 10 s is enough.
-    bar = tqdm(total=total, desc=cfg["name"], disable=quiet, dynamic_ncols=True,
+    bar = tqdm(total=total, desc=cfg["name"], disable=quiet or not rt.is_main, dynamic_ncols=True,
                mininterval=0.1 if sys.stderr.isatty() else 10.0)
     try:
         epochs = math.ceil(total / steps_per_epoch)
@@ -135,64 +160,83 @@ def train(cfg: dict, quiet: bool = False) -> dict:
             perm = torch.randperm(n, generator=gen)
             if scheduled and tcfg["schedule"] == "epoch":
                 router.set_progress((step // steps_per_epoch) / epochs)  # SpecDrop's schedule, per epoch
-            for i in range(0, n, bs):
+            for i in range(0, n, global_bs):
                 if step >= total:
                     break
                 if scheduled and tcfg["schedule"] == "step":
                     router.set_progress(step / total)  # SpecDrop's schedule, per step
-                xb, yb = data.x_train[perm[i : i + bs]], data.y_train[perm[i : i + bs]]
+                rows = torch.tensor_split(perm[i : i + global_bs], rt.world)[rt.rank]
+                xb, yb = data.x_train[rows], data.y_train[rows]
                 cb = data.categories(yb)
-                record = (_gar_step(model, opt, xb, yb, cb, gar, tcfg) if gar
-                          else _plain_step(model, opt, xb, yb, cb, tcfg))
+                record = (_gar_step(model, step_fn.opt, xb, yb, cb, gar, tcfg, rt) if gar
+                          else _plain_step(step_fn, xb, yb, cb))
+                record = _mean_over_ranks(record, rt)
                 step += 1
-                if not math.isfinite(record["loss"]):
+                if not math.isfinite(record["loss"]):  # the same mean on every rank: all stop together
                     raise ValueError(f"training diverged at step {step} (loss {record['loss']}); "
                                      f"lower train.lr (now {tcfg['lr']})")
-                if step % tcfg["log_every"] == 0 or step == total:
+                if logger is not None and (step % tcfg["log_every"] == 0 or step == total):
                     record.update(metrics_of(model.moe.last_routing, model.moe.num_experts))
                     if hasattr(router, "progress"):
                         record["schedule_progress"] = float(router.progress)
                     logger.log({"step": step, **record})
                     bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
                 bar.update(1)
-            last_eval = evaluate(model, data.x_val, data.y_val, data.categories(data.y_val))
-            logger.log({"step": step, "epoch": math.ceil(step / steps_per_epoch), **last_eval})
+            last_eval = evaluate(model, data.x_val, data.y_val, data.categories(data.y_val), runtime=rt)
+            if logger is not None:
+                logger.log({"step": step, "epoch": math.ceil(step / steps_per_epoch), **last_eval})
     finally:
         bar.close()
-        logger.close()
+        if logger is not None:
+            logger.close()
     summary = {
-        "name": cfg["name"], "router": cfg["router"]["type"], "steps": step, "seconds": round(time.time() - start, 2),
-        **last_eval, "random_pair_tree_distance": _random_pair(model.moe.num_experts), "output_dir": str(out_dir),
+        "name": cfg["name"], "router": cfg["router"]["type"], "engine": rt.engine, "world_size": rt.world,
+        "steps": step, "seconds": round(time.time() - start, 2), **last_eval,
+        "random_pair_tree_distance": _random_pair(model.moe.num_experts), "output_dir": str(out_dir),
     }
     summary = json_safe(summary)
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if rt.is_main:
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _mean_over_ranks(record: dict, rt: Runtime) -> dict:
+    """Logged losses are the mean over ranks (each rank's is its own micro-batch's)."""
+    if rt.world == 1:
+        return record
+    keys = sorted(record)
+    values = rt.sum(torch.tensor([float(record[k]) for k in keys], dtype=torch.float64)) / rt.world
+    return dict(zip(keys, values.tolist()))
 
 
 def _random_pair(num_experts: int) -> float:
     return random_pair_tree_distance(num_experts) if num_experts >= 2 and not num_experts & (num_experts - 1) else None
 
 
-def _plain_step(model, opt, xb, yb, cb, tcfg) -> dict:
-    logits, aux = model(xb, cb)
+def _plain_step(step_fn, xb, yb, cb) -> dict:
+    logits, aux = step_fn.module(xb, cb)
     task = F.cross_entropy(logits, yb)
-    opt.zero_grad(set_to_none=True)
-    (task + aux).backward()
-    if tcfg["max_grad_norm"]:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg["max_grad_norm"])
-    opt.step()
+    step_fn(task + aux)
     return {"loss": float(task.detach()), "aux_loss": float(aux.detach())}
 
 
-def _gar_step(model, opt, xb, yb, cb, gar, tcfg) -> dict:
+def _gar_step(model, opt, xb, yb, cb, gar, tcfg, rt: Runtime) -> dict:
     g = tcfg["gar_group_size"]
-    groups = [(xb[i : i + g], yb[i : i + g], None if cb is None else cb[i : i + g]) for i in range(0, len(xb), g)]
+    if rt.world == 1:  # consecutive groups of g rows
+        parts = [torch.arange(i, min(i + g, len(xb))) for i in range(0, len(xb), g)]
+    else:  # every rank takes the same number of groups: the m-th of every rank form unit m
+        count = max(1, math.ceil(tcfg["batch_size"] / g))
+        parts = list(torch.tensor_split(torch.arange(len(xb)), count))
+        if any(len(rows) == 0 for rows in parts):
+            raise ValueError(f"a rank holds {len(xb)} rows for {count} GAR groups: raise train.batch_size")
+    groups = [(xb[r], yb[r], None if cb is None else cb[r]) for r in parts]
 
     def loss_fn(m, group):
         logits, aux = m(group[0], group[2])
         return F.cross_entropy(logits, group[1]) + aux
 
-    weights = [len(grp[0]) / len(xb) for grp in groups]
+    weights = [len(grp[0]) / len(xb) for grp in groups] if rt.world == 1 else [1 / len(groups)] * len(groups)
+    sizes = [len(grp[0]) for grp in groups] if rt.world > 1 else None
     out = gar_train_step(model, groups, loss_fn, opt, weights, gar.lam, gar.eps, tcfg["max_grad_norm"], gar.mode,
-                         unit=gar.unit)
+                         sizes=sizes, unit=gar.unit)
     return {"loss": out["task_loss"], "gar_loss": out["gar_loss"]}

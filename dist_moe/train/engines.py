@@ -1,0 +1,182 @@
+"""The training config's ``engine``: which MoE layer hosts the routing, and who steps.
+
+torch      dist-moe's MoELayer and dispatcher (``parallel.dedup``); plain Adam.
+deepspeed  DeepSpeed's MoE layer with dist-moe's gate; ``deepspeed.initialize``
+           with MoE parameter groups owns backward, gradient reduction, clipping
+           and the step.
+megatron   Megatron-core's MoELayer (``parallel.megatron_dispatcher``: alltoall or
+           allgather) with dist-moe's router; plain Adam.
+
+Every engine puts all experts across the launched world (expert parallelism =
+world size) and keeps the router, placement and topology of the config. For
+torch and megatron the step averages gradients like data parallelism: replicated
+parameters are all-reduced and divided by the world, rank-local experts (whose
+gradients already hold every rank's tokens) are divided by the world, then one
+clip over the global norm.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from dist_moe.dispatch.process_group import init_from_env, launched_world_size
+from dist_moe.dispatch.stats import all_reduce_sum
+from dist_moe.routing.gar import clip_global, sum_replicated_grads
+from placement import Placement, Topology
+
+ENGINES = ("torch", "deepspeed", "megatron")
+PLACEMENTS = ("contiguous", "round_robin", "tree_prefix")
+
+
+class Runtime:
+    """Process group, engine set-up and the MoE layer factory for one training run."""
+
+    def __init__(self, engine: str, parallel: dict):
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+        self.engine, self.parallel = engine, parallel
+        self._owns_group = not torch.distributed.is_initialized()  # a caller's group is left to the caller
+        if engine != "torch":
+            _one_rank_defaults()
+        if engine == "deepspeed":
+            from dist_moe.integrations.deepspeed import init_distributed
+
+            init_distributed()
+        self.rank, self.world, self.group = init_from_env()
+        if engine == "megatron":
+            from dist_moe.integrations import megatron_patches
+
+            megatron_patches.apply()
+            from megatron.core import parallel_state
+
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
+                                                     expert_model_parallel_size=self.world)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def topology(self) -> Topology:
+        return Topology.launched(self.world)
+
+    def placement(self, num_experts: int) -> Placement:
+        kind = self.parallel["placement"]
+        if kind == "tree_prefix":
+            return Placement.tree_prefix(num_experts, self.topology())
+        return getattr(Placement, kind)(num_experts, self.world)
+
+    def build_moe(self, hidden: int, ffn: int, router: dict, capacity_factor, expert_type: str) -> nn.Module:
+        from dist_moe.routing import build_router
+
+        with torch.random.fork_rng(devices=[]):  # a probe for the expert count: leave the seed's stream alone
+            num_experts = build_router({"hidden_size": hidden, **router}).num_experts
+        placement = self.placement(num_experts)
+        if self.engine == "torch":
+            from dist_moe.layer import MoELayer
+
+            return MoELayer(hidden, ffn, router, placement=placement, topology=self.topology(),
+                            group=self.group if self.world > 1 else None, dedup=self.parallel["dedup"],
+                            capacity_factor=capacity_factor, expert_type=expert_type)
+        if self.engine == "deepspeed":
+            from dist_moe.integrations.deepspeed import DeepSpeedHostedMoE
+
+            return DeepSpeedHostedMoE(hidden, ffn, router, self.world, placement, capacity_factor, expert_type)
+        if capacity_factor is not None:
+            raise ValueError("engine megatron runs dropless: set model.capacity_factor: null "
+                             f"(got {capacity_factor})")
+        from dist_moe.integrations.megatron import MegatronHostedMoE
+
+        return MegatronHostedMoE(hidden, ffn, router, self.world, placement, self.parallel["megatron_dispatcher"],
+                                 expert_type)
+
+    def stepper(self, model: nn.Module, lr: float, max_grad_norm, micro_batch: int):
+        if self.engine == "deepspeed":
+            return DeepSpeedStepper(model, lr, max_grad_norm, micro_batch)
+        return LocalStepper(model, lr, max_grad_norm, self.group if self.world > 1 else None, self.world)
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(t, self.group if self.world > 1 else None)
+
+    def shutdown(self) -> None:
+        if self.engine == "megatron":
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+        if self._owns_group:
+            from dist_moe.dispatch.process_group import shutdown
+
+            shutdown()
+
+
+def _one_rank_defaults() -> None:
+    """DeepSpeed and Megatron need a process group even alone: a one-rank group on localhost."""
+    if launched_world_size() == 1:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
+                           ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+            os.environ.setdefault(key, value)
+
+
+def rank_local_params(model: nn.Module) -> set[int]:
+    """ids of the expert parameters this rank holds alone, whichever engine hosts them."""
+    from dist_moe.layer import MoELayer
+
+    ids = set()
+    for m in model.modules():
+        experts = None
+        if isinstance(m, MoELayer):
+            experts = m.experts
+        elif type(m).__name__ == "DeepSpeedHostedMoE":
+            experts = m.moe.deepspeed_moe.experts
+        elif type(m).__name__ == "MegatronHostedMoE":
+            experts = m.moe.experts
+        if experts is not None:
+            ids.update(id(p) for p in experts.parameters())
+    return ids
+
+
+class LocalStepper:
+    """zero_grad, backward, data-parallel average, global clip, Adam step."""
+
+    def __init__(self, model: nn.Module, lr: float, max_grad_norm, group, world: int):
+        self.module = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = torch.optim.Adam(self.params, lr=lr)
+        self.local, self.group, self.world, self.max_grad_norm = rank_local_params(model), group, world, max_grad_norm
+
+    def __call__(self, loss: torch.Tensor) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.group is not None:
+            sum_replicated_grads(self.params, self.local, self.group)
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.div_(self.world)
+        if self.max_grad_norm:
+            clip_global(self.params, self.local, self.group, self.max_grad_norm)
+        self.opt.step()
+
+
+class DeepSpeedStepper:
+    """``deepspeed.initialize`` with MoE parameter groups; the engine runs backward and step."""
+
+    def __init__(self, model: nn.Module, lr: float, max_grad_norm, micro_batch: int):
+        import deepspeed
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        groups = split_params_into_different_moe_groups_for_optimizer(
+            {"params": [p for p in model.parameters() if p.requires_grad], "name": "parameters"})
+        config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
+                  "gradient_clipping": float(max_grad_norm or 0.0), "steps_per_print": 10**9}
+        self.module, self.opt, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.Adam(groups, lr=lr),
+                                                           config=config)
+
+    def __call__(self, loss: torch.Tensor) -> None:
+        self.module.backward(loss)
+        self.module.step()

@@ -1,0 +1,63 @@
+"""`engine: torch | deepspeed | megatron`: the same training config on 2 CPU ranks with each host."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.dist_utils import free_port, run_workers
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMON = ["data.max_rows=3000", "train.epochs=3", "train.batch_size=64", "train.log_every=5", "train.lr=3e-3"]
+
+
+def _losses(run_dir: Path) -> list[float]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in lines if "loss" in r]
+
+
+def _train_worker(rank, world, overrides, out_dir, data_dir):
+    os.environ["DIST_MOE_DATA"] = data_dir
+    from dist_moe.train.config import load_config
+    from dist_moe.train.trainer import train
+
+    summary = train(load_config(None, [*COMMON, f"output.dir={out_dir}", *overrides]), quiet=True)
+    assert summary["world_size"] == world and summary["steps"] > 20
+    if rank == 0:
+        Path(out_dir, "summary.rank0.json").write_text(json.dumps(summary))
+
+
+@pytest.mark.parametrize("engine,extra", [
+    ("torch", ["parallel.dedup=rank"]),
+    ("torch", ["parallel.dedup=none", "parallel.placement=round_robin"]),
+    pytest.param("megatron", ["parallel.megatron_dispatcher=alltoall"], id="megatron-alltoall"),
+    pytest.param("megatron", ["parallel.megatron_dispatcher=allgather"], id="megatron-allgather"),
+])
+def test_two_rank_training_with_each_in_process_engine(tmp_path, engine, extra):
+    if engine == "megatron":
+        pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    out = tmp_path / "run"
+    overrides = [f"engine={engine}", *extra, "model.capacity_factor=null"]
+    run_workers(_train_worker, 2, args=(overrides, str(out), str(tmp_path / "data")), timeout=300)
+    losses = _losses(out)
+    assert sum(losses[-3:]) < sum(losses[:3])  # loss falls
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["engine"] == engine and summary["val_acc"] > 0.7
+
+
+def test_deepspeed_launcher_trains_branch_on_two_cpu_ranks(tmp_path):
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
+    out = tmp_path / "run"
+    env = {**os.environ, "DIST_MOE_DATA": str(tmp_path / "data"), "OMP_NUM_THREADS": "1"}
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+           str(Path(sys.executable).parent / "dist-moe"), "train", "--quiet", "engine=deepspeed",
+           f"output.dir={out}", *COMMON]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["engine"] == "deepspeed" and summary["world_size"] == 2 and summary["router"] == "branch"
+    losses = _losses(out)
+    assert len(losses) >= 5 and sum(losses[-3:]) < sum(losses[:3])
+    assert summary["val_acc"] > 0.7
