@@ -33,7 +33,8 @@ def worker(rank, world, args, out_path):
     import torch.distributed as dist
 
     from dist_moe.models import MoERegressor
-    from dist_moe.routing.gar import equal_task_weights, gar_train_step, rank_local_param_ids, sum_replicated_grads
+    from dist_moe.routing.gar import (equal_task_weights, gar_train_step, moe_layers, rank_local_param_ids,
+                                      sum_replicated_grads)
 
     torch.set_num_threads(1)
     H = args.hidden
@@ -62,7 +63,7 @@ def worker(rank, world, args, out_path):
         share = 1.0 / world
         for grp, w in zip(groups, weights):
             (share * w * loss_fn(model, grp)).backward()
-        sum_replicated_grads(list(model.parameters()), rank_local_param_ids([model.moe]), dist.group.WORLD)  # as GAR's step does
+        sum_replicated_grads(list(model.parameters()), rank_local_param_ids(moe_layers(model)), dist.group.WORLD)  # as GAR's step does
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
 

@@ -11,7 +11,7 @@ STRATEGIES = ["switch", "deepseek_v3", "skywork", "hash", "uniform", "branch", "
 
 def _equivalence_worker(rank, world, routers):
     from dist_moe.integrations.context import routing_context
-    from dist_moe.integrations.deepspeed import deepspeed_moe_layer, init_distributed
+    from dist_moe.integrations.deepspeed import deepspeed_moe_layer, init_distributed, load_dist_moe_experts
     from placement import Placement
     from tests.engine_checks import E, F, H, ROUTERS, compare, rank_inputs, reference_layer
 
@@ -23,10 +23,8 @@ def _equivalence_worker(rank, world, routers):
         ds.set_deepspeed_parallelism()
         gate = ds.deepspeed_moe.gate
         gate.router.load_state_dict(ref.router.state_dict())
+        load_dist_moe_experts(ds, ref.experts)
         experts = [dict(e.inner.named_parameters()) for e in ds.deepspeed_moe.experts.deepspeed_experts]
-        for j, params in enumerate(experts):
-            for name, p in params.items():
-                p.data.copy_(getattr(ref.experts, name).data[j : j + 1])
 
         x_all, cats, ids, w = rank_inputs(rank)
         x_ref = x_all.clone().requires_grad_()
@@ -47,3 +45,34 @@ def _equivalence_worker(rank, world, routers):
 
 def test_deepspeed_hosted_layer_equals_dist_moe_layer_for_every_strategy():
     run_workers(_equivalence_worker, 2, args=(STRATEGIES,), timeout=240)
+
+
+def _gar_worker(rank, world, host):
+    import os
+
+    from dist_moe.integrations.deepspeed import DeepSpeedHostedMoE, init_distributed, load_dist_moe_experts
+    from dist_moe.routing.gar import gar_train_step
+    from dist_moe.train.engines import DeepSpeedStepper
+    from tests.engine_checks import GAR_HIDDEN, GAR_KW, Record, gar_case
+
+    os.environ.setdefault("LOCAL_RANK", str(rank))  # deepspeed.initialize checks it; launchers set it
+    init_distributed()
+    case = gar_case(rank, world)
+    hosted = case.net(DeepSpeedHostedMoE(GAR_HIDDEN, 8, dict(case.router), world, case.placement))
+    case.copy_dense(hosted)
+    load_dist_moe_experts(hosted.moe.moe, case.ref.moe.experts)
+    if host == "own step":  # GAR's own reduction and step over DeepSpeed-hosted experts
+        opt = Record(hosted.parameters())
+        out = gar_train_step(hosted, case.groups, case.loss_fn, opt, case.weights, sizes=case.sizes, **GAR_KW)
+    else:  # deepspeed.initialize owns reduction and step; finish_external hands it GAR's gradients
+        stepper = DeepSpeedStepper(hosted, 0.0, None, 4, optimizer_cls=Record)
+        out = gar_train_step(hosted, case.groups, case.loss_fn, stepper.opt, case.weights, sizes=case.sizes,
+                             finish=stepper.finish_external, **GAR_KW)
+        opt = stepper.opt
+    experts = hosted.moe.moe.deepspeed_moe.experts.deepspeed_experts
+    case.check(host, out, opt.seen, hosted, lambda name, j: opt.seen[id(getattr(experts[j].inner, name))][0])
+
+
+@pytest.mark.parametrize("host", ["own step", "deepspeed engine"])
+def test_gar_with_deepspeed_hosted_experts_equals_dist_moe(host):
+    run_workers(_gar_worker, 2, args=(host,), timeout=240)

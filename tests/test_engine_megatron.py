@@ -69,3 +69,38 @@ class _Grad:
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
 def test_megatron_hosted_layer_equals_dist_moe_layer_for_every_strategy(dispatcher):
     run_workers(_equivalence_worker, 2, args=(STRATEGIES, dispatcher), timeout=300)
+
+
+def _gar_worker(rank, world, dispatcher):
+    from dist_moe.integrations import megatron_patches
+
+    megatron_patches.apply()
+    from megatron.core import parallel_state
+
+    from dist_moe.integrations.megatron import MegatronHostedMoE, load_dist_moe_experts
+    from dist_moe.routing.gar import gar_train_step
+    from tests.engine_checks import GAR_HIDDEN, GAR_KW, Record, gar_case
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=world)
+    try:
+        case = gar_case(rank, world, even=dispatcher == "allgather")
+        hosted = case.net(MegatronHostedMoE(GAR_HIDDEN, 8, dict(case.router), world, case.placement, dispatcher))
+        case.copy_dense(hosted)
+        load_dist_moe_experts(hosted.moe.moe, case.ref.moe.experts)
+        opt = Record(hosted.parameters())
+        out = gar_train_step(hosted, case.groups, case.loss_fn, opt, case.weights, sizes=case.sizes, **GAR_KW)
+        local = hosted.moe.moe.experts.local_experts
+
+        def expert_grad(name, j):  # Megatron's layout -> dist-moe's slots
+            fc1, fc2 = opt.seen[id(local[j].linear_fc1.weight)], opt.seen[id(local[j].linear_fc2.weight)]
+            gate, up = fc1.chunk(2, 0)
+            return {"w_gate": gate.t(), "w_up": up.t(), "w_down": fc2.t()}[name]
+
+        case.check(f"megatron-{dispatcher}", out, opt.seen, hosted, expert_grad)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_gar_with_megatron_hosted_experts_equals_dist_moe(dispatcher):
+    run_workers(_gar_worker, 2, args=(dispatcher,), timeout=240)

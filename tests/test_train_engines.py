@@ -10,6 +10,7 @@ import pytest
 from tests.dist_utils import free_port, run_workers
 
 ROOT = Path(__file__).resolve().parents[1]
+GAR = ["router.type=switch", "router.gar.lambda=0.001", "train.gar_group_size=16"]
 COMMON = ["data.max_rows=3000", "train.epochs=3", "train.batch_size=64", "train.log_every=5", "train.lr=3e-3"]
 
 
@@ -20,6 +21,7 @@ def _losses(run_dir: Path) -> list[float]:
 
 def _train_worker(rank, world, overrides, out_dir, data_dir):
     os.environ["DIST_MOE_DATA"] = data_dir
+    os.environ.setdefault("LOCAL_RANK", str(rank))  # what a launcher sets; deepspeed.initialize checks it
     from dist_moe.train.config import load_config
     from dist_moe.train.trainer import train
 
@@ -34,10 +36,13 @@ def _train_worker(rank, world, overrides, out_dir, data_dir):
     ("torch", ["parallel.dedup=none", "parallel.placement=round_robin"]),
     pytest.param("megatron", ["parallel.megatron_dispatcher=alltoall"], id="megatron-alltoall"),
     pytest.param("megatron", ["parallel.megatron_dispatcher=allgather"], id="megatron-allgather"),
+    pytest.param("torch", GAR, id="torch-gar"),
+    pytest.param("deepspeed", GAR, id="deepspeed-gar"),
+    pytest.param("megatron", GAR, id="megatron-gar"),
 ])
 def test_two_rank_training_with_each_in_process_engine(tmp_path, engine, extra):
-    if engine == "megatron":
-        pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    pytest.importorskip({"torch": "torch", "deepspeed": "deepspeed", "megatron": "megatron.core"}[engine],
+                        reason=f"{engine} is not installed")
     out = tmp_path / "run"
     overrides = [f"engine={engine}", *extra, "model.capacity_factor=null"]
     run_workers(_train_worker, 2, args=(overrides, str(out), str(tmp_path / "data")), timeout=300)
@@ -45,6 +50,9 @@ def test_two_rank_training_with_each_in_process_engine(tmp_path, engine, extra):
     assert sum(losses[-3:]) < sum(losses[:3])  # loss falls
     summary = json.loads((out / "summary.json").read_text())
     assert summary["engine"] == engine and summary["val_acc"] > 0.7
+    if extra is GAR:
+        lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert all(r["gar_loss"] < 0 for r in lines if "gar_loss" in r) and any("gar_loss" in r for r in lines)
 
 
 def test_deepspeed_launcher_trains_branch_on_two_cpu_ranks(tmp_path):

@@ -58,6 +58,7 @@ class DistMoEGate(nn.Module):
                              persistent=False)
         self.ep_group = None
         self.last_routing = None
+        self.last_router_input, self.last_router_extras = None, {}
         self.reset_traffic()
 
     def _set_ep_group(self, group) -> None:
@@ -78,7 +79,9 @@ class DistMoEGate(nn.Module):
         if use_tutel or not sparse_routes:
             raise ValueError("DistMoEGate returns sparse routes only (use_tutel=False)")
         e = self.router.num_experts
-        routing = self.router(x, **routing_extras(x.shape[0]))
+        extras = routing_extras(x.shape[0])
+        self.last_router_input, self.last_router_extras = x.detach(), extras  # for GAR's recomputation
+        routing = self.router(x, **extras)
         idx, gates = routing.expert_idx, routing.gates
         if used_token is not None:  # unused tokens are routed nowhere
             used = used_token.reshape(-1, 1) > 0
@@ -184,3 +187,27 @@ class DeepSpeedHostedMoE(nn.Module):
         with routing_context(categories=categories, token_ids=token_ids):
             y, aux, _ = self.moe(x.reshape(-1, self.hidden_size))
         return y.reshape(x.shape), aux
+
+    def gar_site(self):
+        """GAR over DeepSpeed's expert copies: materialized observations from their gradients."""
+        from dist_moe.routing.gar_observe import GARSite
+
+        local = self.moe.deepspeed_moe.experts.deepspeed_experts
+        template = {n: [getattr(e.inner, n) for e in local] for n in local[0].inner.template()}
+        gate = self.gate
+        ep = gate.ep_group if gate.ep_size > 1 else None
+        return GARSite(self.router, template, True, [p for e in local for p in e.parameters()],
+                       lambda: (gate.last_router_input, gate.last_router_extras,
+                                ((gate.last_router_input.shape[0],), None)),
+                       ep, gate._ep_rank())
+
+
+def load_dist_moe_experts(moe, experts) -> None:
+    """Copy this rank's dist-moe ``Experts`` (same local order) into DeepSpeed's expert slots."""
+    local = moe.deepspeed_moe.experts.deepspeed_experts
+    if len(local) != experts.num_experts:
+        raise ValueError(f"DeepSpeed holds {len(local)} local experts, the dist-moe Experts {experts.num_experts}")
+    with torch.no_grad():
+        for j, expert in enumerate(local):
+            for name, p in expert.inner.named_parameters():
+                p.copy_(getattr(experts, name)[j : j + 1])

@@ -65,13 +65,16 @@ class DistMoERouter(nn.Module):
         self.layer_number = None
         self.last_routing = None
         self.last_aux_loss = None
+        self.last_router_input, self.last_router_extras = None, {}
 
     def set_layer_number(self, layer_number: int) -> None:
         self.layer_number = layer_number
 
     def forward(self, hidden: Tensor, padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         h = hidden.reshape(-1, hidden.shape[-1])
-        routing = self.router(h, **routing_extras(h.shape[0]))
+        extras = routing_extras(h.shape[0])
+        self.last_router_input, self.last_router_extras = h.detach(), extras  # for GAR's recomputation
+        routing = self.router(h, **extras)
         idx = routing.expert_idx
         if bool((idx < 0).any()):
             raise ValueError("Megatron's dropless dispatch needs every token routed to top_k experts; "
@@ -199,3 +202,17 @@ class MegatronHostedMoE(nn.Module):
         with routing_context(categories=categories, token_ids=token_ids):
             y, _ = self.moe(x.reshape(-1, 1, self.hidden_size))
         return y.reshape(x.shape), self.moe.router.last_aux_loss
+
+    def gar_site(self):
+        """GAR over Megatron's SequentialMLP experts: materialized observations in their
+        own layout (fc1 holds the gate and up projections together)."""
+        from dist_moe.routing.gar_observe import GARSite
+
+        local = self.moe.experts.local_experts
+        template = {"linear_fc1.weight": [m.linear_fc1.weight for m in local],
+                    "linear_fc2.weight": [m.linear_fc2.weight for m in local]}
+        r = self.moe.router
+        ep = self.moe.ep_group if self.moe.ep_group.size() > 1 else None
+        return GARSite(self.router, template, False, [p for m in local for p in m.parameters()],
+                       lambda: (r.last_router_input, r.last_router_extras, ((r.last_router_input.shape[0],), None)),
+                       ep, self.moe.ep_group.rank())

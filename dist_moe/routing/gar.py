@@ -38,13 +38,14 @@ from dist_moe.routing.gar_observe import (
     example_mean,
     example_sum,
     group_route_summaries,
+    moe_layers,
     router_summary,
     template_gradient,
 )
 
 __all__ = [
     "GARConfig", "MODES", "UNITS", "Observations", "collect_observations", "equal_task_weights", "example_mean",
-    "example_sum", "factor_gram", "factor_observations", "gar_loss", "gar_loss_gram", "gar_objective",
+    "example_sum", "factor_gram", "moe_layers", "factor_observations", "gar_loss", "gar_loss_gram", "gar_objective",
     "gar_train_step", "group_route_summaries", "rank_local_param_ids", "router_summary", "sum_replicated_grads",
     "template_gradient", "clip_global",
 ]
@@ -124,6 +125,7 @@ def gar_train_step(
     mode: str = "materialized",
     sizes: Sequence[int] | None = None,
     unit: str = "group",
+    finish: Callable[[list, set, Any], None] | None = None,
 ) -> dict:
     """One GAR update (Algorithm 1).
 
@@ -133,7 +135,9 @@ def gar_train_step(
     parallelism also pass ``sizes`` (this rank's examples per group); the step then
     sums replicated parameters' gradients over the group and clips by the norm of
     every parameter on every rank. ``unit`` picks the observation unit ("group",
-    "example", "token"); ``mode`` the materialized or the Gram form.
+    "example", "token"); ``mode`` the materialized or the Gram form. ``finish(params,
+    rank_local_ids, group)``, when given, replaces the gradient sum, clip and
+    ``optimizer.step()`` (an engine that owns them, e.g. DeepSpeed).
     """
     optimizer.zero_grad(set_to_none=True)
     obs = collect_observations(model, groups, loss_fn, weights, mode, sizes, unit)
@@ -144,6 +148,9 @@ def gar_train_step(
         (lam * aux / world).backward()  # router parameters only: inputs and observations are detached
     params = [p for p in model.parameters() if p.requires_grad]
     local = rank_local_param_ids(obs.layers)
+    if finish is not None:
+        finish(params, local, obs.group)
+        return {"task_loss": obs.task_loss, "gar_loss": float(aux.detach()), "grad_norm": None}
     if obs.group is not None:
         sum_replicated_grads(params, local, obs.group)
     grad_norm = None
@@ -153,9 +160,9 @@ def gar_train_step(
     return {"task_loss": obs.task_loss, "gar_loss": float(aux.detach()), "grad_norm": grad_norm}
 
 
-def rank_local_param_ids(layers) -> set[int]:
-    """ids of the parameters each rank holds alone: its MoE layers' experts."""
-    return {id(p) for layer in layers for p in layer.experts.parameters()}
+def rank_local_param_ids(sites) -> set[int]:
+    """ids of the parameters each rank holds alone: its MoE layers' experts (``moe_layers(model)``)."""
+    return {id(p) for site in sites for p in site.local_params}
 
 
 def sum_replicated_grads(params, local_ids: set[int], group) -> None:

@@ -35,18 +35,41 @@ MODES = ("materialized", "gram")
 _TAG_BITS = 32  # a row tag is (source rank << 32) | local unit index; -1: no unit
 
 
-def moe_layers(model) -> list:
-    from dist_moe.layer import MoELayer
+@dataclass
+class GARSite:
+    """What GAR reads from one MoE layer, whichever engine hosts it (``layer.gar_site()``).
 
-    return [m for m in model.modules() if isinstance(m, MoELayer)]
+    ``template`` maps each slot of the common expert template to the parameters that
+    hold it on this rank: one stacked [E_local, ...] tensor (dist-moe), one [1, ...]
+    tensor per expert (DeepSpeed's expert copies; both ``stacked``), or one plain
+    tensor per expert (Megatron). ``experts`` is dist-moe's ``Experts`` where block
+    factors can be captured (Gram mode, example and token units), else None.
+    """
+
+    router: object
+    template: dict
+    stacked: bool
+    local_params: list
+    last_inputs: object  # () -> (detached router input [T, H], router extras, token layout)
+    group: object = None  # the expert-parallel process group, None when every expert is local
+    rank: int = 0
+    experts: object = None
+
+    def slot_numel(self) -> list[int]:
+        return [(ps[0][0] if self.stacked else ps[0]).numel() for ps in self.template.values()]
+
+
+def moe_layers(model) -> list[GARSite]:
+    """The GAR sites of every MoE layer in ``model`` (dist-moe's, or DeepSpeed- or Megatron-hosted)."""
+    return [m.gar_site() for m in model.modules() if hasattr(m, "gar_site")]
 
 
 def expert_parallel_group(layers):
     """The process group the MoE layers dispatch over, or None when they all run locally."""
-    groups = {id(layer.group): layer.group for layer in layers if layer.dispatcher is not None}
+    groups = {id(site.group): site.group for site in layers if site.group is not None}
     if not groups:
         return None
-    if len(groups) > 1 or any(layer.dispatcher is None for layer in layers):
+    if len(groups) > 1 or any(site.group is None for site in layers):
         raise ValueError("GAR needs every MoE layer on the same expert-parallel group")
     return next(iter(groups.values()))
 
@@ -204,7 +227,7 @@ def collect_observations(model, groups, loss_fn, weights, mode="materialized", s
     if not layers:
         raise ValueError("GAR found no MoELayer in the model")
     ep = expert_parallel_group(layers)
-    rank = layers[0].dispatcher.rank if ep is not None else 0
+    rank = layers[0].rank if ep is not None else 0
     if ep is not None and (sizes is None or len(sizes) != len(groups) or any(int(n) < 1 for n in sizes)):
         raise ValueError("under expert parallelism pass sizes=[examples of each group on this rank], "
                          f"each >= 1 (got {sizes!r})")
@@ -213,33 +236,36 @@ def collect_observations(model, groups, loss_fn, weights, mode="materialized", s
         totals = all_reduce_sum(torch.tensor([float(n) for n in sizes], dtype=torch.float64), ep).tolist()
     shares = list(weights) if ep is None else [w * n / t for w, n, t in zip(weights, sizes, totals)]
     reads_grads = mode == "materialized" and unit == "group"
-    template = [layer.experts.template() for layer in layers]
+    if not reads_grads and any(site.experts is None for site in layers):
+        raise ValueError(f"GAR mode={mode!r} unit={unit!r} builds observations from dist-moe's expert factors; "
+                         "an engine-hosted layer supports mode='materialized' with unit='group'")
+    template = [site.template for site in layers]
     G = [None] * len(layers)
     rows = [{name: [] for name in t} for t in template]  # factor rows per layer and slot
     inputs = [[] for _ in layers]
     task_loss = 0.0
     for m, (batch, w, share) in enumerate(zip(groups, weights, shares)):
-        stashes = [_stash_grads(list(t.values())) for t in template] if reads_grads else None
-        for layer in layers:
+        stashes = [_stash_grads(_flat(t)) for t in template] if reads_grads else None
+        for site in layers:
             if not reads_grads:
-                layer.experts.capture = FactorCapture(None if unit == "group" else _source_tagger(rank, unit))
+                site.experts.capture = FactorCapture(None if unit == "group" else _source_tagger(rank, unit))
         try:
             loss = loss_fn(model, batch)
             (share * loss).backward()
         finally:
-            captures = [layer.experts.capture for layer in layers]
-            for layer in layers:
-                layer.experts.capture = None
+            captures = [site.experts.capture if site.experts is not None else None for site in layers]
+            for site in layers:
+                if site.experts is not None:
+                    site.experts.capture = None
         task_loss += share * float(loss.detach())
-        for li, layer in enumerate(layers):
-            layout = layer.last_token_layout
-            inputs[li].append((layer.last_router_input, dict(layer.last_router_extras), layout))
+        for li, site in enumerate(layers):
+            h, extras, layout = site.last_inputs()
+            inputs[li].append((h, dict(extras), layout))
             if reads_grads:
                 if G[li] is None:
-                    G[li] = torch.empty(len(groups), sum(p[0].numel() for p in template[li].values()),
-                                        device=layer.last_router_input.device)
-                _read_template(template[li], G[li][m], w)
-                _restore_grads(list(template[li].values()), stashes[li])
+                    G[li] = torch.empty(len(groups), sum(site.slot_numel()), device=h.device)
+                _read_template(site, G[li][m], w)
+                _restore_grads(_flat(template[li]), stashes[li])
             else:
                 # a unit's own loss is the group's mean loss times its example count
                 count = totals[m] if totals is not None else layout[0][0] if layout[0] else 1
@@ -274,16 +300,23 @@ def _restore_grads(params: list, stash: list) -> None:
             p.grad = g
 
 
-def _read_template(template: dict, row: Tensor, w: float) -> None:
+def _flat(template: dict) -> list:
+    return [p for params in template.values() for p in params]
+
+
+def _read_template(site: GARSite, row: Tensor, w: float) -> None:
     """row <- (sum over experts of each slot's fresh gradient) / w, written in place."""
     start = 0
-    for p in template.values():
-        n = p[0].numel()
-        out = row[start : start + n].view(p.shape[1:])
-        if p.grad is None:
-            out.zero_()
+    for params, n in zip(site.template.values(), site.slot_numel()):
+        shape = params[0].shape[1:] if site.stacked else params[0].shape
+        out = row[start : start + n].view(shape)
+        grads = [p.grad for p in params if p.grad is not None]
+        if site.stacked and len(grads) == 1:
+            torch.sum(grads[0], 0, out=out)
         else:
-            torch.sum(p.grad, 0, out=out)
+            out.zero_()
+            for g in grads:
+                out.add_(g.sum(0) if site.stacked else g)
         start += n
     row.div_(w)
 
@@ -300,8 +333,8 @@ def _keep_rows(rows: dict, capture, scale: float, m: int) -> None:
 def _finish_factor_rows(obs: Observations, rows: list, template: list, num_groups: int) -> None:
     """Number the units globally and build G or W for every layer."""
     world = 1 if obs.group is None else torch.distributed.get_world_size(obs.group)
-    for li, layer in enumerate(obs.layers):
-        device = layer.last_router_input.device
+    for li, site in enumerate(obs.layers):
+        device = site.last_inputs()[0].device
         counts = torch.zeros(num_groups, world, dtype=torch.long, device=device)
         if obs.unit == "group":
             counts[:, 0] = 1  # unit m is group m, on whichever rank its rows ran (offsets[m, 0] = m)
@@ -314,7 +347,7 @@ def _finish_factor_rows(obs: Observations, rows: list, template: list, num_group
         obs.offsets.append(offsets)
         num_units = int(flat.sum())
         slots = {}
-        for slot, p in template[li].items():
+        for slot, (p,) in template[li].items():
             kept = []
             for x, d, m, tag in rows[li][slot]:
                 if tag is None:

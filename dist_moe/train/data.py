@@ -60,7 +60,8 @@ def load_keel(name: str) -> tuple[np.ndarray, np.ndarray, list[str]]:
     classes = sorted(set(labels))
     y = np.array([classes.index(v) for v in labels], dtype=np.int64)
     cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_name(cache.stem + ".tmp.npz")
+    # one temporary file per process: ranks that fill the cache together must not rename each other's
+    tmp = cache.with_name(f"{cache.stem}.{os.getpid()}.tmp.npz")
     np.savez(tmp, x=x, y=y, classes=np.array(classes))
     tmp.replace(cache)  # atomic: a crash never leaves a half-written cache
     return x, y, classes

@@ -23,7 +23,7 @@ from torch import nn
 
 from dist_moe.dispatch.process_group import init_from_env, launched_world_size
 from dist_moe.dispatch.stats import all_reduce_sum
-from dist_moe.routing.gar import clip_global, sum_replicated_grads
+from dist_moe.routing.gar import clip_global, moe_layers, rank_local_param_ids, sum_replicated_grads
 from placement import Placement, Topology
 
 ENGINES = ("torch", "deepspeed", "megatron")
@@ -123,24 +123,6 @@ def _one_rank_defaults() -> None:
             os.environ.setdefault(key, value)
 
 
-def rank_local_params(model: nn.Module) -> set[int]:
-    """ids of the expert parameters this rank holds alone, whichever engine hosts them."""
-    from dist_moe.layer import MoELayer
-
-    ids = set()
-    for m in model.modules():
-        experts = None
-        if isinstance(m, MoELayer):
-            experts = m.experts
-        elif type(m).__name__ == "DeepSpeedHostedMoE":
-            experts = m.moe.deepspeed_moe.experts
-        elif type(m).__name__ == "MegatronHostedMoE":
-            experts = m.moe.experts
-        if experts is not None:
-            ids.update(id(p) for p in experts.parameters())
-    return ids
-
-
 class LocalStepper:
     """zero_grad, backward, data-parallel average, global clip, Adam step."""
 
@@ -148,7 +130,8 @@ class LocalStepper:
         self.module = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.opt = torch.optim.Adam(self.params, lr=lr)
-        self.local, self.group, self.world, self.max_grad_norm = rank_local_params(model), group, world, max_grad_norm
+        self.local = rank_local_param_ids(moe_layers(model))
+        self.group, self.world, self.max_grad_norm = group, world, max_grad_norm
 
     def __call__(self, loss: torch.Tensor) -> None:
         self.opt.zero_grad(set_to_none=True)
@@ -166,7 +149,8 @@ class LocalStepper:
 class DeepSpeedStepper:
     """``deepspeed.initialize`` with MoE parameter groups; the engine runs backward and step."""
 
-    def __init__(self, model: nn.Module, lr: float, max_grad_norm, micro_batch: int):
+    def __init__(self, model: nn.Module, lr: float, max_grad_norm, micro_batch: int,
+                 optimizer_cls=torch.optim.Adam):
         import deepspeed
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
@@ -174,9 +158,26 @@ class DeepSpeedStepper:
             {"params": [p for p in model.parameters() if p.requires_grad], "name": "parameters"})
         config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
                   "gradient_clipping": float(max_grad_norm or 0.0), "steps_per_print": 10**9}
-        self.module, self.opt, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.Adam(groups, lr=lr),
+        self.module, self.opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer_cls(groups, lr=lr),
                                                            config=config)
 
     def __call__(self, loss: torch.Tensor) -> None:
         self.module.backward(loss)
+        self.module.step()
+
+    def finish_external(self, params: list, local_ids: set, group) -> None:
+        """Step on gradients accumulated outside ``engine.backward`` (GAR's per-group backwards).
+
+        GAR's gradients are already those of the whole step: each rank holds its share of
+        every unit, so replicated gradients sum to the union's and experts hold every
+        rank's tokens. DeepSpeed's reduction divides every gradient by the data-parallel
+        world (replicated ones after summing them, experts' to stay "unaffected by
+        ep_size"), so all are scaled by the world first. Then the engine's own reduction,
+        clip and step.
+        """
+        world = 1 if group is None else torch.distributed.get_world_size(group)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(world)
+        self.module.allreduce_gradients()
         self.module.step()

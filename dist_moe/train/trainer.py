@@ -134,8 +134,6 @@ def _train(cfg: dict, rt: Runtime, quiet: bool) -> dict:
     model = TabularMoE(features, data.num_classes, router_cfg, class_category=data.class_category, moe=moe, **mcfg)
     router = model.moe.router
     gar = getattr(router, "gar_config", None)
-    if gar is not None and rt.engine != "torch":
-        raise ValueError(f"GAR training runs with engine torch for now, got engine {rt.engine!r}")
     bs = tcfg["batch_size"]  # per rank, as DeepSpeed's train_micro_batch_size_per_gpu
     step_fn = rt.stepper(model, tcfg["lr"], tcfg["max_grad_norm"], bs)
     out_dir = Path(cfg["output"]["dir"].format(name=cfg["name"]))
@@ -168,7 +166,7 @@ def _train(cfg: dict, rt: Runtime, quiet: bool) -> dict:
                 rows = torch.tensor_split(perm[i : i + global_bs], rt.world)[rt.rank]
                 xb, yb = data.x_train[rows], data.y_train[rows]
                 cb = data.categories(yb)
-                record = (_gar_step(model, step_fn.opt, xb, yb, cb, gar, tcfg, rt) if gar
+                record = (_gar_step(model, step_fn, xb, yb, cb, gar, tcfg, rt) if gar
                           else _plain_step(step_fn, xb, yb, cb))
                 record = _mean_over_ranks(record, rt)
                 step += 1
@@ -220,7 +218,7 @@ def _plain_step(step_fn, xb, yb, cb) -> dict:
     return {"loss": float(task.detach()), "aux_loss": float(aux.detach())}
 
 
-def _gar_step(model, opt, xb, yb, cb, gar, tcfg, rt: Runtime) -> dict:
+def _gar_step(model, step_fn, xb, yb, cb, gar, tcfg, rt: Runtime) -> dict:
     g = tcfg["gar_group_size"]
     if rt.world == 1:  # consecutive groups of g rows
         parts = [torch.arange(i, min(i + g, len(xb))) for i in range(0, len(xb), g)]
@@ -237,6 +235,8 @@ def _gar_step(model, opt, xb, yb, cb, gar, tcfg, rt: Runtime) -> dict:
 
     weights = [len(grp[0]) / len(xb) for grp in groups] if rt.world == 1 else [1 / len(groups)] * len(groups)
     sizes = [len(grp[0]) for grp in groups] if rt.world > 1 else None
-    out = gar_train_step(model, groups, loss_fn, opt, weights, gar.lam, gar.eps, tcfg["max_grad_norm"], gar.mode,
-                         sizes=sizes, unit=gar.unit)
+    # DeepSpeed owns reduction, clip and step: GAR hands it the accumulated gradients
+    finish = getattr(step_fn, "finish_external", None)
+    out = gar_train_step(model, groups, loss_fn, step_fn.opt, weights, gar.lam, gar.eps, tcfg["max_grad_norm"],
+                         gar.mode, sizes=sizes, unit=gar.unit, finish=finish)
     return {"loss": out["task_loss"], "gar_loss": out["gar_loss"]}

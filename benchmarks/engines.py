@@ -1,0 +1,171 @@
+"""One routing, four hosts: dist-moe's dispatcher (each dedup mode), DeepSpeed's MOELayer,
+Megatron's alltoall and allgather dispatchers, on 2 and 4 gloo ranks, side by side.
+
+Every host gets the same router weights (switch, E=8, top-2, no jitter), the same
+expert weights and the same tokens; each step is one forward and backward of
+(y * w).sum() + aux. Reported per host: median step time (the slowest rank, over
+--steps steps after two warm-up steps; hosts take turns step by step so machine
+drift hits all alike), activation memory (bytes of the tensors autograd saves
+for backward in one forward: the peak a step holds on top of the weights; CPU
+has no allocator high-water mark per module), and bytes each rank sends in the
+dispatch direction. DeepSpeed's bytes are capacity-padded (E x C slots; its
+payload is the routed copies inside them); Megatron's allgather bytes are every
+rank's tokens sent to every other rank (analytic; its splits are not per peer).
+
+    .venv/bin/python benchmarks/engines.py [--steps 10] [--tokens 2048] [--hidden 256] [--ffn 512]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.dist_utils import run_workers  # noqa: E402
+
+E, K = 8, 2
+ROUTER = {"type": "switch", "num_experts": E, "top_k": K, "jitter_eps": 0.0}
+
+
+def _saved_bytes(fn) -> tuple[object, int]:
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, total[0]
+
+
+def worker(rank, world, args, out_path):
+    import torch.distributed as dist
+
+    from dist_moe import MoELayer
+    from dist_moe.integrations import megatron_patches
+    from dist_moe.integrations.deepspeed import deepspeed_moe_layer, init_distributed, load_dist_moe_experts
+    from placement import Placement, Topology
+
+    megatron_patches.apply()
+    from megatron.core import parallel_state
+
+    from dist_moe.integrations.megatron import megatron_config, megatron_moe_layer, sent_bytes
+    from dist_moe.integrations.megatron import load_dist_moe_experts as load_megatron
+
+    torch.set_num_threads(1)
+    init_distributed()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=world)
+    H, F, T = args.hidden, args.ffn, args.tokens
+    topo = Topology(("node", "gpu"), (2, world // 2))
+    placement = Placement.contiguous(E, world)
+    torch.manual_seed(0)
+    hosts = {}
+    for dedup in ("none", "rank", "node"):
+        hosts[f"dist-moe {dedup}"] = MoELayer(H, F, dict(ROUTER), placement=placement, topology=topo,
+                                              group=dist.group.WORLD, dedup=dedup)
+    ref = hosts["dist-moe rank"]
+    for other in hosts.values():
+        other.router.load_state_dict(ref.router.state_dict())
+        other.experts.load_state_dict(ref.experts.state_dict())
+    ds = deepspeed_moe_layer(H, F, dict(ROUTER), ep_size=world, placement=placement)
+    ds.set_deepspeed_parallelism()
+    ds.deepspeed_moe.gate.router.load_state_dict(ref.router.state_dict())
+    load_dist_moe_experts(ds, ref.experts)
+    hosts["DeepSpeed MOELayer"] = ds
+    for dispatcher in ("alltoall", "allgather"):
+        mg = megatron_moe_layer(megatron_config(H, F, E, K, world, dispatcher), dict(ROUTER), placement)
+        mg.router.router.load_state_dict(ref.router.state_dict())
+        load_megatron(mg, ref.experts)
+        hosts[f"Megatron {dispatcher}"] = mg
+
+    g = torch.Generator().manual_seed(rank)
+    # hidden states from earlier layers: the input takes a gradient, as inside any model
+    x, w = torch.randn(T, H, generator=g).requires_grad_(), torch.randn(T, H, generator=g)
+
+    def step(name, layer):
+        if name.startswith("dist-moe"):
+            y, aux = layer(x)
+        elif name.startswith("DeepSpeed"):
+            y, aux, _ = layer(x)
+        else:
+            y, _ = layer(x.unsqueeze(1))  # Megatron: [S, B, H]; aux rides on its probs
+            y, aux = y.squeeze(1), torch.zeros(())
+        return (y * w).sum() + aux
+
+    times = {name: [] for name in hosts}
+    memory, sent = {}, {}
+    for it in range(args.steps + 2):
+        for name, layer in hosts.items():
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            if name.startswith("dist-moe"):
+                layer.reset_traffic()
+            if name.startswith("DeepSpeed"):
+                layer.deepspeed_moe.gate.reset_traffic()
+            dist.barrier()
+            start = time.perf_counter()
+            loss, saved = _saved_bytes(lambda: step(name, layer))
+            loss.backward()
+            elapsed = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if it >= 2:
+                times[name].append(float(elapsed))
+            memory[name] = saved
+            if name.startswith("dist-moe"):
+                sent[name] = (int(layer.traffic.matrix.sum()), None)
+            elif name.startswith("DeepSpeed"):
+                tr = layer.deepspeed_moe.gate.traffic
+                sent[name] = (tr["padded_bytes"], tr["payload_bytes"])
+            elif name.endswith("alltoall"):
+                sent[name] = (sent_bytes(layer), None)
+            else:
+                sent[name] = (T * H * 4 * (world - 1), None)
+    totals = {}
+    for name in hosts:
+        mem = torch.tensor([float(memory[name]), float(sent[name][0]), float(sent[name][1] or 0)])
+        dist.all_reduce(mem)
+        totals[name] = (statistics.median(times[name]), *(mem / world).tolist(), sent[name][1] is not None)
+    parallel_state.destroy_model_parallel()
+    if rank == 0:
+        torch.save(totals, out_path)
+
+
+def report(world: int, totals: dict, args) -> None:
+    base = totals["dist-moe rank"]
+    print(f"\n{world} ranks (gloo, CPU), switch E={E} top-{K}, {args.tokens} tokens x hidden {args.hidden} per rank, "
+          f"SwiGLU ffn {args.ffn}, fwd+bwd, median of {args.steps} steps:")
+    print(f"{'host':<22}{'step ms':>9}{'vs dist-moe rank':>18}{'saved MB':>10}{'memory ratio':>14}"
+          f"{'sent MB/rank':>14}{'payload MB':>12}")
+    for name, (t, mem, padded, payload, has_payload) in totals.items():
+        pay = f"{payload / 2**20:12.2f}" if has_payload else f"{'':>12}"
+        print(f"{name:<22}{1e3 * t:9.1f}{t / base[0]:18.2f}{mem / 2**20:10.2f}{mem / base[1]:14.2f}"
+              f"{padded / 2**20:14.2f}{pay}")
+    ds, mg = totals["DeepSpeed MOELayer"][0], totals["Megatron alltoall"][0]
+    print(f"dist-moe rank dedup / DeepSpeed = {base[0] / ds:.2f}x (target <= 0.8x); "
+          f"/ Megatron alltoall = {base[0] / mg:.2f}x (target <= 1.0x)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--ffn", type=int, default=512)
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    args = ap.parse_args()
+    for world in args.worlds:
+        out = Path("/tmp") / f"engines_{world}_{torch.randint(0, 10**9, (1,)).item()}.pt"
+        run_workers(worker, world, args=(args, str(out)), timeout=900)
+        totals = torch.load(out)
+        out.unlink()
+        report(world, totals, args)
+
+
+if __name__ == "__main__":
+    main()
