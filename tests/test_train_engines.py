@@ -69,3 +69,30 @@ def test_deepspeed_launcher_trains_branch_on_two_cpu_ranks(tmp_path):
     losses = _losses(out)
     assert len(losses) >= 5 and sum(losses[-3:]) < sum(losses[:3])
     assert summary["val_acc"] > 0.7
+
+
+@pytest.mark.parametrize("engine", ["deepspeed", "megatron"])
+def test_one_process_runs_each_engine(tmp_path, engine):
+    pytest.importorskip({"deepspeed": "deepspeed", "megatron": "megatron.core"}[engine])
+    env = {**os.environ, "DIST_MOE_DATA": str(tmp_path / "data"), "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    cmd = [str(Path(sys.executable).parent / "dist-moe"), "train", "--quiet", "--json", f"engine={engine}",
+           f"output.dir={tmp_path / 'run'}", "model.capacity_factor=null", "train.max_steps=12", *COMMON[:1]]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert summary["engine"] == engine and summary["world_size"] == 1 and summary["steps"] == 12
+
+
+def test_engine_errors_name_the_value(tmp_path, capsys):
+    from dist_moe.cli import main
+
+    assert main(["train", "--quiet", f"output.dir={tmp_path}", "engine=jax"]) == 2
+    assert "'engine'" in capsys.readouterr().err
+    pytest.importorskip("megatron.core")
+    env = {**os.environ, "DIST_MOE_DATA": str(tmp_path / "data")}
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([str(Path(sys.executable).parent / "dist-moe"), "train", "--quiet", "engine=megatron",
+                           f"output.dir={tmp_path / 'run'}", *COMMON[:1]], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 2 and "model.capacity_factor: null" in proc.stderr

@@ -20,10 +20,14 @@ def launched_world_size() -> int:
     return world
 
 
-def init_from_env(timeout_s: float = 300.0):
-    """Join the launched group (gloo on CPU, nccl with CUDA); returns (rank, world, group or None)."""
+def init_from_env(timeout_s: float = 300.0, always: bool = False):
+    """Join the launched group (gloo on CPU, nccl with CUDA); returns (rank, world, group or None).
+
+    A single process gets no group unless ``always`` (engines that need one even alone);
+    MASTER_ADDR / MASTER_PORT must then be set (``Runtime`` sets them).
+    """
     world = launched_world_size()
-    if world == 1 and not dist.is_initialized():
+    if world == 1 and not dist.is_initialized() and not always:
         return 0, 1, None
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",

@@ -44,7 +44,7 @@ class Runtime:
             from dist_moe.integrations.deepspeed import init_distributed
 
             init_distributed()
-        self.rank, self.world, self.group = init_from_env()
+        self.rank, self.world, self.group = init_from_env(always=engine != "torch")
         if engine == "megatron":
             from dist_moe.integrations import megatron_patches
 
