@@ -27,7 +27,6 @@ from dist_moe.routing.gar import clip_global, moe_layers, rank_local_param_ids, 
 from placement import Placement, Topology
 
 ENGINES = ("torch", "deepspeed", "megatron")
-PLACEMENTS = ("contiguous", "round_robin", "tree_prefix")
 
 
 class Runtime:
