@@ -10,6 +10,8 @@ STRATEGIES = ["switch", "deepseek_v3", "skywork", "hash", "uniform", "branch", "
 
 
 def _equivalence_worker(rank, world, routers):
+    import deepspeed.comm as dscomm
+
     from dist_moe.integrations.context import routing_context
     from dist_moe.integrations.deepspeed import deepspeed_moe_layer, init_distributed, load_dist_moe_experts
     from placement import Placement
@@ -31,8 +33,21 @@ def _equivalence_worker(rank, world, routers):
         y_ref, aux_ref = ref(x_ref, categories=cats, token_ids=ids)
         ((y_ref * w).sum() + aux_ref).backward()
         x = x_all.clone().requires_grad_()
-        with routing_context(categories=cats, token_ids=ids):
-            y, aux, counts = ds(x)
+        sent = []  # what DeepSpeed's own all-to-all is handed (dispatch, then combine)
+        original = dscomm.all_to_all_single
+
+        def counting(output, tensor, *args, **kwargs):
+            sent.append(tensor.numel() * tensor.element_size())
+            return original(output, tensor, *args, **kwargs)
+
+        dscomm.all_to_all_single = counting
+        try:
+            with routing_context(categories=cats, token_ids=ids):
+                y, aux, counts = ds(x)
+        finally:
+            dscomm.all_to_all_single = original
+        # equal splits: the share for the other ranks is the padded count, measured == analytic
+        assert sent and sent[0] * (world - 1) // world == gate.traffic["padded_bytes"]
         ((y * w).sum() + aux).backward()
         compare(f"deepspeed/{router}", ref, y_ref, aux_ref, x_ref, y, aux, x, gate.router, experts)
         # useful payload: the copies the dist-moe layer sends without dedup; padded: E x C slots
