@@ -42,3 +42,9 @@ def shutdown() -> None:
         dist.barrier()  # nobody tears down while a peer still has collectives in flight
         release_node_groups()
         dist.destroy_process_group()
+
+
+def barrier(group=None) -> None:
+    """Wait for every rank of ``group``; nothing without one."""
+    if group is not None and dist.is_initialized():
+        dist.barrier(group=group)

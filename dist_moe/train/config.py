@@ -43,7 +43,10 @@ DEFAULT_CONFIG: dict = {
     # max_steps, when set, is the run's length in optimizer steps instead of epochs
     # schedule: how often a scheduled router (SpecDrop) advances, every "step" or every "epoch"
     "train": {"epochs": 20, "batch_size": 256, "lr": 1e-3, "max_grad_norm": 1.0, "log_every": 10,
-              "max_steps": None, "gar_group_size": 32, "schedule": "step"},
+              "max_steps": None, "gar_group_size": 32, "schedule": "step",
+              # checkpoint_every: steps between DCP checkpoints under output.dir/checkpoints (null: none);
+              # resume: continue from the newest one there (none yet: start afresh)
+              "checkpoint_every": None, "resume": False},
     "output": {"dir": "runs/{name}"},
 }
 _OPEN_SECTIONS = {"router"}  # free-form here, checked by build_router
@@ -76,6 +79,8 @@ _RULES = {
     "train.max_steps": (int, True, _POSITIVE),
     "train.gar_group_size": (int, False, _POSITIVE),
     "train.schedule": (str, False, ("'step' or 'epoch'", lambda v: v in ("step", "epoch"))),
+    "train.checkpoint_every": (int, True, _POSITIVE),
+    "train.resume": (bool, False, None),
     "output.dir": (str, False, ("a non-empty path", lambda v: bool(v.strip()))),
 }
 

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from dist_moe.models import TabularMoE
 from dist_moe.routing.gar import gar_train_step
+from dist_moe.train import checkpoint
 from dist_moe.train.align import specdrop_align
 from dist_moe.train.data import tabular_split
 from dist_moe.train.config import validate
@@ -40,9 +41,9 @@ def json_safe(record: dict) -> dict:
 
 
 class JsonlLogger:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, append: bool = False):
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = path.open("w")
+        self._f = path.open("a" if append else "w")
 
     def log(self, record: dict) -> None:
         self._f.write(json.dumps(json_safe(record)) + "\n")
@@ -137,28 +138,36 @@ def _train(cfg: dict, rt: Runtime, quiet: bool) -> dict:
     bs = tcfg["batch_size"]  # per rank, as DeepSpeed's train_micro_batch_size_per_gpu
     step_fn = rt.stepper(model, tcfg["lr"], tcfg["max_grad_norm"], bs)
     out_dir = Path(cfg["output"]["dir"].format(name=cfg["name"]))
+    ckpt_dir = out_dir / "checkpoints"
+    if (tcfg["checkpoint_every"] or tcfg["resume"]) and rt.engine != "torch":
+        raise ValueError(f"checkpoints are written for engine torch; with engine {rt.engine!r} use the engine's "
+                         "own checkpointing (train.checkpoint_every / train.resume)")
+    resume_from = checkpoint.latest(ckpt_dir) if tcfg["resume"] else None
     if rt.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    logger = JsonlLogger(out_dir / "metrics.jsonl") if rt.is_main else None
+    logger = JsonlLogger(out_dir / "metrics.jsonl", append=resume_from is not None) if rt.is_main else None
 
     n, global_bs = len(data.x_train), bs * rt.world
     steps_per_epoch = math.ceil(n / global_bs)
     total = tcfg["max_steps"] or tcfg["epochs"] * steps_per_epoch
     gen = torch.Generator().manual_seed(cfg["seed"])  # the same order on every rank; each takes its share
     step, start, last_eval = 0, time.time(), {}
+    if resume_from is not None:
+        step = _resume(resume_from, model, step_fn.opt, gen, rt)
     # Redrawn 10x a second on a terminal; in a log file (CI, nohup) every 10 s is enough.
-    bar = tqdm(total=total, desc=cfg["name"], disable=quiet or not rt.is_main, dynamic_ncols=True,
+    bar = tqdm(total=total, initial=step, desc=cfg["name"], disable=quiet or not rt.is_main, dynamic_ncols=True,
                mininterval=0.1 if sys.stderr.isatty() else 10.0)
     try:
         epochs = math.ceil(total / steps_per_epoch)
         # a router given total_steps counts its own forwards instead
         scheduled = hasattr(router, "set_progress") and getattr(router, "total_steps", None) is None
         while step < total:
+            epoch_start = gen.get_state()
             perm = torch.randperm(n, generator=gen)
             if scheduled and tcfg["schedule"] == "epoch":
                 router.set_progress((step // steps_per_epoch) / epochs)  # SpecDrop's schedule, per epoch
-            for i in range(0, n, global_bs):
+            for i in range((step % steps_per_epoch) * global_bs, n, global_bs):  # mid-epoch after a resume
                 if step >= total:
                     break
                 if scheduled and tcfg["schedule"] == "step":
@@ -180,6 +189,11 @@ def _train(cfg: dict, rt: Runtime, quiet: bool) -> dict:
                     logger.log({"step": step, **record})
                     bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
                 bar.update(1)
+                if tcfg["checkpoint_every"] and (step % tcfg["checkpoint_every"] == 0 or step == total):
+                    # the data order of the epoch holding the next step: this one's, or the next
+                    next_epoch = gen.get_state() if step % steps_per_epoch == 0 else epoch_start
+                    checkpoint.save(ckpt_dir, step, model, step_fn.opt, _position(step, next_epoch, rt),
+                                    rt.group if rt.world > 1 else None)
             last_eval = evaluate(model, data.x_val, data.y_val, data.categories(data.y_val), runtime=rt)
             if logger is not None:
                 logger.log({"step": step, "epoch": math.ceil(step / steps_per_epoch), **last_eval})
@@ -196,6 +210,25 @@ def _train(cfg: dict, rt: Runtime, quiet: bool) -> dict:
     if rt.is_main:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _position(step: int, epoch_gen: torch.Tensor, rt: Runtime) -> dict:
+    """Where training stands, as tensors: the step, the data order, this rank's RNG."""
+    return {"step": torch.tensor(step), "data.epoch_generator": epoch_gen,
+            f"rng.world{rt.world}.rank{rt.rank}": torch.get_rng_state()}
+
+
+def _resume(path: Path, model, opt, gen: torch.Generator, rt: Runtime) -> int:
+    """Load ``path`` into the model and optimizer, rewind the data order; returns the step."""
+    extra = _position(0, gen.get_state(), rt)
+    loaded = checkpoint.load(path, model, opt, extra, rt.group if rt.world > 1 else None)
+    if "step" not in loaded or "data.epoch_generator" not in loaded:
+        raise ValueError(f"checkpoint {path} has no training position (step, data order)")
+    gen.set_state(loaded["data.epoch_generator"])
+    rng = f"rng.world{rt.world}.rank{rt.rank}"
+    if rng in loaded:  # the same world size: every rank continues its own random stream
+        torch.set_rng_state(loaded[rng])
+    return int(loaded["step"])
 
 
 def _mean_over_ranks(record: dict, rt: Runtime) -> dict:

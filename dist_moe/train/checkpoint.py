@@ -1,0 +1,156 @@
+"""Checkpoints with torch.distributed.checkpoint: atomic, resumable, resharding across EP sizes.
+
+Layout under ``DIR``: ``step-<N>/`` (a DCP checkpoint) and ``latest`` (the name of
+the newest complete one). A save writes ``.tmp-step-<N>/`` and renames it once
+every rank has finished, then replaces ``latest``; a crash mid-save leaves a
+``.tmp-`` directory that is never loaded.
+
+What is saved: the model state (router buffers included: BRANCH anchors and EMA
+step, DeepSeek-V3 biases, SpecDrop progress), Adam state, each rank's RNG state
+and the data position (step, and the data-order generator's state at the start
+of the current epoch). Expert tensors are split per expert and keyed by global
+expert id (``moe.experts.w_gate.expert5``), for parameters and their optimizer
+state alike, so a checkpoint saved with one expert-parallel size and placement
+loads with another: each rank asks DCP for the experts it now holds. RNG states
+restore only at the same world size (elsewhere the ranks keep their fresh
+streams). Tensors only: loading never unpickles objects.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from dist_moe.dispatch.process_group import barrier
+
+LATEST = "latest"
+
+
+def _expert_layers(model: nn.Module):
+    from dist_moe.layer import MoELayer
+
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)]
+
+
+def _expert_keys(model: nn.Module) -> dict[str, tuple[list[int], str]]:
+    """state-dict key of each stacked expert parameter -> (global ids of its rows, key stem)."""
+    out = {}
+    for name, layer in _expert_layers(model):
+        for slot, _ in layer.experts.named_parameters():
+            key = f"{name}.experts.{slot}" if name else f"experts.{slot}"
+            out[key] = (layer.local_expert_ids, key)
+    return out
+
+
+def _split(key: str, t: torch.Tensor, ids: list[int]) -> dict[str, torch.Tensor]:
+    return {f"{key}.expert{e}": t[j] for j, e in enumerate(ids)}
+
+
+def state_of(model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, torch.Tensor]) -> dict:
+    """The flat, tensor-only dict this rank saves (and, with fresh tensors, loads into)."""
+    experts = _expert_keys(model)
+    state = {}
+    for key, t in model.state_dict().items():
+        if key in experts:
+            state.update(_split(f"model.{key}", t, experts[key][0]))
+        else:
+            state[f"model.{key}"] = t
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, s in optimizer.state.items():
+        name = names[id(p)]
+        for k, v in s.items():
+            v = v if torch.is_tensor(v) else torch.tensor(v)
+            if name in experts and v.dim() > 0:
+                state.update(_split(f"optim.{name}.{k}", v, experts[name][0]))
+            elif name in experts:  # a scalar (Adam's step) shared by the stacked experts: one per expert
+                state.update({f"optim.{name}.{k}.expert{e}": v.clone() for e in experts[name][0]})
+            else:
+                state[f"optim.{name}.{k}"] = v
+    state.update(extra)
+    return state
+
+
+def save(directory: str | Path, step: int, model: nn.Module, optimizer, extra: dict, group=None) -> Path:
+    """Write ``step-<step>`` atomically (every rank calls this); returns its path."""
+    directory = Path(directory)
+    final = directory / f"step-{step}"
+    tmp = directory / f".tmp-step-{step}"
+    if _rank(group) == 0:
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        shutil.rmtree(tmp, ignore_errors=True)  # a save that died earlier
+        tmp.mkdir(mode=0o700)
+    barrier(group)
+    _materialise_optimizer_state(model, optimizer)  # a save before the first step still loads
+    dcp.save(state_of(model, optimizer, extra), checkpoint_id=tmp, process_group=group, no_dist=group is None)
+    barrier(group)
+    if _rank(group) == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        pointer = directory / f".{LATEST}.tmp"
+        pointer.write_text(final.name + "\n")
+        os.chmod(pointer, 0o600)
+        pointer.replace(directory / LATEST)
+    barrier(group)
+    return final
+
+
+def latest(directory: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``directory``, or None."""
+    pointer = Path(directory) / LATEST
+    if not pointer.exists():
+        return None
+    path = Path(directory) / pointer.read_text().strip()
+    if not path.is_dir():
+        raise ValueError(f"{pointer} names {path.name}, which does not exist")
+    return path
+
+
+def load(path: str | Path, model: nn.Module, optimizer, extra: dict, group=None) -> dict:
+    """Fill ``model``, ``optimizer`` (its state created by one zero step first) and the tensors
+    in ``extra`` from ``path``; keys in ``extra`` missing from the checkpoint are left as they are."""
+    _materialise_optimizer_state(model, optimizer)
+    state = state_of(model, optimizer, {})
+    present = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    missing = sorted(k for k in state if k not in present)
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks {len(missing)} entries this model needs, e.g. {missing[0]!r} "
+                         "(another model, or experts this checkpoint never held)")
+    wanted = {k: v for k, v in extra.items() if k in present}
+    dcp.load({**state, **wanted}, checkpoint_id=str(path), process_group=group, no_dist=group is None)
+    _write_back(model, optimizer, state)
+    return wanted
+
+
+def _materialise_optimizer_state(model: nn.Module, optimizer) -> None:
+    """Adam creates its state lazily; give every parameter its (zero) state to load into."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p not in optimizer.state:
+                optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                      "exp_avg_sq": torch.zeros_like(p)}
+
+
+def _write_back(model: nn.Module, optimizer, state: dict) -> None:
+    experts = _expert_keys(model)
+    model_state = {}
+    for key, t in model.state_dict().items():
+        if key in experts:
+            model_state[key] = torch.stack([state[f"model.{key}.expert{e}"] for e in experts[key][0]])
+        else:
+            model_state[key] = state[f"model.{key}"]
+    model.load_state_dict(model_state)
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, s in optimizer.state.items():
+        name = names[id(p)]
+        for k, v in s.items():
+            if name in experts and v.dim() == 0:  # Adam's step: loaded into one copy per expert
+                v.copy_(state[f"optim.{name}.{k}.expert{experts[name][0][0]}"])
+            # every other tensor was loaded in place (expert rows are views of the stacked state)
+
+
+def _rank(group) -> int:
+    return 0 if group is None else torch.distributed.get_rank(group)
