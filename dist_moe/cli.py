@@ -32,7 +32,18 @@ def main(argv=None) -> int:
     tr.add_argument("overrides", nargs="*",
                     help="key.sub=value overrides, e.g. router.type=switch train.epochs=2 (a new router type "
                          "keeps the keys it also takes, such as num_experts and top_k)")
+    from dist_moe import cli_cost
+
+    cli_cost.add_parsers(sub)
     args, extra = parser.parse_known_args(argv)
+    if args.command != "train":
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        try:
+            return cli_cost.run(args)
+        except ValueError as e:
+            print(f"dist-moe: error: {e}", file=sys.stderr)
+            return 2
     # key=value overrides may also follow an option (argparse stops the positional list there)
     stray = [a for a in extra if a.startswith("-") or "=" not in a]
     if stray:

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from dist_moe.models import TabularMoE
 from dist_moe.routing.gar import gar_train_step
+from dist_moe.dispatch.stats import all_gather_rows
 from dist_moe.train import checkpoint
 from dist_moe.train.align import specdrop_align
 from dist_moe.train.data import tabular_split
@@ -33,6 +34,7 @@ from dist_moe.train.config import validate
 from dist_moe.train.engines import Runtime
 from dist_moe.train.metrics import metrics_of, routing_metrics
 from placement import random_pair_tree_distance
+from placement.simulate import RoutingRecord
 
 
 def json_safe(record: dict) -> dict:
@@ -182,6 +184,8 @@ def _train(cfg: dict, rt: Runtime, quiet: bool) -> dict:
                 if not math.isfinite(record["loss"]):  # the same mean on every rank: all stop together
                     raise ValueError(f"training diverged at step {step} (loss {record['loss']}); "
                                      f"lower train.lr (now {tcfg['lr']})")
+                if step % tcfg["log_every"] == 0 or step == total:
+                    record.update(_measured_bytes(model.moe, rt))  # collective: every rank takes part
                 if logger is not None and (step % tcfg["log_every"] == 0 or step == total):
                     record.update(metrics_of(model.moe.last_routing, model.moe.num_experts))
                     if hasattr(router, "progress"):
@@ -195,8 +199,11 @@ def _train(cfg: dict, rt: Runtime, quiet: bool) -> dict:
                     checkpoint.save(ckpt_dir, step, model, step_fn.opt, _position(step, next_epoch, rt),
                                     rt.group if rt.world > 1 else None)
             last_eval = evaluate(model, data.x_val, data.y_val, data.categories(data.y_val), runtime=rt)
+            if hasattr(model.moe, "reset_traffic"):
+                model.moe.reset_traffic()  # the bytes logged per step are training bytes
             if logger is not None:
                 logger.log({"step": step, "epoch": math.ceil(step / steps_per_epoch), **last_eval})
+        _record_routing(out_dir, model, data, rt)
     finally:
         bar.close()
         if logger is not None:
@@ -210,6 +217,31 @@ def _train(cfg: dict, rt: Runtime, quiet: bool) -> dict:
     if rt.is_main:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _measured_bytes(moe, rt: Runtime) -> dict:
+    """Payload bytes the dispatcher sent across each topology level since the last log, all ranks."""
+    if rt.world == 1 or not hasattr(moe, "traffic"):
+        return {}
+    levels = moe.traffic.by_level()
+    moe.reset_traffic()
+    total = rt.sum(torch.tensor(list(levels.values()), dtype=torch.float64))
+    return {f"bytes_{name}": int(v) for name, v in zip(levels, total.tolist())}
+
+
+@torch.no_grad()
+def _record_routing(out_dir: Path, model, data, rt: Runtime) -> None:
+    """routing.npz for `dist-moe report / place / simulate`: every validation token's experts and rank."""
+    rows = torch.tensor_split(torch.arange(len(data.x_val)), rt.world)[rt.rank]
+    model.eval()
+    model(data.x_val[rows], data.categories(data.y_val[rows]))
+    model.train()
+    idx = model.moe.last_routing.expert_idx
+    group = rt.group if rt.world > 1 else None
+    idx_all = all_gather_rows(idx, group)
+    src = all_gather_rows(torch.full((idx.shape[0],), rt.rank, dtype=torch.long), group)
+    if rt.is_main:
+        RoutingRecord(idx_all, src, model.moe.num_experts, rt.world, model.moe.hidden_size * 4).save(out_dir)
 
 
 def _position(step: int, epoch_gen: torch.Tensor, rt: Runtime) -> dict:

@@ -1,0 +1,102 @@
+"""`dist-moe report | place | simulate`: communication cost of a run's recorded routing."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from placement import Placement, Topology
+from placement.report import write_report
+from placement.simulate import RoutingRecord, simulate
+from placement.traffic import DEDUP_MODES, dispatch_traffic
+
+
+def add_parsers(sub) -> None:
+    rp = sub.add_parser("report", help="report.json, report.md and PNG plots of a run's communication cost")
+    rp.add_argument("run_dir")
+    rp.add_argument("--topology", help="node=2,gpu=4 or a topology YAML (default: the run's ranks, else 2x2)")
+    pl = sub.add_parser("place", help="an expert placement optimized from a run's co-activation")
+    pl.add_argument("--topology", required=True, help="node=2,gpu=4 or a topology YAML")
+    pl.add_argument("--stats", required=True, help="a run directory (its routing.npz)")
+    pl.add_argument("--out", default="placement.yaml")
+    sm = sub.add_parser("simulate", help="replay a run's routing on a simulated cluster")
+    sm.add_argument("--nodes", type=int, required=True)
+    sm.add_argument("--gpus-per-node", type=int, required=True)
+    sm.add_argument("--stats", required=True, help="a run directory (its routing.npz)")
+    sm.add_argument("--placement", default="tree_prefix", choices=("tree_prefix", "contiguous", "round_robin"))
+    sm.add_argument("--tokens-per-rank", type=int, default=256)
+    sm.add_argument("--json", action="store_true")
+
+
+def topology_of(spec: str | None, record: RoutingRecord | None = None) -> Topology:
+    if spec:
+        return Topology.from_yaml(spec) if Path(spec).is_file() else Topology.parse(spec)
+    w = record.world_size if record is not None else 1
+    if w >= 4 and w % 2 == 0:
+        return Topology(("node", "gpu"), (2, w // 2))
+    return Topology(("node", "gpu"), (2, 2))
+
+
+def run(args) -> int:
+    return {"report": _report, "place": _place, "simulate": _simulate}[args.command](args)
+
+
+def _run_placement(run_dir: Path) -> str:
+    import yaml
+
+    cfg = run_dir / "config.yaml"
+    if cfg.exists():
+        data = yaml.safe_load(cfg.read_text()) or {}
+        return (data.get("parallel") or {}).get("placement", "contiguous")
+    return "contiguous"
+
+
+def _report(args) -> int:
+    run_dir = Path(args.run_dir)
+    topo = topology_of(args.topology, RoutingRecord.load(run_dir))
+    report = write_report(run_dir, topo, _run_placement(run_dir))
+    outer = topo.levels[0]
+    print(f"{report['tokens']} tokens, {report['num_experts']} experts on {report['topology']}: "
+          f"B/token crossing {outer} (none / rank / node dedup)")
+    for name, p in report["placements"].items():
+        cells = " / ".join(f"{p['modes'][d]['bytes_per_token_by_level'][outer]:.1f}" for d in DEDUP_MODES)
+        print(f"  {name:<12} {cells}")
+    print(f"report: {run_dir / 'report.md'} (report.json, 4 PNG plots beside it)")
+    return 0
+
+
+def _place(args) -> int:
+    record = RoutingRecord.load(args.stats)
+    topo = topology_of(args.topology)
+    if record.num_experts % topo.world_size:
+        raise ValueError(f"{record.num_experts} experts do not divide over {topo.world_size} ranks")
+    optimized = Placement.optimized(record.coactivation(), topo)
+    contiguous = Placement.contiguous(record.num_experts, topo.world_size)
+    src = record.expert_idx.new_tensor(range(record.expert_idx.shape[0])) % topo.world_size
+    optimized.to_yaml(args.out)
+    outer = topo.levels[0]
+    print(f"wrote {args.out}; bytes per token crossing {outer} on {topo.describe()}:")
+    for dedup in DEDUP_MODES:
+        before, after = (dispatch_traffic(record.expert_idx, src, p, topo, record.token_bytes, dedup)
+                         .by_level()[outer] / len(src) for p in (contiguous, optimized))
+        saving = 1 - after / before if before else 0.0
+        print(f"  dedup={dedup:<5} contiguous {before:8.1f}  optimized {after:8.1f}  ({100 * saving:+.1f}% saved)")
+    return 0
+
+
+def _simulate(args) -> int:
+    start = time.time()
+    record = RoutingRecord.load(args.stats)
+    topo = Topology(("node", "gpu"), (args.nodes, args.gpus_per_node))
+    out = simulate(record, topo, args.placement, args.tokens_per_rank)
+    out["seconds_to_simulate"] = round(time.time() - start, 2)
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"{topo.describe()} ({out['world_size']} ranks), {out['experts_simulated']} experts "
+          f"({out['replicas']} x {record.num_experts} recorded), {out['tokens']} tokens, {args.placement} placement:")
+    for dedup, m in out["modes"].items():
+        levels = ", ".join(f"{k} {v:.1f}" for k, v in m["bytes_per_token_by_level"].items())
+        print(f"  dedup={dedup:<5} B/token: {levels}; est. all-to-all {1e3 * m['estimated_seconds']:.3f} ms")
+    print(f"simulated in {out['seconds_to_simulate']} s")
+    return 0

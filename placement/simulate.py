@@ -1,0 +1,101 @@
+"""Replay recorded routing on a cluster you do not have.
+
+A run records its routing (``RoutingRecord``: the experts each validation token
+chose, and the rank it came from). Scaling to W simulated ranks needs at least W
+experts, so the recorded expert set is tiled R times (E_sim = R x E, the
+smallest multiple of E that is >= W and divisible by W): every simulated token
+is a recorded token, drawn with replacement, that lives in replica block r
+(uniform per token) and chooses experts ``e + r E``. The co-selection pattern
+inside a block is the recorded one, and a block is a contiguous run of expert
+ids, so tree prefixes (BRANCH) stay tree prefixes. Each simulated rank sends
+``tokens_per_rank`` such tokens; bytes per topology level follow exactly
+(``dispatch_traffic``) and times come from the topology's alpha-beta cost model.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from placement.placement import Placement
+from placement.topology import Topology
+from placement.traffic import DEDUP_MODES, dispatch_traffic
+
+ROUTING_FILE = "routing.npz"
+
+
+@dataclass
+class RoutingRecord:
+    expert_idx: torch.Tensor  # [T, K] int64, -1 = dropped
+    src_rank: torch.Tensor  # [T] the rank each token started on
+    num_experts: int
+    world_size: int
+    token_bytes: int
+
+    def save(self, run_dir: str | Path) -> Path:
+        path = Path(run_dir) / ROUTING_FILE
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez(tmp, expert_idx=self.expert_idx.numpy(), src_rank=self.src_rank.numpy(),
+                 meta=np.array([self.num_experts, self.world_size, self.token_bytes]))
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, run_dir: str | Path) -> "RoutingRecord":
+        path = Path(run_dir) / ROUTING_FILE
+        if not path.exists():
+            raise ValueError(f"{path} not found: train with dist-moe (it writes {ROUTING_FILE} at the end of a run)")
+        z = np.load(path, allow_pickle=False)
+        e, w, b = (int(v) for v in z["meta"])
+        return cls(torch.from_numpy(z["expert_idx"]).long(), torch.from_numpy(z["src_rank"]).long(), e, w, b)
+
+    def coactivation(self) -> torch.Tensor:
+        """[E, E] counts of tokens that selected both experts (diagonal: selections)."""
+        e = self.num_experts
+        onehot = torch.zeros(self.expert_idx.shape[0], e + 1)
+        onehot.scatter_(1, torch.where(self.expert_idx >= 0, self.expert_idx, e), 1.0)
+        onehot = onehot[:, :e]
+        return onehot.t() @ onehot
+
+
+def replicas_for(num_experts: int, world: int) -> int:
+    """Smallest R with R * E >= world and R * E divisible by world."""
+    r = max(1, math.ceil(world / num_experts))
+    while (r * num_experts) % world:
+        r += 1
+    return r
+
+
+def simulate(record: RoutingRecord, topology: Topology, placement_kind: str = "tree_prefix",
+             tokens_per_rank: int = 256, seed: int = 0) -> dict:
+    """Bytes per level and estimated all-to-all seconds for every dedup mode."""
+    w = topology.world_size
+    r = replicas_for(record.num_experts, w)
+    e_sim = r * record.num_experts
+    g = torch.Generator().manual_seed(seed)
+    n = w * tokens_per_rank
+    rows = torch.randint(0, record.expert_idx.shape[0], (n,), generator=g)
+    block = torch.randint(0, r, (n, 1), generator=g)
+    chosen = record.expert_idx[rows]
+    idx = torch.where(chosen >= 0, chosen + block * record.num_experts, -1)
+    src = torch.arange(w).repeat_interleave(tokens_per_rank)
+    if placement_kind == "tree_prefix":
+        placement = Placement.tree_prefix(e_sim, topology)
+    elif placement_kind in ("contiguous", "round_robin"):
+        placement = getattr(Placement, placement_kind)(e_sim, w)
+    else:
+        raise ValueError(f"placement must be contiguous, round_robin or tree_prefix, got {placement_kind!r}")
+    out = {"world_size": w, "topology": topology.describe(), "experts_simulated": e_sim, "replicas": r,
+           "tokens": n, "placement": placement_kind, "modes": {}}
+    for dedup in DEDUP_MODES:
+        traffic = dispatch_traffic(idx, src, placement, topology, record.token_bytes, dedup)
+        levels = traffic.by_level()
+        out["modes"][dedup] = {
+            "bytes_by_level": levels,
+            "bytes_per_token_by_level": {k: v / n for k, v in levels.items()},
+            "estimated_seconds": topology.cost.estimate(traffic, dedup),
+        }
+    return out
