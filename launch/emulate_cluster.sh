@@ -1,30 +1,33 @@
 #!/usr/bin/env bash
 # An emulated multi-node cluster on one machine (see ../shared/notes/emulated-cluster.md).
 #
-#   launch/emulate_cluster.sh [--nodes N] [--procs-per-node G] [--rate 400mbit] SCRIPT [ARGS...]
+#   launch/emulate_cluster.sh [--nodes N] [--procs-per-node G] [--rate 400mbit] [--launcher torchrun|deepspeed] SCRIPT [ARGS...]
 #
 # Each node is a network namespace; nodes are joined by veth links (a bridge
 # namespace for N > 2) throttled with `tc tbf` to --rate in both directions, so
 # only inter-node traffic is slow: ranks on one node talk over that namespace's
-# loopback. One `torchrun --nnodes N --node_rank i` per node runs SCRIPT inside
-# its namespace with the first `python` on PATH (so the caller's venv is used).
+# loopback. One `torchrun --nnodes N --node_rank i` per node (or, with
+# --launcher deepspeed, one `deepspeed --no_ssh --node_rank i` over a generated
+# hostfile) runs SCRIPT inside its namespace with the first `python` on PATH.
 # Node 0's output streams here; the other nodes' go to log files named at the
 # end. Exits non-zero if any node fails. Namespaces carry a per-run suffix and
 # are removed on every exit path. Without root or iproute2 it says so and runs
 # N torchrun invocations on loopback instead (inter-node link NOT throttled).
 set -uo pipefail
 
+LAUNCHER=torchrun
 NODES=2
 PPN=2
 RATE=400mbit
 PORT=29555
-usage() { sed -n '4,15p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '4,16p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --nodes) NODES="$2"; shift 2 ;;
     --procs-per-node) PPN="$2"; shift 2 ;;
     --rate) RATE="$2"; shift 2 ;;
     --port) PORT="$2"; shift 2 ;;
+    --launcher) LAUNCHER="$2"; shift 2 ;;
     -h|--help) usage ;;
     --) shift; break ;;
     -*) echo "emulate_cluster: unknown option $1" >&2; usage ;;
@@ -36,15 +39,27 @@ case "$NODES$PPN" in *[!0-9]*) echo "emulate_cluster: --nodes and --procs-per-no
 [ "$NODES" -ge 1 ] && [ "$PPN" -ge 1 ] || { echo "emulate_cluster: --nodes and --procs-per-node must be >= 1" >&2; exit 2; }
 [ "$NODES" -le 200 ] || { echo "emulate_cluster: at most 200 nodes" >&2; exit 2; }
 
+case "$LAUNCHER" in torchrun|deepspeed) ;; *) echo "emulate_cluster: --launcher takes torchrun or deepspeed" >&2; exit 2 ;; esac
+
 SCRIPT_ARGS=("$@")
 PY=$(command -v python || command -v python3)
 [ -n "$PY" ] || { echo "emulate_cluster: no python on PATH" >&2; exit 2; }
 LOGDIR=$(mktemp -d "${TMPDIR:-/tmp}/emulate_cluster.XXXXXX")
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+if [ "$LAUNCHER" = deepspeed ]; then
+  DEEPSPEED=$(command -v deepspeed) || { echo "emulate_cluster: --launcher deepspeed needs deepspeed on PATH" >&2; exit 2; }
+  # the launcher reads the node list from a hostfile; with --no_ssh each node starts its own ranks
+  for i in $(seq 0 $((NODES - 1))); do echo "node$i slots=$PPN"; done >"$LOGDIR/hostfile"
+fi
 
-torchrun_cmd() {  # node_rank master_addr
-  echo "$PY" -m torch.distributed.run --nnodes "$NODES" --node_rank "$1" --nproc-per-node "$PPN" \
-    --master-addr "$2" --master-port "$PORT"
+torchrun_cmd() {  # node_rank master_addr: the launcher command for one node
+  if [ "$LAUNCHER" = deepspeed ]; then
+    echo "$DEEPSPEED" --hostfile "$LOGDIR/hostfile" --no_ssh --node_rank "$1" --master_addr "$2" \
+      --master_port "$PORT"
+  else
+    echo "$PY" -m torch.distributed.run --nnodes "$NODES" --node_rank "$1" --nproc-per-node "$PPN" \
+      --master-addr "$2" --master-port "$PORT"
+  fi
 }
 
 PIDS=()

@@ -210,6 +210,7 @@ def _train(cfg: dict, rt: Runtime, quiet: bool) -> dict:
             logger.close()
     summary = {
         "name": cfg["name"], "router": cfg["router"]["type"], "engine": rt.engine, "world_size": rt.world,
+        "topology": rt.topology().describe(),
         "steps": step, "seconds": round(time.time() - start, 2), **last_eval,
         "random_pair_tree_distance": _random_pair(model.moe.num_experts), "output_dir": str(out_dir),
     }

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One node, N processes: dist-moe training under torchrun.
+#
+#   launch/torchrun.sh [--nproc N] [--port P] [dist-moe train arguments...]
+#   e.g. launch/torchrun.sh --nproc 4 --config configs/demo.yaml parallel.dedup=node
+#
+# Every process joins one gloo (CPU) or NCCL (GPU) group; the topology comes from
+# torchrun's variables (WORLD_SIZE, LOCAL_WORLD_SIZE), or DIST_MOE_TOPOLOGY=node=2,gpu=2
+# to describe a layout the launcher cannot see. Uses the dist-moe next to the first
+# python on PATH (the project's .venv when run from the Makefile's environment).
+set -euo pipefail
+NPROC=2
+PORT=29500
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --nproc) NPROC="$2"; shift 2 ;;
+    --port) PORT="$2"; shift 2 ;;
+    -h|--help) sed -n '4,5p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) break ;;
+  esac
+done
+case "$NPROC" in ''|*[!0-9]*) echo "torchrun.sh: --nproc takes a positive integer, got '$NPROC'" >&2; exit 2 ;; esac
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+PY=$(command -v python || command -v python3)
+DIST_MOE="$HERE/.venv/bin/dist-moe"
+[ -x "$DIST_MOE" ] || DIST_MOE=$(command -v dist-moe) || { echo "torchrun.sh: dist-moe not installed (make test installs it)" >&2; exit 2; }
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+exec "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" --master-port "$PORT" \
+  "$DIST_MOE" train "$@"
