@@ -29,8 +29,11 @@ def add_parsers(sub) -> None:
 
 
 def topology_of(spec: str | None, record: RoutingRecord | None = None) -> Topology:
+    """The given topology; else the run's own (expert-parallel runs record it); else 2 nodes x 2."""
     if spec:
         return Topology.from_yaml(spec) if Path(spec).is_file() else Topology.parse(spec)
+    if record is not None and record.dispatch is not None:
+        return Topology.parse(record.dispatch["topology"])
     w = record.world_size if record is not None else 1
     if w >= 4 and w % 2 == 0:
         return Topology(("node", "gpu"), (2, w // 2))

@@ -6,8 +6,8 @@
 #
 # Every process joins one gloo (CPU) or NCCL (GPU) group; the topology comes from
 # torchrun's variables (WORLD_SIZE, LOCAL_WORLD_SIZE), or DIST_MOE_TOPOLOGY=node=2,gpu=2
-# to describe a layout the launcher cannot see. Uses the dist-moe next to the first
-# python on PATH (the project's .venv when run from the Makefile's environment).
+# to describe a layout the launcher cannot see. Uses the project's .venv (made by
+# `make test` / `make demo`), else the python and dist-moe on PATH.
 set -euo pipefail
 NPROC=2
 PORT=29500
@@ -21,7 +21,8 @@ while [ $# -gt 0 ]; do
 done
 case "$NPROC" in ''|*[!0-9]*) echo "torchrun.sh: --nproc takes a positive integer, got '$NPROC'" >&2; exit 2 ;; esac
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-PY=$(command -v python || command -v python3)
+PY="$HERE/.venv/bin/python"
+[ -x "$PY" ] || PY=$(command -v python || command -v python3)
 DIST_MOE="$HERE/.venv/bin/dist-moe"
 [ -x "$DIST_MOE" ] || DIST_MOE=$(command -v dist-moe) || { echo "torchrun.sh: dist-moe not installed (make test installs it)" >&2; exit 2; }
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"

@@ -64,6 +64,12 @@ def analyze(record: RoutingRecord, topology: Topology, run_placement: str = "con
         out["placements"][name] = {"expert_to_rank": placement.expert_to_rank, "modes": modes,
                                    "node_cut_coactivation": cut_weight(record.coactivation(),
                                                                        placement.expert_nodes(topology).tolist())}
+    run = record.dispatch
+    if run is not None and run["topology"] == topology.describe():  # the run's own dispatch, as it measured it
+        placement = Placement(run["expert_to_rank"], w)
+        traffic = dispatch_traffic(record.expert_idx, src, placement, topology, record.token_bytes, run["dedup"])
+        out["run_dispatch"] = {"dedup": run["dedup"], "analytic_bytes_by_level": traffic.by_level(),
+                               "measured_bytes_by_level": run["measured_bytes_by_level"]}
     valid = record.expert_idx[record.expert_idx >= 0]
     out["expert_load"] = torch.bincount(valid, minlength=record.num_experts).tolist()
     e = record.num_experts
@@ -112,6 +118,12 @@ def _markdown(report: dict, topology: Topology) -> str:
     if "tree_distance" in report:
         lines.append(f"Tree distance of co-selected experts: {report['tree_distance']:.3f} "
                      f"(random pairs {report['random_pair_tree_distance']:.3f}).")
+    run = report.get("run_dispatch")
+    if run:
+        lines.append(f"The run's own dispatch (dedup={run['dedup']}) of these tokens: measured "
+                     + ", ".join(f"{k} {v:,} B" for k, v in run["measured_bytes_by_level"].items())
+                     + "; analytic " + ", ".join(f"{k} {v:,} B" for k, v in run["analytic_bytes_by_level"].items())
+                     + ".")
     measured = report["training"]["measured_bytes_by_level"]
     if measured:
         lines.append("Measured during training (all ranks, all logged steps): "

@@ -13,6 +13,7 @@ ids, so tree prefixes (BRANCH) stay tree prefixes. Each simulated rank sends
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,9 @@ class RoutingRecord:
     num_experts: int
     world_size: int
     token_bytes: int
+    # how the run moved these tokens, when it ran expert-parallel: {"topology": "node=2,gpu=2",
+    # "expert_to_rank": [...], "dedup": "node", "measured_bytes_by_level": {level: bytes}}
+    dispatch: dict | None = None
 
     def save(self, run_dir: str | Path) -> Path:
         path = Path(run_dir) / ROUTING_FILE
@@ -41,6 +45,11 @@ class RoutingRecord:
         np.savez(tmp, expert_idx=self.expert_idx.numpy(), src_rank=self.src_rank.numpy(),
                  meta=np.array([self.num_experts, self.world_size, self.token_bytes]))
         tmp.replace(path)
+        side = path.with_suffix(".json")
+        if self.dispatch is not None:
+            side.write_text(json.dumps(self.dispatch) + "\n")
+        elif side.exists():
+            side.unlink()
         return path
 
     @classmethod
@@ -50,7 +59,10 @@ class RoutingRecord:
             raise ValueError(f"{path} not found: train with dist-moe (it writes {ROUTING_FILE} at the end of a run)")
         z = np.load(path, allow_pickle=False)
         e, w, b = (int(v) for v in z["meta"])
-        return cls(torch.from_numpy(z["expert_idx"]).long(), torch.from_numpy(z["src_rank"]).long(), e, w, b)
+        side = path.with_suffix(".json")
+        dispatch = json.loads(side.read_text()) if side.exists() else None
+        return cls(torch.from_numpy(z["expert_idx"]).long(), torch.from_numpy(z["src_rank"]).long(), e, w, b,
+                   dispatch)
 
     def coactivation(self) -> torch.Tensor:
         """[E, E] counts of tokens that selected both experts (diagonal: selections)."""

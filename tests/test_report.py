@@ -84,3 +84,30 @@ def test_simulation_keeps_recorded_co_selection_inside_replica_blocks():
 def test_report_errors_name_the_problem(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "routing.npz" in capsys.readouterr().err
+
+
+def test_report_bytes_equal_the_bytes_the_run_measured(tmp_path):
+    """4 ranks as 2 nodes x 2 under torchrun, node dedup: the report's analytic bytes for the run's
+    own placement and dedup equal what the dispatcher measured sending those tokens."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from tests.dist_utils import free_port
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "run"
+    env = {**os.environ, "DIST_MOE_DATA": str(tmp_path / "data"), "OMP_NUM_THREADS": "1",
+           "DIST_MOE_TOPOLOGY": "node=2,gpu=2"}
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([str(root / "launch/torchrun.sh"), "--nproc", "4", "--port", str(free_port()), "--quiet",
+                           f"output.dir={out}", "data.max_rows=1500", "train.epochs=1", "parallel.dedup=node",
+                           "parallel.placement=tree_prefix"], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert main(["report", str(out)]) == 0  # the run's own topology, recorded with its routing
+    report = json.loads((out / "report.json").read_text())
+    run = report["run_dispatch"]
+    assert report["topology"] == "node=2,gpu=2" and run["dedup"] == "node"
+    assert run["measured_bytes_by_level"] == run["analytic_bytes_by_level"]
+    assert run["measured_bytes_by_level"]["node"] > 0

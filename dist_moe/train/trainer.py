@@ -232,17 +232,29 @@ def _measured_bytes(moe, rt: Runtime) -> dict:
 
 @torch.no_grad()
 def _record_routing(out_dir: Path, model, data, rt: Runtime) -> None:
-    """routing.npz for `dist-moe report / place / simulate`: every validation token's experts and rank."""
+    """routing.npz for `dist-moe report / place / simulate`: every validation token's experts and
+    rank; under expert parallelism also the bytes that forward sent, per topology level."""
     rows = torch.tensor_split(torch.arange(len(data.x_val)), rt.world)[rt.rank]
+    moe = model.moe
+    measured = hasattr(moe, "traffic") and rt.world > 1
+    if measured:
+        moe.reset_traffic()
     model.eval()
     model(data.x_val[rows], data.categories(data.y_val[rows]))
     model.train()
-    idx = model.moe.last_routing.expert_idx
+    dispatch = None
+    if measured:
+        levels = moe.traffic.by_level()
+        total = rt.sum(torch.tensor(list(levels.values()), dtype=torch.float64)).tolist()
+        dispatch = {"topology": moe.topology.describe(), "expert_to_rank": moe.placement.expert_to_rank,
+                    "dedup": moe.dedup, "measured_bytes_by_level": dict(zip(levels, map(int, total)))}
+        moe.reset_traffic()
+    idx = moe.last_routing.expert_idx
     group = rt.group if rt.world > 1 else None
     idx_all = all_gather_rows(idx, group)
     src = all_gather_rows(torch.full((idx.shape[0],), rt.rank, dtype=torch.long), group)
     if rt.is_main:
-        RoutingRecord(idx_all, src, model.moe.num_experts, rt.world, model.moe.hidden_size * 4).save(out_dir)
+        RoutingRecord(idx_all, src, moe.num_experts, rt.world, moe.hidden_size * 4, dispatch).save(out_dir)
 
 
 def _position(step: int, epoch_gen: torch.Tensor, rt: Runtime) -> dict:
