@@ -145,6 +145,9 @@ def _plots(run_dir: Path, report: dict, topology: Topology) -> None:
     im = ax.imshow((matrix / 1024).numpy(), cmap="viridis")
     ax.set(title=f"dispatch KiB, {run_name} placement, rank dedup", xlabel="destination rank",
            ylabel="source rank")
+    ticks = range(0, matrix.shape[0], max(1, matrix.shape[0] // 16))  # whole ranks, at most 16 labels
+    ax.set_xticks(ticks)
+    ax.set_yticks(ticks)
     fig.colorbar(im, ax=ax)
     fig.tight_layout()
     fig.savefig(run_dir / "traffic_heatmap.png", dpi=100)
