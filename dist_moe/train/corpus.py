@@ -1,0 +1,108 @@
+"""A multi-domain byte-level text corpus from installed packages (no download at run time).
+
+Domains (the SpecDrop category of each sequence):
+
+fortunes    Debian fortunes-min: /usr/share/games/fortunes/fortunes (quotes, split on "%")
+literature  Debian fortunes-min: /usr/share/games/fortunes/literature
+glosses     Debian wordnet-base: /usr/share/wordnet/data.{noun,verb,adj,adv}, the gloss after "|"
+code        Python's own standard library sources (*.py), always present
+
+Documents of each domain are joined with newlines and cut into sequences of
+``seq_len + 1`` bytes (inputs and next-byte targets); every domain contributes
+the same number of sequences (the smallest domain's count, capped by
+``per_domain``), drawn with a fixed seed. Cached under the data directory as
+``corpus_<seq_len>_<per_domain>.npz``.
+"""
+from __future__ import annotations
+
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dist_moe.train.data import data_dir
+
+DOMAINS = ("fortunes", "literature", "glosses", "code")
+FORTUNES = Path("/usr/share/games/fortunes")
+WORDNET = Path("/usr/share/wordnet")
+PACKAGES = {"fortunes": "fortunes-min", "literature": "fortunes-min", "glosses": "wordnet-base"}
+
+
+def _fortune_file(name: str) -> str:
+    path = FORTUNES / name
+    if not path.exists():
+        raise ValueError(f"{path} not found: install the Debian package {PACKAGES[name]} (make does, as root)")
+    quotes = [q.strip() for q in path.read_text(errors="replace").split("\n%\n")]
+    return "\n".join(q for q in quotes if q)
+
+
+def _glosses() -> str:
+    out = []
+    for part in ("noun", "verb", "adj", "adv"):
+        path = WORDNET / f"data.{part}"
+        if not path.exists():
+            raise ValueError(f"{path} not found: install the Debian package wordnet-base (make does, as root)")
+        for line in path.read_text(errors="replace").splitlines():
+            if not line.startswith("  ") and "|" in line:  # the licence header lines start with spaces
+                out.append(line.split("|", 1)[1].strip())
+    return "\n".join(out)
+
+
+def _code(limit_bytes: int = 4_000_000) -> str:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out, total = [], 0
+    for path in sorted(root.glob("*.py")):  # top-level modules: a stable, version-bound set
+        text = path.read_text(errors="replace")
+        out.append(text)
+        total += len(text)
+        if total >= limit_bytes:
+            break
+    return "\n".join(out)
+
+
+def domain_text(name: str) -> str:
+    if name in ("fortunes", "literature"):
+        return _fortune_file(name)
+    if name == "glosses":
+        return _glosses()
+    if name == "code":
+        return _code()
+    raise ValueError(f"domain must be one of {DOMAINS}, got {name!r}")
+
+
+@dataclass
+class Corpus:
+    tokens: torch.Tensor  # [N, seq_len + 1] uint8 bytes
+    domain: torch.Tensor  # [N] int64, index into DOMAINS
+
+    def split(self, val_fraction: float, seed: int):
+        perm = torch.randperm(len(self.tokens), generator=torch.Generator().manual_seed(seed))
+        n_val = max(1, int(round(len(perm) * val_fraction)))
+        val, train = perm[:n_val], perm[n_val:]
+        return Corpus(self.tokens[train], self.domain[train]), Corpus(self.tokens[val], self.domain[val])
+
+
+def load_corpus(seq_len: int = 64, per_domain: int = 2000, seed: int = 0) -> Corpus:
+    if seq_len < 2 or per_domain < 1:
+        raise ValueError(f"seq_len must be >= 2 and per_domain >= 1, got {seq_len}, {per_domain}")
+    cache = data_dir() / f"corpus_{seq_len}_{per_domain}_{seed}.npz"
+    if cache.exists():
+        z = np.load(cache, allow_pickle=False)
+        return Corpus(torch.from_numpy(z["tokens"]), torch.from_numpy(z["domain"]))
+    chunks = []
+    for text in (domain_text(d) for d in DOMAINS):
+        data = np.frombuffer(text.encode("utf-8", errors="replace"), dtype=np.uint8)
+        n = len(data) // (seq_len + 1)
+        chunks.append(data[: n * (seq_len + 1)].reshape(n, seq_len + 1))
+    take = min(per_domain, min(len(c) for c in chunks))
+    rng = np.random.default_rng(seed)
+    tokens = np.concatenate([c[np.sort(rng.choice(len(c), take, replace=False))] for c in chunks])
+    domain = np.repeat(np.arange(len(DOMAINS)), take)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_name(f"{cache.stem}.{os.getpid()}.tmp.npz")
+    np.savez(tmp, tokens=tokens, domain=domain)
+    tmp.replace(cache)
+    return Corpus(torch.from_numpy(tokens), torch.from_numpy(domain))
