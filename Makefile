@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	.venv/bin/dist-moe train
+	launch/demo.sh
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 timeout 1200 $(PY) -m pytest -q

@@ -77,3 +77,53 @@ def _ep_worker(rank, world, router):
 ])
 def test_expert_parallel_lm_equals_one_process(world, router):
     run_workers(_ep_worker, world, args=(router,), timeout=120)
+
+
+@needs_corpus
+def test_cli_trains_the_lm_from_its_config(tmp_path, monkeypatch):
+    import json
+
+    from dist_moe.cli import main
+
+    monkeypatch.setenv("DIST_MOE_DATA", str(tmp_path / "data"))
+    out = tmp_path / "run"
+    assert main(["train", "--quiet", "--config", "configs/lm_branch.yaml", f"output.dir={out}",
+                 "train.max_steps=60", "data.per_domain=300", "data.categories=domains",
+                 "router.type=specdrop", "router.num_categories=4", "router.p_assigned=0.7"]) == 0
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in lines if "loss" in r]
+    assert losses[-1] < losses[0] - 1.0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["router"] == "specdrop" and 0 <= summary["val_align"] <= 1
+
+
+def test_lm_config_errors_name_the_value(tmp_path, capsys):
+    from dist_moe.cli import main
+
+    assert main(["train", "--quiet", f"output.dir={tmp_path}", "model.kind=lm"]) == 2
+    assert "data.name=corpus" in capsys.readouterr().err
+    assert main(["train", "--quiet", f"output.dir={tmp_path}", "model.kind=rnn"]) == 2
+    assert "'model.kind'" in capsys.readouterr().err
+
+
+@needs_corpus
+def test_demo_script_trains_on_two_emulated_nodes_and_reports(tmp_path):
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from tests.dist_utils import free_port
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "demo"
+    env = {**os.environ, "DIST_MOE_DATA": str(tmp_path / "data"), "DEMO_PORT": str(free_port())}
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([str(root / "launch/demo.sh"), str(out), "train.max_steps=20", "data.per_domain=200"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert f"report at {out}/report.md" in proc.stdout
+    report = json.loads((out / "report.json").read_text())
+    assert report["topology"] == "node=2,gpu=2" and report["run_dispatch"]["dedup"] == "node"
+    assert report["run_dispatch"]["measured_bytes_by_level"] == report["run_dispatch"]["analytic_bytes_by_level"]
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 4

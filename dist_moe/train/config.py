@@ -34,10 +34,14 @@ DEFAULT_CONFIG: dict = {
     # expert parallelism over the launched world (torchrun / deepspeed launcher; 1 process: local)
     "parallel": {"placement": "contiguous", "dedup": "rank", "megatron_dispatcher": "alltoall"},
     # categories: a coarse label per row (data.CATEGORY_SETS), required by specdrop routing
-    "data": {"name": "magic", "val_fraction": 0.2, "max_rows": None, "categories": None},
+    # name "corpus": the multi-domain byte corpus (train/corpus.py) for model.kind lm, with seq_len and
+    # per_domain sequences; categories "domains" makes each sequence's domain its category
+    "data": {"name": "magic", "val_fraction": 0.2, "max_rows": None, "categories": None, "seq_len": 64,
+             "per_domain": 2000},
     # label_mask: mask the logits of classes outside the row's category (SpecDrop's dense control)
-    "model": {"ffn_hidden_size": 32, "d_model": 0, "capacity_factor": 1.25, "expert_type": "swiglu",
-              "post_norm": False, "label_mask": False},
+    # kind: "tabular" (one MoE block between input and head) or "lm" (tiny transformer, MoE FFN per layer)
+    "model": {"kind": "tabular", "ffn_hidden_size": 32, "d_model": 0, "capacity_factor": 1.25,
+              "expert_type": "swiglu", "post_norm": False, "label_mask": False, "layers": 2, "heads": 4},
     # BRANCH paper setup: E=16 SwiGLU experts, top-4, capacity factor 1.25, Adam lr 1e-3.
     "router": {"type": "branch", "num_experts": 16, "top_k": 4, "node_map": "linear"},
     # max_steps, when set, is the run's length in optimizer steps instead of epochs
@@ -65,6 +69,11 @@ _RULES = {
     "data.val_fraction": (float, False, ("a number in (0, 1)", lambda v: 0 < v < 1)),
     "data.max_rows": (int, True, ("an int >= 10", lambda v: v >= 10)),
     "data.categories": (str, True, None),  # the loader names the valid category sets
+    "model.kind": (str, False, ("tabular or lm", lambda v: v in ("tabular", "lm"))),
+    "model.layers": (int, False, _POSITIVE),
+    "model.heads": (int, False, _POSITIVE),
+    "data.seq_len": (int, False, ("an int >= 2", lambda v: v >= 2)),
+    "data.per_domain": (int, False, _POSITIVE),
     "model.ffn_hidden_size": (int, False, _POSITIVE),
     "model.d_model": (int, False, ("an int >= 0 (0: no input projection)", lambda v: v >= 0)),
     "model.capacity_factor": (float, True, ("a number > 0", lambda v: v > 0)),

@@ -106,3 +106,38 @@ def load_corpus(seq_len: int = 64, per_domain: int = 2000, seed: int = 0) -> Cor
     np.savez(tmp, tokens=tokens, domain=domain)
     tmp.replace(cache)
     return Corpus(torch.from_numpy(tokens), torch.from_numpy(domain))
+
+
+@dataclass
+class LMSplit:
+    """The corpus in the trainer's split interface: inputs are bytes, targets the next bytes,
+    and each sequence's domain is its category (``data.categories: domains``)."""
+
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    d_train: torch.Tensor
+    x_val: torch.Tensor
+    y_val: torch.Tensor
+    d_val: torch.Tensor
+    with_categories: bool
+    num_classes: int = 256
+    class_category: torch.Tensor | None = None
+    classes: tuple = ()
+
+    @property
+    def category_names(self):
+        return list(DOMAINS) if self.with_categories else None
+
+    def train_categories(self, rows):
+        return self.d_train[rows] if self.with_categories else None
+
+    def val_categories(self, rows=slice(None)):
+        return self.d_val[rows] if self.with_categories else None
+
+
+def lm_split(seq_len: int, per_domain: int, val_fraction: float, seed: int, categories: str | None) -> LMSplit:
+    if categories not in (None, "domains"):
+        raise ValueError(f"data.categories for the corpus must be 'domains' or null, got {categories!r}")
+    train, val = load_corpus(seq_len, per_domain, seed).split(val_fraction, seed)
+    tr, va = train.tokens.long(), val.tokens.long()
+    return LMSplit(tr[:, :-1], tr[:, 1:], train.domain, va[:, :-1], va[:, 1:], val.domain, categories == "domains")

@@ -82,6 +82,12 @@ class TabularSplit:
         """Each row's category (from its class), or None for an uncategorised split."""
         return None if self.class_category is None else self.class_category[y]
 
+    def train_categories(self, rows):
+        return self.categories(self.y_train[rows])
+
+    def val_categories(self, rows=slice(None)):
+        return self.categories(self.y_val[rows])
+
 
 def class_categories(set_name: str, dataset: str, classes: list[str]) -> tuple[torch.Tensor, list[str]]:
     """[num_classes] category id per class for the named category set, and the category names."""

@@ -25,7 +25,7 @@ import yaml
 from tqdm import tqdm
 
 from dist_moe.models import TabularMoE
-from dist_moe.routing.gar import gar_train_step
+from dist_moe.routing.gar import gar_train_step, moe_layers
 from dist_moe.dispatch.stats import all_gather_rows
 from dist_moe.train import checkpoint
 from dist_moe.train.align import specdrop_align
@@ -70,9 +70,9 @@ def evaluate(model: TabularMoE, x: torch.Tensor, y: torch.Tensor, c: torch.Tenso
     routings = []
     for rows in torch.tensor_split(torch.arange(len(x)), max(1, math.ceil(math.ceil(total / world) / batch_size))):
         logits, _ = model(x[rows], None if c is None else c[rows])
-        sums[0] += float(F.cross_entropy(logits, y[rows], reduction="sum")) if len(rows) else 0.0
-        sums[1] += int((logits.argmax(1) == y[rows]).sum())
-        sums[2] += len(rows)
+        sums[0] += float(_loss(logits, y[rows], "sum")) if len(rows) else 0.0
+        sums[1] += int((logits.argmax(-1) == y[rows]).sum())
+        sums[2] += y[rows].numel()  # rows, or tokens for a language model
         routings.append(model.moe.last_routing)
     reduce = runtime.sum if runtime is not None else (lambda t: t)
     sums = reduce(sums)
@@ -89,12 +89,12 @@ def evaluate(model: TabularMoE, x: torch.Tensor, y: torch.Tensor, c: torch.Tenso
 
 def _align(model: TabularMoE, x, y, c, group=None) -> float:
     """SpecDrop's Align on the validation rows (expert c mod E is category c's)."""
-    num_categories = int(model.class_category.max()) + 1
+    num_categories = int(c.max()) + 1 if model.class_category is None else int(model.class_category.max()) + 1
     e = model.moe.num_experts
 
     def per_category_loss(m):
         logits, _ = m(x, c)
-        losses = F.cross_entropy(logits, y, reduction="none").double()
+        losses = _loss(logits, y, "none").double().reshape(len(y), -1).mean(1)  # per row (sequence)
         return (torch.zeros(num_categories, dtype=torch.float64).index_add_(0, c, losses),
                 torch.bincount(c, minlength=num_categories).double())
 
@@ -127,15 +127,11 @@ def train(cfg: dict, quiet: bool = False) -> dict:
 
 
 def _train(cfg: dict, rt: Runtime, quiet: bool) -> dict:
-    tcfg, dcfg, mcfg = cfg["train"], cfg["data"], cfg["model"]
+    tcfg = cfg["train"]
     torch.manual_seed(cfg["seed"])  # the same on every rank: replicated modules start identical
-    data = tabular_split(dcfg["name"], dcfg["val_fraction"], cfg["seed"], dcfg["max_rows"], dcfg["categories"])
-    router_cfg = _categorised_router(cfg, data)
-    features = data.x_train.shape[1]
-    moe = rt.build_moe(mcfg["d_model"] or features, mcfg["ffn_hidden_size"], router_cfg, mcfg["capacity_factor"],
-                       mcfg["expert_type"])
-    model = TabularMoE(features, data.num_classes, router_cfg, class_category=data.class_category, moe=moe, **mcfg)
+    data, model = _data_and_model(cfg, rt)
     router = model.moe.router
+    routers = [site.router for site in moe_layers(model)]  # every MoE layer's, for schedules
     gar = getattr(router, "gar_config", None)
     bs = tcfg["batch_size"]  # per rank, as DeepSpeed's train_micro_batch_size_per_gpu
     step_fn = rt.stepper(model, tcfg["lr"], tcfg["max_grad_norm"], bs)
@@ -168,15 +164,17 @@ def _train(cfg: dict, rt: Runtime, quiet: bool) -> dict:
             epoch_start = gen.get_state()
             perm = torch.randperm(n, generator=gen)
             if scheduled and tcfg["schedule"] == "epoch":
-                router.set_progress((step // steps_per_epoch) / epochs)  # SpecDrop's schedule, per epoch
+                for r in routers:
+                    r.set_progress((step // steps_per_epoch) / epochs)  # SpecDrop's schedule, per epoch
             for i in range((step % steps_per_epoch) * global_bs, n, global_bs):  # mid-epoch after a resume
                 if step >= total:
                     break
                 if scheduled and tcfg["schedule"] == "step":
-                    router.set_progress(step / total)  # SpecDrop's schedule, per step
+                    for r in routers:
+                        r.set_progress(step / total)  # SpecDrop's schedule, per step
                 rows = torch.tensor_split(perm[i : i + global_bs], rt.world)[rt.rank]
                 xb, yb = data.x_train[rows], data.y_train[rows]
-                cb = data.categories(yb)
+                cb = data.train_categories(rows)
                 record = (_gar_step(model, step_fn, xb, yb, cb, gar, tcfg, rt) if gar
                           else _plain_step(step_fn, xb, yb, cb))
                 record = _mean_over_ranks(record, rt)
@@ -198,7 +196,7 @@ def _train(cfg: dict, rt: Runtime, quiet: bool) -> dict:
                     next_epoch = gen.get_state() if step % steps_per_epoch == 0 else epoch_start
                     checkpoint.save(ckpt_dir, step, model, step_fn.opt, _position(step, next_epoch, rt),
                                     rt.group if rt.world > 1 else None)
-            last_eval = evaluate(model, data.x_val, data.y_val, data.categories(data.y_val), runtime=rt)
+            last_eval = evaluate(model, data.x_val, data.y_val, data.val_categories(), runtime=rt)
             if hasattr(model.moe, "reset_traffic"):
                 model.moe.reset_traffic()  # the bytes logged per step are training bytes
             if logger is not None:
@@ -240,7 +238,7 @@ def _record_routing(out_dir: Path, model, data, rt: Runtime) -> None:
     if measured:
         moe.reset_traffic()
     model.eval()
-    model(data.x_val[rows], data.categories(data.y_val[rows]))
+    model(data.x_val[rows], data.val_categories(rows))
     model.train()
     dispatch = None
     if measured:
@@ -289,9 +287,41 @@ def _random_pair(num_experts: int) -> float:
     return random_pair_tree_distance(num_experts) if num_experts >= 2 and not num_experts & (num_experts - 1) else None
 
 
+def _loss(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy over classes ([B, C] vs [B]) or next bytes ([B, S, V] vs [B, S])."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction=reduction)
+
+
+def _data_and_model(cfg: dict, rt: Runtime):
+    dcfg, mcfg = cfg["data"], dict(cfg["model"])
+    kind, layers, heads = mcfg.pop("kind"), mcfg.pop("layers"), mcfg.pop("heads")
+    if (dcfg["name"] == "corpus") != (kind == "lm"):
+        raise ValueError(f"model.kind={kind!r} needs data.name={'corpus' if kind == 'lm' else 'a keel dataset'}, "
+                         f"got {dcfg['name']!r}")
+    if kind == "lm":
+        from dist_moe.models.tiny_lm import TinyMoELM
+        from dist_moe.train.corpus import lm_split
+
+        if mcfg["label_mask"] or not mcfg["d_model"]:
+            raise ValueError("model.kind=lm needs model.d_model > 0 and model.label_mask: false")
+        data = lm_split(dcfg["seq_len"], dcfg["per_domain"], dcfg["val_fraction"], cfg["seed"], dcfg["categories"])
+        router = _categorised_router(cfg, data)
+        build = lambda i: rt.build_moe(mcfg["d_model"], mcfg["ffn_hidden_size"], router,  # noqa: E731
+                                       mcfg["capacity_factor"], mcfg["expert_type"])
+        model = TinyMoELM(build, mcfg["d_model"], layers, heads, max_len=dcfg["seq_len"])
+        model.class_category = None  # categories come from the data, not from classes
+        return data, model
+    data = tabular_split(dcfg["name"], dcfg["val_fraction"], cfg["seed"], dcfg["max_rows"], dcfg["categories"])
+    router = _categorised_router(cfg, data)
+    features = data.x_train.shape[1]
+    moe = rt.build_moe(mcfg["d_model"] or features, mcfg["ffn_hidden_size"], router, mcfg["capacity_factor"],
+                       mcfg["expert_type"])
+    return data, TabularMoE(features, data.num_classes, router, class_category=data.class_category, moe=moe, **mcfg)
+
+
 def _plain_step(step_fn, xb, yb, cb) -> dict:
     logits, aux = step_fn.module(xb, cb)
-    task = F.cross_entropy(logits, yb)
+    task = _loss(logits, yb)
     step_fn(task + aux)
     return {"loss": float(task.detach()), "aux_loss": float(aux.detach())}
 
@@ -309,7 +339,7 @@ def _gar_step(model, step_fn, xb, yb, cb, gar, tcfg, rt: Runtime) -> dict:
 
     def loss_fn(m, group):
         logits, aux = m(group[0], group[2])
-        return F.cross_entropy(logits, group[1]) + aux
+        return _loss(logits, group[1]) + aux
 
     weights = [len(grp[0]) / len(xb) for grp in groups] if rt.world == 1 else [1 / len(groups)] * len(groups)
     sizes = [len(grp[0]) for grp in groups] if rt.world > 1 else None

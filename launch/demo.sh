@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# `make demo`: the tiny MoE LM with BRANCH routing, tree-prefix placement and node dedup on
+# 4 CPU ranks as 2 emulated nodes x 2 (a throttled link between them; loopback when network
+# namespaces are not available), then its communication report.
+#
+#   launch/demo.sh [OUTPUT_DIR [key=value ...]]    (default runs/demo_lm; overrides go to dist-moe train)
+#
+# Without the corpus's Debian packages (fortunes-min, wordnet-base; make installs them as
+# root) it says so and trains the tabular BRANCH demo in one process instead.
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${1:-runs/demo_lm}
+[ $# -gt 0 ] && shift
+export PATH="$HERE/.venv/bin:$PATH"   # the emulated nodes run the project's python
+export OMP_NUM_THREADS=1
+cd "$HERE"
+if [ ! -f /usr/share/wordnet/data.noun ] || [ ! -f /usr/share/games/fortunes/fortunes ]; then
+  echo "demo: fortunes-min / wordnet-base not installed; training the tabular demo in one process instead" >&2
+  exec dist-moe train "output.dir=$OUT"
+fi
+launch/emulate_cluster.sh --nodes 2 --procs-per-node 2 --port "${DEMO_PORT:-29655}" \
+  "$HERE/.venv/bin/dist-moe" train --quiet --config configs/lm_branch.yaml "output.dir=$OUT" "$@"
+dist-moe report "$OUT"
+echo "demo: report at $OUT/report.md (plots beside it)"
