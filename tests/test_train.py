@@ -201,3 +201,19 @@ def test_specdrop_schedule_moves_per_step_or_per_epoch(tmp_path, schedule):
 def test_category_config_errors_name_the_value(tmp_path, capsys, args, match):
     assert main(["train", "--quiet", f"output.dir={tmp_path}", *args]) == 2
     assert match in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not __import__("pathlib").Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
+                    .exists(), reason="Debian dataset-fashion-mnist not installed (make installs it as root)")
+def test_image_classifier_with_superclass_routing(tmp_path):
+    from dist_moe.train.data import tabular_split
+    from dist_moe.train.trainer import train
+
+    split = tabular_split("fashion_mnist", 0.2, 0, 500, "fashion_superclasses")
+    assert split.x_train.shape[1] == 784 and split.category_names[2] == "footwear"
+    assert [split.classes[i] for i in range(10) if split.class_category[i] == 2] == ["Sandal", "Sneaker",
+                                                                                      "Ankle boot"]
+    cfg = load_config("configs/image_specdrop.yaml", [f"output.dir={tmp_path}", "data.max_rows=3000",
+                                                       "train.max_steps=40"])
+    summary = train(cfg, quiet=True)
+    assert summary["val_acc"] > 0.6 and 0 <= summary["val_align"] <= 1

@@ -39,7 +39,8 @@ DEFAULT_CONFIG: dict = {
     "data": {"name": "magic", "val_fraction": 0.2, "max_rows": None, "categories": None, "seq_len": 64,
              "per_domain": 2000},
     # label_mask: mask the logits of classes outside the row's category (SpecDrop's dense control)
-    # kind: "tabular" (one MoE block between input and head) or "lm" (tiny transformer, MoE FFN per layer)
+    # kind: "tabular" (one MoE block between input and head), "image" (conv stem, then the same; for
+    # data.name fashion_mnist) or "lm" (tiny transformer, MoE FFN per layer; for data.name corpus)
     "model": {"kind": "tabular", "ffn_hidden_size": 32, "d_model": 0, "capacity_factor": 1.25,
               "expert_type": "swiglu", "post_norm": False, "label_mask": False, "layers": 2, "heads": 4},
     # BRANCH paper setup: E=16 SwiGLU experts, top-4, capacity factor 1.25, Adam lr 1e-3.
@@ -69,7 +70,7 @@ _RULES = {
     "data.val_fraction": (float, False, ("a number in (0, 1)", lambda v: 0 < v < 1)),
     "data.max_rows": (int, True, ("an int >= 10", lambda v: v >= 10)),
     "data.categories": (str, True, None),  # the loader names the valid category sets
-    "model.kind": (str, False, ("tabular or lm", lambda v: v in ("tabular", "lm"))),
+    "model.kind": (str, False, ("tabular, image or lm", lambda v: v in ("tabular", "image", "lm"))),
     "model.layers": (int, False, _POSITIVE),
     "model.heads": (int, False, _POSITIVE),
     "data.seq_len": (int, False, ("an int >= 2", lambda v: v >= 2)),

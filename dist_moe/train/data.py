@@ -24,6 +24,10 @@ CATEGORY_SETS = {
     # soil, 5 soil with vegetation stubble, 7 very damp grey soil
     "satimage_landcover": ("satimage", {"dry soil": ("1", "3"), "damp soil": ("4", "7"),
                                         "vegetation": ("2", "5")}),
+    # Fashion-MNIST's ten classes in four garment groups (the dataset defines none)
+    "fashion_superclasses": ("fashion_mnist", {"tops": ("T-shirt/top", "Pullover", "Coat", "Shirt"),
+                                               "trousers and dresses": ("Trouser", "Dress"),
+                                               "footwear": ("Sandal", "Sneaker", "Ankle boot"), "bags": ("Bag",)}),
     # pen-based digits grouped by the strokes that draw them
     "penbased_strokes": ("penbased", {"closed loops": ("0", "6", "8", "9"), "straight strokes": ("1", "4", "7"),
                                       "open curves": ("2", "3", "5")}),
@@ -46,10 +50,30 @@ def _keel_raw_path(name: str) -> Path:
     return path
 
 
+FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
+FASHION_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
+                   "Ankle boot"]
+
+
+def load_fashion_mnist() -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """The 60,000 training images of Debian's dataset-fashion-mnist as [N, 784] floats in [0, 1]."""
+    import gzip
+
+    images, labels = FASHION_MNIST / "train-images-idx3-ubyte.gz", FASHION_MNIST / "train-labels-idx1-ubyte.gz"
+    if not images.exists() or not labels.exists():
+        raise ValueError(f"{FASHION_MNIST} has no training files: install the Debian package dataset-fashion-mnist "
+                         "(make does, as root)")
+    x = np.frombuffer(gzip.decompress(images.read_bytes()), dtype=np.uint8, offset=16).reshape(-1, 784)
+    y = np.frombuffer(gzip.decompress(labels.read_bytes()), dtype=np.uint8, offset=8).astype(np.int64)
+    return (x / 255.0).astype(np.float32), y, list(FASHION_CLASSES)
+
+
 def load_keel(name: str) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """(features float32 [N, F], labels int64 [N], class names); cached under data_dir()."""
+    if name == "fashion_mnist":
+        return load_fashion_mnist()
     if name not in DATASETS:
-        raise ValueError(f"data.name must be one of {DATASETS}, got {name!r}")
+        raise ValueError(f"data.name must be one of {(*DATASETS, 'fashion_mnist', 'corpus')}, got {name!r}")
     cache = data_dir() / f"keel_{name}.npz"
     if cache.exists():
         z = np.load(cache, allow_pickle=False)

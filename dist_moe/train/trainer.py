@@ -25,6 +25,7 @@ import yaml
 from tqdm import tqdm
 
 from dist_moe.models import TabularMoE
+from dist_moe.models.image import ImageMoE
 from dist_moe.routing.gar import gar_train_step, moe_layers
 from dist_moe.dispatch.stats import all_gather_rows
 from dist_moe.train import checkpoint
@@ -183,7 +184,7 @@ def _train(cfg: dict, rt: Runtime, quiet: bool) -> dict:
                     raise ValueError(f"training diverged at step {step} (loss {record['loss']}); "
                                      f"lower train.lr (now {tcfg['lr']})")
                 if step % tcfg["log_every"] == 0 or step == total:
-                    record.update(_measured_bytes(model.moe, rt))  # collective: every rank takes part
+                    record.update(_measured_bytes(model, rt))  # collective: every rank takes part
                 if logger is not None and (step % tcfg["log_every"] == 0 or step == total):
                     record.update(metrics_of(model.moe.last_routing, model.moe.num_experts))
                     if hasattr(router, "progress"):
@@ -197,8 +198,7 @@ def _train(cfg: dict, rt: Runtime, quiet: bool) -> dict:
                     checkpoint.save(ckpt_dir, step, model, step_fn.opt, _position(step, next_epoch, rt),
                                     rt.group if rt.world > 1 else None)
             last_eval = evaluate(model, data.x_val, data.y_val, data.val_categories(), runtime=rt)
-            if hasattr(model.moe, "reset_traffic"):
-                model.moe.reset_traffic()  # the bytes logged per step are training bytes
+            _measured_bytes(model, rt)  # drop the evaluation's bytes: those logged per step are training bytes
             if logger is not None:
                 logger.log({"step": step, "epoch": math.ceil(step / steps_per_epoch), **last_eval})
         _record_routing(out_dir, model, data, rt)
@@ -218,14 +218,23 @@ def _train(cfg: dict, rt: Runtime, quiet: bool) -> dict:
     return summary
 
 
-def _measured_bytes(moe, rt: Runtime) -> dict:
-    """Payload bytes the dispatcher sent across each topology level since the last log, all ranks."""
-    if rt.world == 1 or not hasattr(moe, "traffic"):
+def _measured_bytes(model, rt: Runtime) -> dict:
+    """Payload bytes dist-moe's dispatchers sent across each topology level since the last log, summed
+    over ranks: ``bytes_<level>`` for all MoE layers, ``layer<i>_bytes_<level>`` each when there are several."""
+    from dist_moe.layer import MoELayer
+
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    if rt.world == 1 or not layers:
         return {}
-    levels = moe.traffic.by_level()
-    moe.reset_traffic()
-    total = rt.sum(torch.tensor(list(levels.values()), dtype=torch.float64))
-    return {f"bytes_{name}": int(v) for name, v in zip(levels, total.tolist())}
+    per_layer = [layer.traffic.by_level() for layer in layers]
+    for layer in layers:
+        layer.reset_traffic()
+    names = list(per_layer[0])
+    total = rt.sum(torch.tensor([[lv[n] for n in names] for lv in per_layer], dtype=torch.float64))
+    out = {f"bytes_{n}": int(v) for n, v in zip(names, total.sum(0).tolist())}
+    if len(layers) > 1:
+        out.update({f"layer{i}_bytes_{n}": int(v) for i, row in enumerate(total.tolist()) for n, v in zip(names, row)})
+    return out
 
 
 @torch.no_grad()
@@ -295,8 +304,9 @@ def _loss(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> tor
 def _data_and_model(cfg: dict, rt: Runtime):
     dcfg, mcfg = cfg["data"], dict(cfg["model"])
     kind, layers, heads = mcfg.pop("kind"), mcfg.pop("layers"), mcfg.pop("heads")
-    if (dcfg["name"] == "corpus") != (kind == "lm"):
-        raise ValueError(f"model.kind={kind!r} needs data.name={'corpus' if kind == 'lm' else 'a keel dataset'}, "
+    wants = {"lm": "corpus", "image": "fashion_mnist"}
+    if wants.get(kind) != (dcfg["name"] if dcfg["name"] in wants.values() else None):
+        raise ValueError(f"model.kind={kind!r} needs data.name={wants.get(kind, 'a keel dataset')}, "
                          f"got {dcfg['name']!r}")
     if kind == "lm":
         from dist_moe.models.tiny_lm import TinyMoELM
@@ -316,7 +326,8 @@ def _data_and_model(cfg: dict, rt: Runtime):
     features = data.x_train.shape[1]
     moe = rt.build_moe(mcfg["d_model"] or features, mcfg["ffn_hidden_size"], router, mcfg["capacity_factor"],
                        mcfg["expert_type"])
-    return data, TabularMoE(features, data.num_classes, router, class_category=data.class_category, moe=moe, **mcfg)
+    model_cls = ImageMoE if kind == "image" else TabularMoE
+    return data, model_cls(features, data.num_classes, router, class_category=data.class_category, moe=moe, **mcfg)
 
 
 def _plain_step(step_fn, xb, yb, cb) -> dict:
