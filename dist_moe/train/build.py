@@ -1,0 +1,53 @@
+"""A run's data and model from its config: tabular, image or LM, hosted by the run's engine."""
+from __future__ import annotations
+
+from dist_moe.models import TabularMoE
+from dist_moe.models.image import ImageMoE
+from dist_moe.train.data import tabular_split
+
+
+def categorised_router(cfg: dict, data) -> dict:
+    """The router config, with SpecDrop's num_categories taken from the data when not given."""
+    router = dict(cfg["router"])
+    if router["type"] != "specdrop":
+        return router
+    if data.category_names is None:
+        raise ValueError("router.type=specdrop routes by category: set data.categories "
+                         "(e.g. satimage_landcover with data.name=satimage)")
+    n = len(data.category_names)
+    if router.setdefault("num_categories", n) != n:
+        raise ValueError(f"router.num_categories={router['num_categories']!r} but data.categories="
+                         f"{cfg['data']['categories']!r} has {n} categories")
+    return router
+
+
+def data_and_model(cfg: dict, rt):
+    """(data split, model) for ``cfg``; ``rt`` (a ``Runtime``) builds each MoE layer."""
+    dcfg, mcfg = cfg["data"], dict(cfg["model"])
+    kind, layers, heads = mcfg.pop("kind"), mcfg.pop("layers"), mcfg.pop("heads")
+    wants = {"lm": "corpus", "image": "fashion_mnist"}
+    if wants.get(kind) != (dcfg["name"] if dcfg["name"] in wants.values() else None):
+        raise ValueError(f"model.kind={kind!r} needs data.name={wants.get(kind, 'a keel dataset')}, "
+                         f"got {dcfg['name']!r}")
+    if kind == "lm":
+        from dist_moe.models.tiny_lm import TinyMoELM
+        from dist_moe.train.corpus import lm_split
+
+        if mcfg["label_mask"] or not mcfg["d_model"]:
+            raise ValueError("model.kind=lm needs model.d_model > 0 and model.label_mask: false")
+        data = lm_split(dcfg["seq_len"], dcfg["per_domain"], dcfg["val_fraction"], cfg["seed"], dcfg["categories"])
+        router = categorised_router(cfg, data)
+        build = lambda i: rt.build_moe(mcfg["d_model"], mcfg["ffn_hidden_size"], router,  # noqa: E731
+                                       mcfg["capacity_factor"], mcfg["expert_type"])
+        model = TinyMoELM(build, mcfg["d_model"], layers, heads, max_len=dcfg["seq_len"])
+        model.class_category = None  # categories come from the data, not from classes
+        return data, model
+    data = tabular_split(dcfg["name"], dcfg["val_fraction"], cfg["seed"], dcfg["max_rows"], dcfg["categories"])
+    router = categorised_router(cfg, data)
+    features = data.x_train.shape[1]
+    moe = rt.build_moe(mcfg["d_model"] or features, mcfg["ffn_hidden_size"], router, mcfg["capacity_factor"],
+                       mcfg["expert_type"])
+    model_cls = ImageMoE if kind == "image" else TabularMoE
+    return data, model_cls(features, data.num_classes, router, class_category=data.class_category, moe=moe, **mcfg)
+
+

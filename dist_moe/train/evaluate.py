@@ -1,0 +1,63 @@
+"""Validation metrics for every model kind, reduced over the ranks of a run, and SpecDrop's Align."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from dist_moe.train.align import specdrop_align
+from dist_moe.train.metrics import routing_metrics
+
+
+def loss_of(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy over classes ([B, C] vs [B]) or next bytes ([B, S, V] vs [B, S])."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction=reduction)
+
+
+@torch.no_grad()
+def evaluate(model, x: torch.Tensor, y: torch.Tensor, c: torch.Tensor | None = None,
+             batch_size: int = 4096, runtime=None) -> dict:
+    """Validation metrics; under a multi-rank runtime each rank takes its share of the rows
+    and every sum is reduced (every rank runs the same number of forwards)."""
+    world, rank = (runtime.world, runtime.rank) if runtime is not None else (1, 0)
+    total = len(x)
+    mine = torch.tensor_split(torch.arange(total), world)[rank]
+    x, y = x[mine], y[mine]
+    c = None if c is None else c[mine]
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64)  # loss, correct, rows
+    routings = []
+    for rows in torch.tensor_split(torch.arange(len(x)), max(1, math.ceil(math.ceil(total / world) / batch_size))):
+        logits, _ = model(x[rows], None if c is None else c[rows])
+        sums[0] += float(loss_of(logits, y[rows], "sum")) if len(rows) else 0.0
+        sums[1] += int((logits.argmax(-1) == y[rows]).sum())
+        sums[2] += y[rows].numel()  # rows, or tokens for a language model
+        routings.append(model.moe.last_routing)
+    reduce = runtime.sum if runtime is not None else (lambda t: t)
+    sums = reduce(sums)
+    load = reduce(sum(r.stats["load"] for r in routings).double())
+    dropped = int(reduce(torch.tensor([float(sum(r.stats.get("dropped", 0) for r in routings))])))
+    metrics = routing_metrics(torch.cat([r.expert_idx for r in routings]), load, dropped, model.moe.num_experts)
+    out = {"val_loss": float(sums[0] / sums[2]), "val_acc": float(sums[1] / sums[2]),
+           **{f"val_{k}": v for k, v in metrics.items()}}
+    if c is not None:
+        out["val_align"] = _align(model, x, y, c, None if runtime is None or world == 1 else runtime.group)
+    model.train()
+    return out
+
+
+def _align(model, x, y, c, group=None) -> float:
+    """SpecDrop's Align on the validation rows (expert c mod E is category c's)."""
+    num_categories = int(c.max()) + 1 if model.class_category is None else int(model.class_category.max()) + 1
+    e = model.moe.num_experts
+
+    def per_category_loss(m):
+        logits, _ = m(x, c)
+        losses = loss_of(logits, y, "none").double().reshape(len(y), -1).mean(1)  # per row (sequence)
+        return (torch.zeros(num_categories, dtype=torch.float64).index_add_(0, c, losses),
+                torch.bincount(c, minlength=num_categories).double())
+
+    return specdrop_align(model, per_category_loss, torch.arange(num_categories) % e, e, group)["align"]
+
+
