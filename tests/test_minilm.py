@@ -41,3 +41,30 @@ def test_sentence_embeddings_rank_meaning(minilm):
     # padding changes nothing: the same sentence alone or beside a longer one
     alone = model.embed(*tok(["The stock market crashed today."]))
     assert torch.allclose(alone[0], e[2], atol=1e-5)
+
+
+def test_text_mixture_trains_with_gar_over_same_task_groups(tmp_path, monkeypatch):
+    import json
+
+    from dist_moe.cli import main
+    from dist_moe.train import corpus
+
+    if not (corpus.WORDNET / "data.noun").exists() or not (corpus.FORTUNES / "fortunes").exists():
+        pytest.skip("Debian wordnet-base / fortunes-min not installed (make installs them as root)")
+    monkeypatch.setenv("DIST_MOE_DATA", str(tmp_path / "data"))
+    out = tmp_path / "run"
+    assert main(["train", "--quiet", "--config", "configs/text_gar.yaml", f"output.dir={out}",
+                 "data.per_domain=60", "data.seq_len=16", "train.max_steps=12", "train.log_every=1"]) == 0
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if "gar_loss" in r]
+    assert len(steps) == 12 and all(r["gar_loss"] < 0 for r in steps)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["val_acc"] > 0.3 and "val_align" not in summary  # Align is SpecDrop's question
+
+
+def test_same_task_groups_need_categories(tmp_path, capsys):
+    from dist_moe.cli import main
+
+    assert main(["train", "--quiet", f"output.dir={tmp_path}", "router.type=switch", "router.gar.lambda=0.001",
+                 "train.gar_groups=same_category", "train.max_steps=2", "data.max_rows=200"]) == 2
+    assert "same_category" in capsys.readouterr().err

@@ -25,7 +25,7 @@ def data_and_model(cfg: dict, rt):
     """(data split, model) for ``cfg``; ``rt`` (a ``Runtime``) builds each MoE layer."""
     dcfg, mcfg = cfg["data"], dict(cfg["model"])
     kind, layers, heads = mcfg.pop("kind"), mcfg.pop("layers"), mcfg.pop("heads")
-    wants = {"lm": "corpus", "image": "fashion_mnist"}
+    wants = {"lm": "corpus", "image": "fashion_mnist", "text": "text_tasks"}
     if wants.get(kind) != (dcfg["name"] if dcfg["name"] in wants.values() else None):
         raise ValueError(f"model.kind={kind!r} needs data.name={wants.get(kind, 'a keel dataset')}, "
                          f"got {dcfg['name']!r}")
@@ -42,6 +42,16 @@ def data_and_model(cfg: dict, rt):
         model = TinyMoELM(build, mcfg["d_model"], layers, heads, max_len=dcfg["seq_len"])
         model.class_category = None  # categories come from the data, not from classes
         return data, model
+    if kind == "text":
+        from dist_moe.models.text import TextMoE
+        from dist_moe.train.text_tasks import text_split
+
+        if dcfg["categories"] not in (None, "tasks"):
+            raise ValueError(f"data.categories for text_tasks must be 'tasks' or null, got {dcfg['categories']!r}")
+        data = text_split(dcfg["per_domain"], dcfg["seq_len"], dcfg["val_fraction"], cfg["seed"])
+        router = categorised_router(cfg, data)
+        moe = rt.build_moe(384, mcfg["ffn_hidden_size"], router, mcfg["capacity_factor"], mcfg["expert_type"])
+        return data, TextMoE(moe, data.task_classes)
     data = tabular_split(dcfg["name"], dcfg["val_fraction"], cfg["seed"], dcfg["max_rows"], dcfg["categories"])
     router = categorised_router(cfg, data)
     features = data.x_train.shape[1]

@@ -35,12 +35,15 @@ DEFAULT_CONFIG: dict = {
     "parallel": {"placement": "contiguous", "dedup": "rank", "megatron_dispatcher": "alltoall"},
     # categories: a coarse label per row (data.CATEGORY_SETS), required by specdrop routing
     # name "corpus": the multi-domain byte corpus (train/corpus.py) for model.kind lm, with seq_len and
-    # per_domain sequences; categories "domains" makes each sequence's domain its category
+    # per_domain sequences; categories "domains" makes each sequence's domain its category.
+    # name "text_tasks": the multi-task text mixture (train/text_tasks.py) for model.kind text: per_domain
+    # examples per task, seq_len MiniLM tokens each; the task is each example's category
     "data": {"name": "magic", "val_fraction": 0.2, "max_rows": None, "categories": None, "seq_len": 64,
              "per_domain": 2000},
     # label_mask: mask the logits of classes outside the row's category (SpecDrop's dense control)
     # kind: "tabular" (one MoE block between input and head), "image" (conv stem, then the same; for
-    # data.name fashion_mnist) or "lm" (tiny transformer, MoE FFN per layer; for data.name corpus)
+    # data.name fashion_mnist), "lm" (tiny transformer, MoE FFN per layer; for data.name corpus) or
+    # "text" (frozen MiniLM states, LoRA-expert MoE, a head per task; for data.name text_tasks)
     "model": {"kind": "tabular", "ffn_hidden_size": 32, "d_model": 0, "capacity_factor": 1.25,
               "expert_type": "swiglu", "post_norm": False, "label_mask": False, "layers": 2, "heads": 4},
     # BRANCH paper setup: E=16 SwiGLU experts, top-4, capacity factor 1.25, Adam lr 1e-3.
@@ -49,6 +52,8 @@ DEFAULT_CONFIG: dict = {
     # schedule: how often a scheduled router (SpecDrop) advances, every "step" or every "epoch"
     "train": {"epochs": 20, "batch_size": 256, "lr": 1e-3, "max_grad_norm": 1.0, "log_every": 10,
               "max_steps": None, "gar_group_size": 32, "schedule": "step",
+              # gar_groups: GAR observation groups of consecutive rows, or of one category (task) each
+              "gar_groups": "consecutive",
               # checkpoint_every: steps between DCP checkpoints under output.dir/checkpoints (null: none);
               # resume: continue from the newest one there (none yet: start afresh)
               "checkpoint_every": None, "resume": False},
@@ -70,7 +75,7 @@ _RULES = {
     "data.val_fraction": (float, False, ("a number in (0, 1)", lambda v: 0 < v < 1)),
     "data.max_rows": (int, True, ("an int >= 10", lambda v: v >= 10)),
     "data.categories": (str, True, None),  # the loader names the valid category sets
-    "model.kind": (str, False, ("tabular, image or lm", lambda v: v in ("tabular", "image", "lm"))),
+    "model.kind": (str, False, ("tabular, image, lm or text", lambda v: v in ("tabular", "image", "lm", "text"))),
     "model.layers": (int, False, _POSITIVE),
     "model.heads": (int, False, _POSITIVE),
     "data.seq_len": (int, False, ("an int >= 2", lambda v: v >= 2)),
@@ -89,6 +94,8 @@ _RULES = {
     "train.max_steps": (int, True, _POSITIVE),
     "train.gar_group_size": (int, False, _POSITIVE),
     "train.schedule": (str, False, ("'step' or 'epoch'", lambda v: v in ("step", "epoch"))),
+    "train.gar_groups": (str, False, ("consecutive or same_category",
+                                      lambda v: v in ("consecutive", "same_category"))),
     "train.checkpoint_every": (int, True, _POSITIVE),
     "train.resume": (bool, False, None),
     "output.dir": (str, False, ("a non-empty path", lambda v: bool(v.strip()))),

@@ -6,6 +6,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from dist_moe.routing.specdrop import SpecDropRouter
 from dist_moe.train.align import specdrop_align
 from dist_moe.train.metrics import routing_metrics
 
@@ -41,7 +42,7 @@ def evaluate(model, x: torch.Tensor, y: torch.Tensor, c: torch.Tensor | None = N
     metrics = routing_metrics(torch.cat([r.expert_idx for r in routings]), load, dropped, model.moe.num_experts)
     out = {"val_loss": float(sums[0] / sums[2]), "val_acc": float(sums[1] / sums[2]),
            **{f"val_{k}": v for k, v in metrics.items()}}
-    if c is not None:
+    if c is not None and isinstance(model.moe.router, SpecDropRouter):  # Align asks of SpecDrop's assignment
         out["val_align"] = _align(model, x, y, c, None if runtime is None or world == 1 else runtime.group)
     model.train()
     return out

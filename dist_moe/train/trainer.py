@@ -23,7 +23,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from dist_moe.routing.gar import gar_train_step, moe_layers
+from dist_moe.routing.gar import equal_task_weights, gar_train_step, moe_layers
 from dist_moe.train import checkpoint, records
 from dist_moe.train.build import data_and_model
 from dist_moe.train.config import validate
@@ -173,7 +173,13 @@ def _plain_step(step_fn, xb, yb, cb) -> dict:
 
 def _gar_step(model, step_fn, xb, yb, cb, gar, tcfg, rt: Runtime) -> dict:
     g = tcfg["gar_group_size"]
-    if rt.world == 1:  # consecutive groups of g rows
+    same_category = tcfg["gar_groups"] == "same_category"
+    if same_category and (cb is None or rt.world > 1):
+        raise ValueError("train.gar_groups=same_category needs categories (e.g. text tasks) and one process")
+    if same_category:  # the paper's same-task groups: up to g rows of one category each
+        parts = [rows[i : i + g] for c in cb.unique().tolist()
+                 for rows in [(cb == c).nonzero().squeeze(1)] for i in range(0, len(rows), g)]
+    elif rt.world == 1:  # consecutive groups of g rows
         parts = [torch.arange(i, min(i + g, len(xb))) for i in range(0, len(xb), g)]
     else:  # every rank takes the same number of groups: the m-th of every rank form unit m
         count = max(1, math.ceil(tcfg["batch_size"] / g))
@@ -186,7 +192,12 @@ def _gar_step(model, step_fn, xb, yb, cb, gar, tcfg, rt: Runtime) -> dict:
         logits, aux = m(group[0], group[2])
         return loss_of(logits, group[1]) + aux
 
-    weights = [len(grp[0]) / len(xb) for grp in groups] if rt.world == 1 else [1 / len(groups)] * len(groups)
+    if same_category:  # tasks weigh equally, examples equally within a task
+        weights = equal_task_weights([int(grp[2][0]) for grp in groups], [len(grp[0]) for grp in groups])
+    elif rt.world == 1:
+        weights = [len(grp[0]) / len(xb) for grp in groups]
+    else:
+        weights = [1 / len(groups)] * len(groups)
     sizes = [len(grp[0]) for grp in groups] if rt.world > 1 else None
     # DeepSpeed owns reduction, clip and step: GAR hands it the accumulated gradients
     finish = getattr(step_fn, "finish_external", None)

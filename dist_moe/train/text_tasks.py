@@ -1,0 +1,132 @@
+"""A multi-task text classification mixture from installed packages, encoded by a frozen MiniLM.
+
+Tasks (the task id is each example's category; labels are local to their task):
+
+pos       a WordNet gloss -> its part of speech (noun, verb, adjective, adverb)
+lexname   a WordNet noun gloss -> its lexicographer file (noun.animal, noun.act, ...: 26)
+source    a quote from Debian fortunes-min -> its file (fortunes, literature, riddles)
+
+Each task contributes ``per_task`` examples (a seeded sample). The backbone is
+frozen, so every text is encoded once: the cache holds MiniLM's token states
+[N, max_tokens, 384] (float16) with padding positions set to zero, which is how
+the model finds the padding again.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dist_moe.train.corpus import FORTUNES, WORDNET
+from dist_moe.train.data import data_dir
+
+TASKS = ("pos", "lexname", "source")
+POS = ("noun", "verb", "adj", "adv")
+SOURCES = ("fortunes", "literature", "riddles")
+
+
+def _wordnet(part: str) -> list[tuple[str, int]]:
+    """(gloss, lexicographer file number) of every synset in data.<part>."""
+    path = WORDNET / f"data.{part}"
+    if not path.exists():
+        raise ValueError(f"{path} not found: install the Debian package wordnet-base (make does, as root)")
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith("  ") or "|" not in line:
+            continue
+        fields = line.split(" ", 2)
+        out.append((line.split("|", 1)[1].strip(), int(fields[1])))
+    return out
+
+
+def task_examples(task: str) -> tuple[list[str], list[int], int]:
+    """(texts, local labels, number of classes) of one task."""
+    if task == "pos":
+        pairs = [(g, i) for i, part in enumerate(POS) for g, _ in _wordnet(part)]
+        return [g for g, _ in pairs], [y for _, y in pairs], len(POS)
+    if task == "lexname":
+        nouns = _wordnet("noun")
+        files = sorted({f for _, f in nouns})
+        index = {f: i for i, f in enumerate(files)}
+        return [g for g, _ in nouns], [index[f] for _, f in nouns], len(files)
+    if task == "source":
+        texts, labels = [], []
+        for i, name in enumerate(SOURCES):
+            path = FORTUNES / name
+            if not path.exists():
+                raise ValueError(f"{path} not found: install the Debian package fortunes-min (make does, as root)")
+            quotes = [" ".join(q.split()) for q in path.read_text(errors="replace").split("\n%\n") if q.strip()]
+            texts += quotes
+            labels += [i] * len(quotes)
+        return texts, labels, len(SOURCES)
+    raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+
+
+@dataclass
+class TextSplit:
+    """The trainer's split interface; x holds token states, categories are task ids."""
+
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    t_train: torch.Tensor
+    x_val: torch.Tensor
+    y_val: torch.Tensor
+    t_val: torch.Tensor
+    task_classes: tuple
+    class_category: torch.Tensor | None = None
+
+    @property
+    def num_classes(self) -> int:
+        return max(self.task_classes)
+
+    @property
+    def category_names(self) -> list[str]:
+        return list(TASKS)
+
+    def train_categories(self, rows):
+        return self.t_train[rows]
+
+    def val_categories(self, rows=slice(None)):
+        return self.t_val[rows]
+
+
+def encode(texts: list[str], max_tokens: int, batch: int = 64) -> torch.Tensor:
+    from dist_moe.models.minilm import load_minilm
+
+    model, tok = load_minilm()
+    out = torch.zeros(len(texts), max_tokens, model.hidden_size, dtype=torch.float16)
+    with torch.no_grad():
+        for i in range(0, len(texts), batch):
+            ids, mask = tok(texts[i : i + batch], max_len=max_tokens)
+            states = model(ids, mask) * mask.unsqueeze(-1)  # padding positions become exact zeros
+            out[i : i + batch, : ids.shape[1]] = states.half()
+    return out
+
+
+def text_split(per_task: int, max_tokens: int, val_fraction: float, seed: int) -> TextSplit:
+    cache = data_dir() / f"text_tasks_{per_task}_{max_tokens}_{seed}.npz"
+    if cache.exists():
+        z = np.load(cache, allow_pickle=False)
+        x, y, t, classes = (torch.from_numpy(z[k]) for k in ("x", "y", "t", "classes"))
+    else:
+        rng = np.random.default_rng(seed)
+        texts, labels, tasks, classes = [], [], [], []
+        for ti, task in enumerate(TASKS):
+            tx, ty, n = task_examples(task)
+            pick = np.sort(rng.choice(len(tx), min(per_task, len(tx)), replace=False))
+            texts += [tx[i] for i in pick]
+            labels += [ty[i] for i in pick]
+            tasks += [ti] * len(pick)
+            classes.append(n)
+        x = encode(texts, max_tokens)
+        y, t, classes = torch.tensor(labels), torch.tensor(tasks), torch.tensor(classes)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f"{cache.stem}.{os.getpid()}.tmp.npz")
+        np.savez(tmp, x=x.numpy(), y=y.numpy(), t=t.numpy(), classes=classes.numpy())
+        tmp.replace(cache)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    n_val = max(1, int(round(len(perm) * val_fraction)))
+    val, train = perm[:n_val], perm[n_val:]
+    return TextSplit(x[train], y[train], t[train], x[val], y[val], t[val], tuple(classes.tolist()))
