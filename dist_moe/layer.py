@@ -98,8 +98,8 @@ class MoELayer(nn.Module):
         if padding_mask is not None and padding_mask.shape != shape[:-1]:
             raise ValueError(f"padding_mask must have shape {tuple(shape[:-1])}, got {tuple(padding_mask.shape)}")
         h = x.reshape(-1, self.hidden_size)
-        categories = _per_token(categories, shape, "categories")
-        token_ids = _per_token(token_ids, shape, "token_ids")
+        categories = per_token(categories, shape, "categories")
+        token_ids = per_token(token_ids, shape, "token_ids")
         routing = self.router(h, categories=categories, token_ids=token_ids)
         routing.expert_idx, routing.gates = capacity_step(
             routing.expert_idx, routing.gates, self.num_experts, self.capacity_factor, routing.stats)
@@ -160,8 +160,8 @@ def _local_experts(world: int, rank: int, *args, **kwargs) -> Experts:
         return Experts(*args, **kwargs)
 
 
-def _per_token(t: Tensor | None, shape, name: str) -> Tensor | None:
-    """Flatten a per-token tensor; a [B] tensor for [B, S, H] inputs is repeated per position."""
+def per_token(t: Tensor | None, shape, name: str) -> Tensor | None:
+    """(Also used by the engine-hosted layers.) Flatten a per-token tensor; a [B] tensor for [B, S, H] inputs is repeated per position."""
     if t is None:
         return None
     lead = shape[:-1]

@@ -11,6 +11,10 @@ from tests.dist_utils import free_port, run_workers
 
 ROOT = Path(__file__).resolve().parents[1]
 GAR = ["router.type=switch", "router.gar.lambda=0.001", "train.gar_group_size=16"]
+# the tiny LM with SpecDrop by domain: per-sequence categories through the hosted layers
+LM = ["--config", "configs/lm_branch.yaml", "data.per_domain=150", "data.seq_len=32", "train.max_steps=40",
+      "data.categories=domains", "router.type=specdrop", "router.num_categories=4", "router.p_assigned=0.7",
+      "parallel.placement=contiguous"]
 COMMON = ["data.max_rows=3000", "train.epochs=3", "train.batch_size=64", "train.log_every=5", "train.lr=3e-3"]
 
 
@@ -25,7 +29,11 @@ def _train_worker(rank, world, overrides, out_dir, data_dir):
     from dist_moe.train.config import load_config
     from dist_moe.train.trainer import train
 
-    summary = train(load_config(None, [*COMMON, f"output.dir={out_dir}", *overrides]), quiet=True)
+    config = None
+    if "--config" in overrides:
+        i = overrides.index("--config")
+        config, overrides = overrides[i + 1], overrides[:i] + overrides[i + 2:]
+    summary = train(load_config(config, [*COMMON, f"output.dir={out_dir}", *overrides]), quiet=True)
     assert summary["world_size"] == world and summary["steps"] > 20
     if rank == 0:
         Path(out_dir, "summary.rank0.json").write_text(json.dumps(summary))
@@ -39,6 +47,8 @@ def _train_worker(rank, world, overrides, out_dir, data_dir):
     pytest.param("torch", GAR, id="torch-gar"),
     pytest.param("deepspeed", GAR, id="deepspeed-gar"),
     pytest.param("megatron", GAR, id="megatron-gar"),
+    pytest.param("deepspeed", LM, id="deepspeed-lm"),
+    pytest.param("megatron", LM, id="megatron-lm"),
 ])
 def test_two_rank_training_with_each_in_process_engine(tmp_path, engine, extra):
     pytest.importorskip({"torch": "torch", "deepspeed": "deepspeed", "megatron": "megatron.core"}[engine],
@@ -49,7 +59,7 @@ def test_two_rank_training_with_each_in_process_engine(tmp_path, engine, extra):
     losses = _losses(out)
     assert sum(losses[-3:]) < sum(losses[:3])  # loss falls
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["engine"] == engine and summary["val_acc"] > 0.7
+    assert summary["engine"] == engine and summary["val_acc"] > (0.1 if extra is LM else 0.7)  # bytes: uniform is 0.004
     if engine == "torch":  # dist-moe's dispatcher logs the bytes it sent per topology level
         lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         sent = [sum(v for k, v in r.items() if k.startswith("bytes_")) for r in lines if "loss" in r]

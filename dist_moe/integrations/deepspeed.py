@@ -181,9 +181,13 @@ class DeepSpeedHostedMoE(nn.Module):
     def last_routing(self):
         return self.gate.last_routing
 
-    def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None):
+    def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None,
+                padding_mask: Tensor | None = None):
+        """As MoELayer's: per-token or per-sequence categories; padding is routed like any token."""
         from dist_moe.integrations.context import routing_context
+        from dist_moe.layer import per_token
 
+        categories, token_ids = per_token(categories, x.shape, "categories"), per_token(token_ids, x.shape, "token_ids")
         with routing_context(categories=categories, token_ids=token_ids):
             y, aux, _ = self.moe(x.reshape(-1, self.hidden_size))
         return y.reshape(x.shape), aux
