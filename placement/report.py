@@ -26,7 +26,7 @@ import torch
 
 from placement.locality import random_pair_tree_distance, tree_distance
 from placement.placement import Placement, cut_weight
-from placement.simulate import RoutingRecord
+from placement.simulate import RoutingRecord, recorded_layers
 from placement.topology import Topology
 from placement.traffic import DEDUP_MODES, dispatch_traffic
 
@@ -85,9 +85,14 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def write_report(run_dir: str | Path, topology: Topology, run_placement: str = "contiguous") -> dict:
-    """Write report.json, report.md and the PNGs into ``run_dir``; returns the report."""
+    """Write report.json, report.md and the PNGs into ``run_dir``; returns the report (the first MoE
+    layer's analysis at the top, every layer's under "layers")."""
     run_dir = Path(run_dir)
-    report = analyze(RoutingRecord.load(run_dir), topology, run_placement)
+    layers = [analyze(RoutingRecord.load(run_dir, i), topology, run_placement)
+              for i in range(max(1, recorded_layers(run_dir)))]
+    report = dict(layers[0])
+    report["layers"] = [{k: v for k, v in a.items() if k in ("placements", "run_dispatch", "expert_load",
+                                                              "tree_distance")} for a in layers]
     steps = [r for r in _metrics(run_dir) if "loss" in r]
     report["training"] = {
         "steps": [r["step"] for r in steps],
@@ -107,12 +112,13 @@ def _markdown(report: dict, topology: Topology) -> str:
              f"{report['num_experts']} experts, {report['token_bytes']} B per token copy; the run used "
              f"`{report['run_placement']}` placement. Bytes per token in the dispatch direction (the combine "
              "returns the same); estimated all-to-all time from the topology's alpha-beta model.", "",
-             "| placement | dedup | " + " | ".join(f"{lv} B/token" for lv in levels) + " | est. all-to-all |",
-             "|---|---|" + "---|" * len(levels) + "---|"]
-    for name, p in report["placements"].items():
-        for dedup, m in p["modes"].items():
-            cells = " | ".join(f"{m['bytes_per_token_by_level'][lv]:.1f}" for lv in levels)
-            lines.append(f"| {name} | {dedup} | {cells} | {1e6 * m['estimated_seconds']:.1f} us |")
+             "| layer | placement | dedup | " + " | ".join(f"{lv} B/token" for lv in levels) + " | est. all-to-all |",
+             "|---|---|---|" + "---|" * len(levels) + "---|"]
+    for li, layer in enumerate(report["layers"]):
+        for name, p in layer["placements"].items():
+            for dedup, m in p["modes"].items():
+                cells = " | ".join(f"{m['bytes_per_token_by_level'][lv]:.1f}" for lv in levels)
+                lines.append(f"| {li} | {name} | {dedup} | {cells} | {1e6 * m['estimated_seconds']:.1f} us |")
     lines += ["", f"Lower bound across nodes: {report['node_lower_bound_bytes_per_token']:.1f} B/token "
               "(one copy to one other node)."]
     if "tree_distance" in report:
@@ -153,17 +159,19 @@ def _plots(run_dir: Path, report: dict, topology: Topology) -> None:
     fig.savefig(run_dir / "traffic_heatmap.png", dpi=100)
     plt.close(fig)
 
-    outer = topology.levels[0]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    names = list(report["placements"])
+    groups = [(li, name) for li, layer in enumerate(report["layers"]) for name in layer["placements"]]
+    fig, axes = plt.subplots(1, len(topology.levels), figsize=(5 * len(topology.levels), 4), squeeze=False)
     width = 0.8 / len(DEDUP_MODES)
-    for i, dedup in enumerate(DEDUP_MODES):
-        values = [report["placements"][n]["modes"][dedup]["bytes_per_token_by_level"][outer] for n in names]
-        ax.bar([j + i * width for j in range(len(names))], values, width, label=f"dedup={dedup}")
-    ax.axhline(report["node_lower_bound_bytes_per_token"], color="k", ls="--", lw=1, label="lower bound")
-    ax.set_xticks([j + width for j in range(len(names))], names)
-    ax.set(title=f"bytes per token crossing the {outer} level", ylabel="B/token")
-    ax.legend()
+    for ax, level in zip(axes[0], topology.levels):
+        for i, dedup in enumerate(DEDUP_MODES):
+            values = [report["layers"][li]["placements"][n]["modes"][dedup]["bytes_per_token_by_level"][level]
+                      for li, n in groups]
+            ax.bar([j + i * width for j in range(len(groups))], values, width, label=f"dedup={dedup}")
+        if level == topology.levels[0]:
+            ax.axhline(report["node_lower_bound_bytes_per_token"], color="k", ls="--", lw=1, label="lower bound")
+        ax.set_xticks([j + width for j in range(len(groups))], [f"L{li} {n}" for li, n in groups], rotation=20)
+        ax.set(title=f"bytes per token crossing the {level} level", ylabel="B/token")
+    axes[0][0].legend()
     fig.tight_layout()
     fig.savefig(run_dir / "bytes_by_level.png", dpi=100)
     plt.close(fig)

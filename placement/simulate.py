@@ -28,6 +28,18 @@ from placement.traffic import DEDUP_MODES, dispatch_traffic
 ROUTING_FILE = "routing.npz"
 
 
+def routing_file(layer: int) -> str:
+    return ROUTING_FILE if layer == 0 else f"routing.layer{layer}.npz"
+
+
+def recorded_layers(run_dir: str | Path) -> int:
+    """How many MoE layers a run recorded (0 when it recorded none)."""
+    n = 0
+    while (Path(run_dir) / routing_file(n)).exists():
+        n += 1
+    return n
+
+
 @dataclass
 class RoutingRecord:
     expert_idx: torch.Tensor  # [T, K] int64, -1 = dropped
@@ -39,8 +51,9 @@ class RoutingRecord:
     # "expert_to_rank": [...], "dedup": "node", "measured_bytes_by_level": {level: bytes}}
     dispatch: dict | None = None
 
-    def save(self, run_dir: str | Path) -> Path:
-        path = Path(run_dir) / ROUTING_FILE
+    def save(self, run_dir: str | Path, layer: int = 0) -> Path:
+        """``routing.npz`` for the first MoE layer, ``routing.layer<i>.npz`` for the others."""
+        path = Path(run_dir) / routing_file(layer)
         tmp = path.with_name(path.name + ".tmp.npz")
         np.savez(tmp, expert_idx=self.expert_idx.numpy(), src_rank=self.src_rank.numpy(),
                  meta=np.array([self.num_experts, self.world_size, self.token_bytes]))
@@ -53,8 +66,8 @@ class RoutingRecord:
         return path
 
     @classmethod
-    def load(cls, run_dir: str | Path) -> "RoutingRecord":
-        path = Path(run_dir) / ROUTING_FILE
+    def load(cls, run_dir: str | Path, layer: int = 0) -> "RoutingRecord":
+        path = Path(run_dir) / routing_file(layer)
         if not path.exists():
             raise ValueError(f"{path} not found: train with dist-moe (it writes {ROUTING_FILE} at the end of a run)")
         z = np.load(path, allow_pickle=False)

@@ -125,5 +125,8 @@ def test_demo_script_trains_on_two_emulated_nodes_and_reports(tmp_path):
     assert f"report at {out}/report.md" in proc.stdout
     report = json.loads((out / "report.json").read_text())
     assert report["topology"] == "node=2,gpu=2" and report["run_dispatch"]["dedup"] == "node"
-    assert report["run_dispatch"]["measured_bytes_by_level"] == report["run_dispatch"]["analytic_bytes_by_level"]
+    assert len(report["layers"]) == 2  # every MoE layer, each with its own measured == analytic bytes
+    for layer in report["layers"]:
+        run = layer["run_dispatch"]
+        assert run["measured_bytes_by_level"] == run["analytic_bytes_by_level"] and run["dedup"] == "node"
     assert json.loads((out / "summary.json").read_text())["world_size"] == 4

@@ -8,7 +8,7 @@ import torch
 
 from dist_moe.dispatch.stats import all_gather_rows
 from dist_moe.train import checkpoint
-from placement.simulate import RoutingRecord
+from placement.simulate import RoutingRecord, recorded_layers, routing_file
 
 
 def measured_bytes(model, rt) -> dict:
@@ -32,29 +32,38 @@ def measured_bytes(model, rt) -> dict:
 
 @torch.no_grad()
 def record_routing(out_dir: Path, model, data, rt) -> None:
-    """routing.npz for `dist-moe report / place / simulate`: every validation token's experts and
-    rank; under expert parallelism also the bytes that forward sent, per topology level."""
+    """routing.npz (and routing.layer<i>.npz) for `dist-moe report / place / simulate`: every
+    validation token's experts and rank at each MoE layer; under dist-moe's expert parallelism also
+    the bytes that forward sent, per topology level."""
+    from dist_moe.routing.gar import moe_layers
+
     rows = torch.tensor_split(torch.arange(len(data.x_val)), rt.world)[rt.rank]
-    moe = model.moe
-    measured = hasattr(moe, "traffic") and rt.world > 1
-    if measured:
-        moe.reset_traffic()
+    layers = [m for m in model.modules() if hasattr(m, "gar_site")]  # every MoE layer, any host
+    measured = rt.world > 1 and all(hasattr(m, "traffic") for m in layers)
+    for m in layers if measured else ():
+        m.reset_traffic()
     model.eval()
     model(data.x_val[rows], data.val_categories(rows))
     model.train()
-    dispatch = None
-    if measured:
-        levels = moe.traffic.by_level()
-        total = rt.sum(torch.tensor(list(levels.values()), dtype=torch.float64)).tolist()
-        dispatch = {"topology": moe.topology.describe(), "expert_to_rank": moe.placement.expert_to_rank,
-                    "dedup": moe.dedup, "measured_bytes_by_level": dict(zip(levels, map(int, total)))}
-        moe.reset_traffic()
-    idx = moe.last_routing.expert_idx
     group = rt.group if rt.world > 1 else None
-    idx_all = all_gather_rows(idx, group)
-    src = all_gather_rows(torch.full((idx.shape[0],), rt.rank, dtype=torch.long), group)
-    if rt.is_main:
-        RoutingRecord(idx_all, src, moe.num_experts, rt.world, moe.hidden_size * 4, dispatch).save(out_dir)
+    for i, (layer, site) in enumerate(zip(layers, moe_layers(model))):
+        dispatch = None
+        if measured:
+            levels = layer.traffic.by_level()
+            total = rt.sum(torch.tensor(list(levels.values()), dtype=torch.float64)).tolist()
+            dispatch = {"topology": layer.topology.describe(), "expert_to_rank": layer.placement.expert_to_rank,
+                        "dedup": layer.dedup, "measured_bytes_by_level": dict(zip(levels, map(int, total)))}
+            layer.reset_traffic()
+        idx = layer.last_routing.expert_idx
+        idx_all = all_gather_rows(idx, group)
+        src = all_gather_rows(torch.full((idx.shape[0],), rt.rank, dtype=torch.long), group)
+        if rt.is_main:
+            record = RoutingRecord(idx_all, src, site.router.num_experts, rt.world, layer.hidden_size * 4, dispatch)
+            record.save(out_dir, i)
+    if rt.is_main:  # a previous run in this directory may have had more layers
+        for stale in range(len(layers), recorded_layers(out_dir)):
+            for suffix in (".npz", ".json"):
+                Path(out_dir, routing_file(stale)).with_suffix(suffix).unlink(missing_ok=True)
 
 
 def position(step: int, epoch_gen: torch.Tensor, rt) -> dict:
