@@ -217,3 +217,16 @@ def test_image_classifier_with_superclass_routing(tmp_path):
                                                        "train.max_steps=40"])
     summary = train(cfg, quiet=True)
     assert summary["val_acc"] > 0.6 and 0 <= summary["val_align"] <= 1
+
+
+def test_optional_tensorboard(tmp_path, capsys):
+    args = ["train", "--quiet", f"output.dir={tmp_path}", "output.tensorboard=true", "train.max_steps=3",
+            "data.max_rows=300", "train.log_every=1"]
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:  # not installed: a clear error naming the package, before training
+        assert main(args) == 2
+        assert "tensorboard package" in capsys.readouterr().err
+        return
+    assert main(args) == 0
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))

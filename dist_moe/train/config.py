@@ -57,7 +57,8 @@ DEFAULT_CONFIG: dict = {
               # checkpoint_every: steps between DCP checkpoints under output.dir/checkpoints (null: none);
               # resume: continue from the newest one there (none yet: start afresh)
               "checkpoint_every": None, "resume": False},
-    "output": {"dir": "runs/{name}"},
+    # tensorboard: also write TensorBoard scalars to <dir>/tensorboard (needs the tensorboard package)
+    "output": {"dir": "runs/{name}", "tensorboard": False},
 }
 _OPEN_SECTIONS = {"router"}  # free-form here, checked by build_router
 
@@ -99,6 +100,7 @@ _RULES = {
     "train.checkpoint_every": (int, True, _POSITIVE),
     "train.resume": (bool, False, None),
     "output.dir": (str, False, ("a non-empty path", lambda v: bool(v.strip()))),
+    "output.tensorboard": (bool, False, None),
 }
 
 

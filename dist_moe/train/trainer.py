@@ -38,20 +38,37 @@ def json_safe(record: dict) -> dict:
 
 
 class JsonlLogger:
-    def __init__(self, path: Path, append: bool = False):
+    """metrics.jsonl, and with ``tensorboard`` the same numbers as TensorBoard scalars (under the
+    record's step, in ``<run>/tensorboard``; needs the optional ``tensorboard`` package)."""
+
+    def __init__(self, path: Path, append: bool = False, tensorboard: bool = False):
         path.parent.mkdir(parents=True, exist_ok=True)
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:  # torch's writer imports the tensorboard package
+                raise ValueError(f"output.tensorboard needs the tensorboard package (pip install tensorboard): {e}")
+            self._tb = SummaryWriter(str(path.parent / "tensorboard"))
         self._f = path.open("a" if append else "w")
 
     def log(self, record: dict) -> None:
         self._f.write(json.dumps(json_safe(record)) + "\n")
         self._f.flush()
+        if self._tb is not None:
+            prefix = "val/" if any(k.startswith("val_") for k in record) else "train/"
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(prefix + key, value, record["step"])
 
     def close(self) -> None:
         self._f.close()
+        if self._tb is not None:
+            self._tb.close()
 
 
 def train(cfg: dict, quiet: bool = False) -> dict:
-    """Train the tabular model with ``cfg["engine"]`` over the launched world (one process: local)."""
+    """Train ``cfg["model"]["kind"]`` with ``cfg["engine"]`` over the launched world (one process: local)."""
     validate(cfg)
     runtime = Runtime(cfg["engine"], cfg["parallel"])
     try:
@@ -78,7 +95,8 @@ def _train(cfg: dict, rt: Runtime, quiet: bool) -> dict:
     if rt.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    logger = JsonlLogger(out_dir / "metrics.jsonl", append=resume_from is not None) if rt.is_main else None
+    logger = (JsonlLogger(out_dir / "metrics.jsonl", resume_from is not None, cfg["output"]["tensorboard"])
+              if rt.is_main else None)
 
     n, global_bs = len(data.x_train), bs * rt.world
     steps_per_epoch = math.ceil(n / global_bs)
