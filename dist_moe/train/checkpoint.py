@@ -30,24 +30,40 @@ from dist_moe.dispatch.process_group import barrier
 LATEST = "latest"
 
 
-def _expert_layers(model: nn.Module):
+def _expert_keys(model: nn.Module) -> dict[str, tuple[list[int], str, bool]]:
+    """state-dict key of each expert tensor -> (global expert ids, key stem, stacked).
+
+    dist-moe's experts are stacked [E_local, ...] (``stacked``: row j is expert ids[j]);
+    DeepSpeed's copies are [1, ...] each; Megatron's are one plain tensor per expert. The
+    stem is ``<layer>.experts.<slot>`` for every host, so checkpoints name experts alike.
+    """
     from dist_moe.layer import MoELayer
 
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)]
-
-
-def _expert_keys(model: nn.Module) -> dict[str, tuple[list[int], str]]:
-    """state-dict key of each stacked expert parameter -> (global ids of its rows, key stem)."""
     out = {}
-    for name, layer in _expert_layers(model):
-        for slot, _ in layer.experts.named_parameters():
-            key = f"{name}.experts.{slot}" if name else f"experts.{slot}"
-            out[key] = (layer.local_expert_ids, key)
+    for name, m in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(m, MoELayer):
+            for slot, _ in m.experts.named_parameters():
+                out[f"{prefix}experts.{slot}"] = (m.local_expert_ids, f"{prefix}experts.{slot}", True)
+        elif type(m).__name__ == "DeepSpeedHostedMoE":
+            ids = m.gate.placement.local_experts(m.gate._ep_rank())
+            for j, expert in enumerate(m.moe.deepspeed_moe.experts.deepspeed_experts):
+                for slot, _ in expert.inner.named_parameters():
+                    key = f"{prefix}moe.deepspeed_moe.experts.deepspeed_experts.{j}.inner.{slot}"
+                    out[key] = ([ids[j]], f"{prefix}experts.{slot}", True)
+        elif type(m).__name__ == "MegatronHostedMoE":
+            ids = m.moe.router.placement.local_experts(m.moe.ep_group.rank())
+            for j, mlp in enumerate(m.moe.experts.local_experts):
+                for slot, _ in mlp.named_parameters():
+                    key = f"{prefix}moe.experts.local_experts.{j}.{slot}"
+                    out[key] = ([ids[j]], f"{prefix}experts.{slot}", False)
     return out
 
 
-def _split(key: str, t: torch.Tensor, ids: list[int]) -> dict[str, torch.Tensor]:
-    return {f"{key}.expert{e}": t[j] for j, e in enumerate(ids)}
+def _split(stem: str, t: torch.Tensor, ids: list[int], stacked: bool) -> dict[str, torch.Tensor]:
+    if not stacked:
+        return {f"{stem}.expert{ids[0]}": t}
+    return {f"{stem}.expert{e}": t[j] for j, e in enumerate(ids)}
 
 
 def state_of(model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, torch.Tensor]) -> dict:
@@ -56,7 +72,8 @@ def state_of(model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str
     state = {}
     for key, t in model.state_dict().items():
         if key in experts:
-            state.update(_split(f"model.{key}", t, experts[key][0]))
+            ids, stem, stacked = experts[key]
+            state.update(_split(f"model.{stem}", t, ids, stacked))
         else:
             state[f"model.{key}"] = t
     names = {id(p): n for n, p in model.named_parameters()}
@@ -65,9 +82,11 @@ def state_of(model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str
         for k, v in s.items():
             v = v if torch.is_tensor(v) else torch.tensor(v)
             if name in experts and v.dim() > 0:
-                state.update(_split(f"optim.{name}.{k}", v, experts[name][0]))
+                ids, stem, stacked = experts[name]
+                state.update(_split(f"optim.{stem}.{k}", v, ids, stacked))
             elif name in experts:  # a scalar (Adam's step) shared by the stacked experts: one per expert
-                state.update({f"optim.{name}.{k}.expert{e}": v.clone() for e in experts[name][0]})
+                ids, stem, _ = experts[name]
+                state.update({f"optim.{stem}.{k}.expert{e}": v.clone() for e in ids})
             else:
                 state[f"optim.{name}.{k}"] = v
     state.update(extra)
@@ -139,7 +158,9 @@ def _write_back(model: nn.Module, optimizer, state: dict) -> None:
     model_state = {}
     for key, t in model.state_dict().items():
         if key in experts:
-            model_state[key] = torch.stack([state[f"model.{key}.expert{e}"] for e in experts[key][0]])
+            ids, stem, stacked = experts[key]
+            rows = [state[f"model.{stem}.expert{e}"] for e in ids]
+            model_state[key] = torch.stack(rows) if stacked else rows[0]
         else:
             model_state[key] = state[f"model.{key}"]
     model.load_state_dict(model_state)
@@ -148,7 +169,8 @@ def _write_back(model: nn.Module, optimizer, state: dict) -> None:
         name = names[id(p)]
         for k, v in s.items():
             if name in experts and v.dim() == 0:  # Adam's step: loaded into one copy per expert
-                v.copy_(state[f"optim.{name}.{k}.expert{experts[name][0][0]}"])
+                ids, stem, _ = experts[name]
+                v.copy_(state[f"optim.{stem}.{k}.expert{ids[0]}"])
             # every other tensor was loaded in place (expert rows are views of the stacked state)
 
 

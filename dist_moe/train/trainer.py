@@ -88,9 +88,6 @@ def _train(cfg: dict, rt: Runtime, quiet: bool) -> dict:
     step_fn = rt.stepper(model, tcfg["lr"], tcfg["max_grad_norm"], bs)
     out_dir = Path(cfg["output"]["dir"].format(name=cfg["name"]))
     ckpt_dir = out_dir / "checkpoints"
-    if (tcfg["checkpoint_every"] or tcfg["resume"]) and rt.engine != "torch":
-        raise ValueError(f"checkpoints are written for engine torch; with engine {rt.engine!r} use the engine's "
-                         "own checkpointing (train.checkpoint_every / train.resume)")
     resume_from = checkpoint.latest(ckpt_dir) if tcfg["resume"] else None
     if rt.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
