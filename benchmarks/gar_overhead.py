@@ -63,7 +63,8 @@ def worker(rank, world, args, out_path):
         share = 1.0 / world
         for grp, w in zip(groups, weights):
             (share * w * loss_fn(model, grp)).backward()
-        sum_replicated_grads(list(model.parameters()), rank_local_param_ids(moe_layers(model)), dist.group.WORLD)  # as GAR's step does
+        # as GAR's step does
+        sum_replicated_grads(list(model.parameters()), rank_local_param_ids(moe_layers(model)), dist.group.WORLD)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
 

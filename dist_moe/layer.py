@@ -161,7 +161,8 @@ def _local_experts(world: int, rank: int, *args, **kwargs) -> Experts:
 
 
 def per_token(t: Tensor | None, shape, name: str) -> Tensor | None:
-    """(Also used by the engine-hosted layers.) Flatten a per-token tensor; a [B] tensor for [B, S, H] inputs is repeated per position."""
+    """Flatten a per-token tensor; a [B] tensor for [B, S, H] inputs is repeated per position.
+    (The engine-hosted layers use it too.)"""
     if t is None:
         return None
     lead = shape[:-1]

@@ -1,4 +1,4 @@
-"""A run's data and model from its config: tabular, image or LM, hosted by the run's engine."""
+"""A run's data and model from its config: tabular, image, LM or text, hosted by the run's engine."""
 from __future__ import annotations
 
 from dist_moe.models import TabularMoE

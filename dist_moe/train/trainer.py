@@ -146,7 +146,7 @@ def _train(cfg: dict, rt: Runtime, quiet: bool) -> dict:
                     checkpoint.save(ckpt_dir, step, model, step_fn.opt, records.position(step, next_epoch, rt),
                                     rt.group if rt.world > 1 else None)
             last_eval = evaluate(model, data.x_val, data.y_val, data.val_categories(), runtime=rt)
-            records.measured_bytes(model, rt)  # drop the evaluation's bytes: those logged per step are training bytes
+            records.measured_bytes(model, rt)  # drop the evaluation's bytes: the logged ones are training bytes
             if logger is not None:
                 logger.log({"step": step, "epoch": math.ceil(step / steps_per_epoch), **last_eval})
         records.record_routing(out_dir, model, data, rt)
