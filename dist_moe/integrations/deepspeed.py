@@ -26,6 +26,7 @@ from dist_moe.dispatch.stats import all_reduce_max
 from dist_moe.experts import SingleExpert
 from dist_moe.integrations import deepspeed_patches
 from dist_moe.integrations.context import routing_extras
+from dist_moe.integrations.hosted import HostedMoE
 from dist_moe.routing import Router, build_router
 from dist_moe.routing.capacity import apply_capacity, capacity_for, slot_positions
 from placement import Placement
@@ -139,7 +140,7 @@ def init_distributed() -> None:
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
 
 
-class DeepSpeedHostedMoE(nn.Module):
+class DeepSpeedHostedMoE(HostedMoE):
     """dist-moe's layer interface over a DeepSpeed-hosted MoE: ``(y, aux) = layer(x, categories, token_ids)``.
 
     Needs ``deepspeed.init_distributed`` (``init_distributed`` here) first when ``ep_size > 1``.
@@ -174,23 +175,12 @@ class DeepSpeedHostedMoE(nn.Module):
         return self.gate.router
 
     @property
-    def num_experts(self) -> int:
-        return self.router.num_experts
-
-    @property
     def last_routing(self):
         return self.gate.last_routing
 
-    def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None,
-                padding_mask: Tensor | None = None):
-        """As MoELayer's: per-token or per-sequence categories; padding is routed like any token."""
-        from dist_moe.integrations.context import routing_context
-        from dist_moe.layer import per_token
-
-        categories, token_ids = per_token(categories, x.shape, "categories"), per_token(token_ids, x.shape, "token_ids")
-        with routing_context(categories=categories, token_ids=token_ids):
-            y, aux, _ = self.moe(x.reshape(-1, self.hidden_size))
-        return y.reshape(x.shape), aux
+    def _run(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        y, aux, _ = self.moe(tokens)
+        return y, aux
 
     def gar_site(self):
         """GAR over DeepSpeed's expert copies: materialized observations from their gradients."""

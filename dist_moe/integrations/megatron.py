@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from dist_moe.integrations import megatron_patches
 from dist_moe.integrations.context import routing_extras
+from dist_moe.integrations.hosted import HostedMoE
 from dist_moe.routing import Router, build_router
 from placement import Placement
 
@@ -165,7 +166,7 @@ def sent_bytes(layer) -> int:
     return sum(int(n) for peer, n in enumerate(splits) if peer != rank) * row
 
 
-class MegatronHostedMoE(nn.Module):
+class MegatronHostedMoE(HostedMoE):
     """dist-moe's layer interface over a Megatron-hosted MoE: ``(y, aux) = layer(x, categories, token_ids)``.
 
     Rows of ``x`` are Megatron's [S, B=1] tokens. The aux loss already reaches the
@@ -189,23 +190,12 @@ class MegatronHostedMoE(nn.Module):
         return self.moe.router.router
 
     @property
-    def num_experts(self) -> int:
-        return self.router.num_experts
-
-    @property
     def last_routing(self):
         return self.moe.router.last_routing
 
-    def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None,
-                padding_mask: Tensor | None = None):
-        """As MoELayer's: per-token or per-sequence categories; padding is routed like any token."""
-        from dist_moe.integrations.context import routing_context
-        from dist_moe.layer import per_token
-
-        categories, token_ids = per_token(categories, x.shape, "categories"), per_token(token_ids, x.shape, "token_ids")
-        with routing_context(categories=categories, token_ids=token_ids):
-            y, _ = self.moe(x.reshape(-1, 1, self.hidden_size))
-        return y.reshape(x.shape), self.moe.router.last_aux_loss
+    def _run(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        y, _ = self.moe(tokens.unsqueeze(1))  # Megatron's [S, B=1, H]
+        return y.squeeze(1), self.moe.router.last_aux_loss
 
     def gar_site(self):
         """GAR over Megatron's SequentialMLP experts: materialized observations in their
