@@ -29,6 +29,8 @@ CATEGORY_SETS = {
                                                "trousers and dresses": ("Trouser", "Dress"),
                                                "footwear": ("Sandal", "Sneaker", "Ankle boot"), "bags": ("Bag",)}),
     # pen-based digits grouped by the strokes that draw them
+    # WordNet's 45 lexicographer files by part of speech (WordNet's own grouping)
+    "wordnet_pos": ("wordnet_glosses", None),
     "penbased_strokes": ("penbased", {"closed loops": ("0", "6", "8", "9"), "straight strokes": ("1", "4", "7"),
                                       "open curves": ("2", "3", "5")}),
 }
@@ -72,8 +74,13 @@ def load_keel(name: str) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """(features float32 [N, F], labels int64 [N], class names); cached under data_dir()."""
     if name == "fashion_mnist":
         return load_fashion_mnist()
+    if name == "wordnet_glosses":
+        from dist_moe.train.wordnet_glosses import load_wordnet_glosses
+
+        return load_wordnet_glosses()
     if name not in DATASETS:
-        raise ValueError(f"data.name must be one of {(*DATASETS, 'fashion_mnist', 'corpus')}, got {name!r}")
+        known = (*DATASETS, "fashion_mnist", "wordnet_glosses", "corpus", "text_tasks")
+        raise ValueError(f"data.name must be one of {known}, got {name!r}")
     cache = data_dir() / f"keel_{name}.npz"
     if cache.exists():
         z = np.load(cache, allow_pickle=False)
@@ -118,6 +125,10 @@ def class_categories(set_name: str, dataset: str, classes: list[str]) -> tuple[t
     if set_name not in CATEGORY_SETS:
         raise ValueError(f"data.categories must be one of {sorted(CATEGORY_SETS)} or null, got {set_name!r}")
     for_dataset, groups = CATEGORY_SETS[set_name]
+    if groups is None:  # defined by its dataset's module
+        from dist_moe.train.wordnet_glosses import pos_groups
+
+        groups = pos_groups()
     if for_dataset != dataset:
         raise ValueError(f"data.categories={set_name!r} groups the classes of {for_dataset!r}, "
                          f"not of data.name={dataset!r}")

@@ -4,7 +4,10 @@ Tasks (the task id is each example's category; labels are local to their task):
 
 pos       a WordNet gloss -> its part of speech (noun, verb, adjective, adverb)
 lexname   a WordNet noun gloss -> its lexicographer file (noun.animal, noun.act, ...: 26)
+verblex   a WordNet verb gloss -> its lexicographer file (verb.motion, verb.change, ...: 15)
 source    a quote from Debian fortunes-min -> its file (fortunes, literature, riddles)
+domain    a 200-character window of the LM corpus -> its domain (fortunes, literature,
+          WordNet glosses, Python stdlib code: ``corpus.DOMAINS``)
 
 Each task contributes ``per_task`` examples (a seeded sample). The backbone is
 frozen, so every text is encoded once: the cache holds MiniLM's token states
@@ -19,15 +22,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dist_moe.train.corpus import FORTUNES, WORDNET
+from dist_moe.train.corpus import DOMAINS, FORTUNES, WORDNET, domain_text
 from dist_moe.train.data import data_dir
 
-TASKS = ("pos", "lexname", "source")
+TASKS = ("pos", "lexname", "verblex", "source", "domain")
 POS = ("noun", "verb", "adj", "adv")
 SOURCES = ("fortunes", "literature", "riddles")
 
 
-def _wordnet(part: str) -> list[tuple[str, int]]:
+def wordnet_synsets(part: str) -> list[tuple[str, int]]:
     """(gloss, lexicographer file number) of every synset in data.<part>."""
     path = WORDNET / f"data.{part}"
     if not path.exists():
@@ -44,13 +47,21 @@ def _wordnet(part: str) -> list[tuple[str, int]]:
 def task_examples(task: str) -> tuple[list[str], list[int], int]:
     """(texts, local labels, number of classes) of one task."""
     if task == "pos":
-        pairs = [(g, i) for i, part in enumerate(POS) for g, _ in _wordnet(part)]
+        pairs = [(g, i) for i, part in enumerate(POS) for g, _ in wordnet_synsets(part)]
         return [g for g, _ in pairs], [y for _, y in pairs], len(POS)
-    if task == "lexname":
-        nouns = _wordnet("noun")
-        files = sorted({f for _, f in nouns})
+    if task in ("lexname", "verblex"):
+        synsets = wordnet_synsets("noun" if task == "lexname" else "verb")
+        files = sorted({f for _, f in synsets})
         index = {f: i for i, f in enumerate(files)}
-        return [g for g, _ in nouns], [index[f] for _, f in nouns], len(files)
+        return [g for g, _ in synsets], [index[f] for _, f in synsets], len(files)
+    if task == "domain":
+        texts, labels = [], []
+        for i, name in enumerate(DOMAINS):
+            flat = " ".join(domain_text(name).split())
+            windows = [flat[j : j + 200] for j in range(0, len(flat) - 200, 200)]
+            texts += windows
+            labels += [i] * len(windows)
+        return texts, labels, len(DOMAINS)
     if task == "source":
         texts, labels = [], []
         for i, name in enumerate(SOURCES):
@@ -106,7 +117,7 @@ def encode(texts: list[str], max_tokens: int, batch: int = 64) -> torch.Tensor:
 
 
 def text_split(per_task: int, max_tokens: int, val_fraction: float, seed: int) -> TextSplit:
-    cache = data_dir() / f"text_tasks_{per_task}_{max_tokens}_{seed}.npz"
+    cache = data_dir() / f"text_tasks_{'-'.join(TASKS)}_{per_task}_{max_tokens}_{seed}.npz"
     if cache.exists():
         z = np.load(cache, allow_pickle=False)
         x, y, t, classes = (torch.from_numpy(z[k]) for k in ("x", "y", "t", "classes"))

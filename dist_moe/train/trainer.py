@@ -67,17 +67,22 @@ class JsonlLogger:
             self._tb.close()
 
 
-def train(cfg: dict, quiet: bool = False) -> dict:
-    """Train ``cfg["model"]["kind"]`` with ``cfg["engine"]`` over the launched world (one process: local)."""
+def train(cfg: dict, quiet: bool = False, after=None) -> dict:
+    """Train ``cfg["model"]["kind"]`` with ``cfg["engine"]`` over the launched world (one process: local).
+
+    ``after(model, data, runtime) -> dict``, when given, runs on every rank once training ends
+    (it may use collectives) and its fields join the summary: experiments measure the trained
+    model this way without the trainer knowing their metrics.
+    """
     validate(cfg)
     runtime = Runtime(cfg["engine"], cfg["parallel"])
     try:
-        return _train(cfg, runtime, quiet)
+        return _train(cfg, runtime, quiet, after)
     finally:
         runtime.shutdown()
 
 
-def _train(cfg: dict, rt: Runtime, quiet: bool) -> dict:
+def _train(cfg: dict, rt: Runtime, quiet: bool, after=None) -> dict:
     tcfg = cfg["train"]
     torch.manual_seed(cfg["seed"])  # the same on every rank: replicated modules start identical
     data, model = data_and_model(cfg, rt)
@@ -100,6 +105,7 @@ def _train(cfg: dict, rt: Runtime, quiet: bool) -> dict:
     total = tcfg["max_steps"] or tcfg["epochs"] * steps_per_epoch
     gen = torch.Generator().manual_seed(cfg["seed"])  # the same order on every rank; each takes its share
     step, start, last_eval = 0, time.time(), {}
+    train_seconds = 0.0  # inside training steps only: no evaluation, logging or checkpoints
     if resume_from is not None:
         step = records.resume(resume_from, model, step_fn.opt, gen, rt)
     # Redrawn 10x a second on a terminal; in a log file (CI, nohup) every 10 s is enough.
@@ -121,12 +127,14 @@ def _train(cfg: dict, rt: Runtime, quiet: bool) -> dict:
                 if scheduled and tcfg["schedule"] == "step":
                     for r in routers:
                         r.set_progress(step / total)  # SpecDrop's schedule, per step
+                step_start = time.perf_counter()
                 rows = torch.tensor_split(perm[i : i + global_bs], rt.world)[rt.rank]
                 xb, yb = data.x_train[rows], data.y_train[rows]
                 cb = data.train_categories(rows)
                 record = (_gar_step(model, step_fn, xb, yb, cb, gar, tcfg, rt) if gar
                           else _plain_step(step_fn, xb, yb, cb))
                 record = _mean_over_ranks(record, rt)
+                train_seconds += time.perf_counter() - step_start
                 step += 1
                 if not math.isfinite(record["loss"]):  # the same mean on every rank: all stop together
                     raise ValueError(f"training diverged at step {step} (loss {record['loss']}); "
@@ -150,6 +158,7 @@ def _train(cfg: dict, rt: Runtime, quiet: bool) -> dict:
             if logger is not None:
                 logger.log({"step": step, "epoch": math.ceil(step / steps_per_epoch), **last_eval})
         records.record_routing(out_dir, model, data, rt)
+        extra = after(model, data, rt) if after is not None else {}
     finally:
         bar.close()
         if logger is not None:
@@ -157,8 +166,9 @@ def _train(cfg: dict, rt: Runtime, quiet: bool) -> dict:
     summary = {
         "name": cfg["name"], "router": cfg["router"]["type"], "engine": rt.engine, "world_size": rt.world,
         "topology": rt.topology().describe(),
-        "steps": step, "seconds": round(time.time() - start, 2), **last_eval,
-        "random_pair_tree_distance": _random_pair(model.moe.num_experts), "output_dir": str(out_dir),
+        "steps": step, "seconds": round(time.time() - start, 2), "train_seconds": round(train_seconds, 3),
+        **last_eval,
+        "random_pair_tree_distance": _random_pair(model.moe.num_experts), "output_dir": str(out_dir), **extra,
     }
     summary = json_safe(summary)
     if rt.is_main:

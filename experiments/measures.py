@@ -1,0 +1,158 @@
+"""What each experiment measures beyond the trainer's summary.
+
+``after_*`` run on every rank with the trained model (``train(after=...)``);
+``post_*`` run on rank 0 from the run's directory once training is over.
+"""
+from __future__ import annotations
+
+from placement import Topology
+from placement.report import analyze
+from placement.simulate import RoutingRecord
+
+CLUSTER = "node=2,gpu=2"  # the experiments' 4 ranks as 2 nodes x 2
+
+
+def post_routing_bytes(summary: dict, cfg: dict) -> dict:
+    """Node-crossing copies per token (bytes / token bytes) of the run's validation routing
+    under every placement the report compares and every dedup mode, on 2 nodes x 2."""
+    record = RoutingRecord.load(summary["output_dir"])
+    report = analyze(record, Topology.parse(CLUSTER), cfg["parallel"]["placement"])
+    out = {"lower_bound_copies": report["node_lower_bound_bytes_per_token"] / record.token_bytes}
+    for placement, entry in report["placements"].items():
+        for dedup, mode in entry["modes"].items():
+            out[f"copies_{placement}_{dedup}"] = mode["bytes_per_token_by_level"]["node"] / record.token_bytes
+            out[f"est_s_{placement}_{dedup}"] = mode["estimated_seconds"]
+    if "run_dispatch" in report:
+        run = report["run_dispatch"]
+        out["measured_equals_analytic"] = all(
+            int(run["measured_bytes_by_level"][k]) == int(v) for k, v in run["analytic_bytes_by_level"].items())
+    return out
+
+
+def after_gar_diagnostics(model, data, rt, group_size: int = 8, batches_per_task: int = 8) -> dict:
+    """The GAR paper's appendix E diagnostics on the validation split (one process).
+
+    Load vector: per-example mean over valid tokens of the post-top-k gates, summed over
+    examples (FFN routing). NMI from the task x expert contingency of token selections
+    (slots with a non-zero gate).
+    Gradient-mass purity from per-task expert-gradient observations: up to
+    ``batches_per_task`` same-task micro-batches of ``group_size`` validation examples,
+    each micro-batch's mean-loss gradient, averaged within the task.
+    """
+    import torch
+
+    from dist_moe.train.evaluate import loss_of
+    from dist_moe.train.expert_metrics import contingency, gradient_mass_purity, lvar, nmi, utilization
+
+    if rt.world != 1:
+        raise ValueError("the GAR diagnostics run in one process")
+    moe, num_tasks = model.moe, len(data.task_classes)
+    e = moe.num_experts
+    x, y, t = data.x_val, data.y_val, data.val_categories()
+    load = torch.zeros(e, dtype=torch.float64)
+    table = torch.zeros(num_tasks, e, dtype=torch.float64)
+    model.eval()
+    with torch.no_grad():
+        for rows in torch.split(torch.arange(len(x)), 256):
+            model(x[rows], t[rows])
+            routing, ((b, s), padding) = moe.last_routing, moe.last_token_layout
+            valid = ~padding.reshape(-1)
+            gates = routing.dense_gates().double().reshape(b, s, e) * valid.reshape(b, s, 1)
+            load += (gates.sum(1) / valid.reshape(b, s).sum(1, keepdim=True).clamp_min(1)).sum(0)
+            chosen = torch.where(routing.gates > 0, routing.expert_idx, -1)  # a zero-gated slot selects nothing
+            table += contingency(t[rows].repeat_interleave(s)[valid], chosen[valid], num_tasks, e)
+    template = moe.experts.template()
+    grads = torch.zeros(num_tasks, e, sum(p[0].numel() for p in template.values()), dtype=torch.float64)
+    for task in range(num_tasks):
+        rows = (t == task).nonzero().squeeze(1)[: group_size * batches_per_task]
+        chunks = torch.split(rows, group_size)
+        for chunk in chunks:
+            model.zero_grad(set_to_none=True)
+            logits, _ = model(x[chunk], t[chunk])
+            loss_of(logits, y[chunk]).backward()
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(e, -1).double()
+                              for p in template.values()], dim=1)
+            grads[task] += flat / len(chunks)
+    model.zero_grad(set_to_none=True)
+    model.train()
+    return {"lvar": lvar(load), "utilization": utilization(load), "gradient_purity": gradient_mass_purity(grads),
+            "nmi": nmi(table), "val_macro_acc": _macro_accuracy(model, x, y, t, num_tasks)}
+
+
+def _macro_accuracy(model, x, y, t, num_tasks: int) -> float:
+    """Equal-task macro validation accuracy (tasks weigh the same whatever their size)."""
+    import torch
+
+    model.eval()
+    with torch.no_grad():
+        pred = torch.cat([model(x[r], t[r])[0].argmax(-1) for r in torch.split(torch.arange(len(x)), 256)])
+    model.train()
+    accs = [float((pred[t == k] == y[t == k]).double().mean()) for k in range(num_tasks) if (t == k).any()]
+    return sum(accs) / len(accs)
+
+
+def after_masking(model, data, rt) -> dict:
+    """SpecDrop's masking gain: validation accuracy with logits outside the row's category
+    masked, minus without, and the share of predictions that leave the given category.
+    Reduced over ranks (each rank takes its share of the rows). Models without a
+    class -> category map (the LM) report nothing."""
+    import torch
+
+    if getattr(model, "class_category", None) is None:
+        return {}
+    rows = torch.tensor_split(torch.arange(len(data.x_val)), rt.world)[rt.rank]
+    x, y, c = data.x_val[rows], data.y_val[rows], data.val_categories(rows)
+    sums = torch.zeros(4, dtype=torch.float64)  # correct, correct masked, left category, rows
+    model.eval()
+    with torch.no_grad():
+        for part in torch.split(torch.arange(len(x)), 1024):
+            logits, _ = model(x[part], c[part])
+            outside = model.class_category.unsqueeze(0) != c[part].unsqueeze(1)
+            pred, masked = logits.argmax(-1), logits.masked_fill(outside, float("-inf")).argmax(-1)
+            sums += torch.tensor([float((pred == y[part]).sum()), float((masked == y[part]).sum()),
+                                  float((model.class_category[pred] != c[part]).sum()), float(len(part))],
+                                 dtype=torch.float64)
+    model.train()
+    sums = rt.sum(sums)
+    return {"val_acc_masked": float(sums[1] / sums[3]), "masking_gain": float((sums[1] - sums[0]) / sums[3]),
+            "left_category": float(sums[2] / sums[3])}
+
+
+_FITTED = {}  # the link calibration of this launch: level -> LevelCost
+
+
+def before_calibrate() -> dict:
+    """Fit the cost model's alpha and bandwidth per level on this launch's links
+    (benchmarks/dispatch_time.py's calibration: pairwise exchanges of 1-8 MiB)."""
+    from benchmarks.dispatch_time import calibrate
+    from placement import Topology as Topo
+
+    cost = calibrate(Topo.from_env())
+    _FITTED.clear()
+    _FITTED.update(cost.levels)
+    return {"calibration": {k: {"alpha_s": v.alpha_s, "bandwidth_Bps": v.bandwidth_Bps, "shared": v.shared}
+                            for k, v in cost.levels.items()}}
+
+
+def post_step_prediction(summary: dict, cfg: dict) -> dict:
+    """Measured step time and tokens/s, and the cost model's all-to-all seconds per step.
+
+    Per MoE layer and step the model counts four all-to-alls (dispatch and combine, forward
+    and backward) with the dispatch's byte matrix for batch x seq_len tokens per rank, drawn
+    from the run's recorded validation routing (``placement.simulate``) under the run's
+    placement and dedup, priced with the calibrated links.
+    """
+    from placement.cost import CostModel
+    from placement.simulate import recorded_layers, simulate
+
+    topo = Topology.from_env()
+    topo = Topology(topo.levels, topo.sizes, CostModel(dict(_FITTED)) if _FITTED else None)
+    tokens_per_rank = cfg["train"]["batch_size"] * cfg["data"]["seq_len"]
+    comm = 0.0
+    for layer in range(recorded_layers(summary["output_dir"])):
+        record = RoutingRecord.load(summary["output_dir"], layer)
+        sim = simulate(record, topo, cfg["parallel"]["placement"], tokens_per_rank=tokens_per_rank)
+        comm += 4 * sim["modes"][cfg["parallel"]["dedup"]]["estimated_seconds"]
+    step_s = summary["train_seconds"] / summary["steps"]
+    return {"step_s": step_s, "tokens_per_s": tokens_per_rank * summary["world_size"] / step_s,
+            "predicted_comm_s": comm, "calibrated": bool(_FITTED)}

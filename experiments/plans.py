@@ -1,0 +1,125 @@
+"""The grid of each experiment: run ids, the labels tables group by, and config overrides.
+
+Every run is a `dist-moe train` config (defaults + overrides). Steps are shrunk to
+fit 2 CPU cores; the shrink is the same for every arm of a table.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DATASETS = {"magic": "HIGGS-like (binary)", "letter": "multi-class (26)", "satimage": "multi-class (6)"}
+ROUTER_ARMS = {  # arm: router overrides
+    "branch_linear": ["router.type=branch", "router.node_map=linear"],
+    "branch_mlp4": ["router.type=branch", "router.node_map=mlp", "router.mlp_hidden=4"],
+    "branch_mlp8": ["router.type=branch", "router.node_map=mlp", "router.mlp_hidden=8"],
+    "switch": ["router.type=switch"],
+    "deepseek_v3": ["router.type=deepseek_v3"],
+    "skywork": ["router.type=skywork"],
+    "hash": ["router.type=hash"],
+}
+
+
+@dataclass
+class Plan:
+    name: str
+    launch: str  # "ranks4": torchrun, 4 ranks as 2 nodes x 2; "single": one process; "emulated": emulate_cluster
+    runs: list = field(default_factory=list)
+    after: str | None = None
+    post: str | None = None
+    before: str | None = None  # run once per launch on every rank, before the runs (e.g. link calibration)
+    rate: str = "400mbit"  # the emulated inter-node link
+
+    def add(self, run_id: str, labels: dict, overrides: list[str], config: str | None = None) -> None:
+        self.runs.append({"id": run_id, "labels": labels, "config": config,
+                          "overrides": [f"name={run_id}", f"output.dir=experiments/runs/{self.name}/{run_id}",
+                                        *overrides]})
+
+
+def routers(seeds=range(5), steps: int = 240) -> Plan:
+    """BRANCH-MoE (linear, MLP h=4, h=8 node maps) against the flat routers; E=16, top-4, cf 1.25."""
+    plan = Plan("routers", "ranks4", post="post_routing_bytes")
+    for data in DATASETS:
+        for arm, router in ROUTER_ARMS.items():
+            placement = "tree_prefix" if arm.startswith("branch") else "contiguous"
+            for seed in seeds:
+                plan.add(f"{data}-{arm}-s{seed}", {"dataset": data, "arm": arm, "seed": seed},
+                         [f"seed={seed}", f"data.name={data}", *router, "router.num_experts=16", "router.top_k=4",
+                          "model.capacity_factor=1.25", "model.expert_type=swiglu", "model.ffn_hidden_size=32",
+                          f"parallel.placement={placement}", "parallel.dedup=node", f"train.max_steps={steps}",
+                          "train.batch_size=64", "train.lr=0.003", "train.log_every=40"])
+    return plan
+
+
+SPECDROP_ARMS = {  # arm: router / model overrides (the configs/tabular_specdrop*.yaml family)
+    "specdrop_soft": ["router.variant=soft", "router.p_assigned=0.7"],
+    "no_routing": ["router.variant=uniform"],
+    "hard_category": ["router.variant=hard", "router.p_assigned=1.0"],
+    "dense_labelmask": ["router.variant=uniform", "model.label_mask=true"],
+}
+SPECDROP_SETS = {  # aligned partitions: every example carries one clean category
+    "fashion_mnist": ("configs/image_specdrop.yaml", ["data.max_rows=20000", "train.epochs=3"]),
+    "wordnet_glosses": (None, ["data.name=wordnet_glosses", "data.categories=wordnet_pos", "router.type=specdrop",
+                               "router.num_experts=4", "router.num_categories=4", "model.ffn_hidden_size=64",
+                               "train.epochs=8", "train.batch_size=32", "train.lr=0.001"]),
+}
+
+
+def specdrop(seeds=range(3), lm_steps: int = 150) -> Plan:
+    """SpecDrop against No-Routing, HardCategory and dense + logit masking on aligned partitions
+    (Fashion-MNIST superclasses, WordNet parts of speech), and on the multi-domain LM (fuzzy)."""
+    plan = Plan("specdrop", "ranks4", after="after_masking")
+    for data, (config, base) in SPECDROP_SETS.items():
+        for arm, overrides in SPECDROP_ARMS.items():
+            for seed in seeds:
+                plan.add(f"{data}-{arm}-s{seed}", {"dataset": data, "arm": arm, "seed": seed},
+                         [f"seed={seed}", *base, *overrides, "train.log_every=50"], config)
+    for arm in ("specdrop_soft", "no_routing", "hard_category"):  # no label space to mask in an LM
+        for seed in seeds:
+            plan.add(f"lm-{arm}-s{seed}", {"dataset": "lm_domains", "arm": arm, "seed": seed},
+                     [f"seed={seed}", "data.categories=domains", "data.per_domain=500", f"train.max_steps={lm_steps}",
+                      "router.type=specdrop", "router.num_experts=4", "router.num_categories=4",
+                      *SPECDROP_ARMS[arm], "parallel.placement=contiguous", "parallel.dedup=node",
+                      "train.log_every=50"], "configs/lm_branch.yaml")
+    return plan
+
+
+GAR_ARMS = {  # arm: (gar lambda, switch aux-loss coefficient)
+    "task_only": (0.0, 0.0),
+    "switch_aux": (0.0, 0.01),
+    "gar_1e-4": (1e-4, 0.0),
+    "gar_1e-3": (1e-3, 0.0),
+    "gar_1e-2": (1e-2, 0.0),
+}
+
+
+def gar(seeds=range(3)) -> Plan:
+    """GAR against task-loss-only routing and the Switch aux loss on the five-task text mixture
+    (frozen MiniLM, LoRA experts, E8K4, same-task groups of 8). One process: same-task groups
+    are formed over the whole batch (the trainer allows them only without expert parallelism)."""
+    plan = Plan("gar", "single", after="after_gar_diagnostics")
+    for arm, (lam, aux) in GAR_ARMS.items():
+        for seed in seeds:
+            plan.add(f"text-{arm}-s{seed}", {"arm": arm, "lambda": lam, "aux": aux, "seed": seed},
+                     [f"seed={seed}", f"router.gar.lambda={lam}", f"router.aux_loss_coeff={aux}"],
+                     "configs/text_gar.yaml")
+    return plan
+
+
+def throughput(seeds=(0,), steps: int = 100) -> Plan:
+    """Tokens/s of the tiny MoE LM on 2 emulated nodes x 2 (400 mbit inter-node link, about 10x
+    slower than intra-node) per router x placement x dedup. E=8 top-2: tree-prefix and contiguous
+    placement coincide on 2 x 2 ranks, so round-robin is the other placement."""
+    plan = Plan("throughput", "emulated", before="before_calibrate", post="post_step_prediction")
+    for router in ("switch", "branch"):
+        for placement in ("tree_prefix" if router == "branch" else "contiguous", "round_robin"):
+            for dedup in ("none", "rank", "node"):
+                for seed in seeds:
+                    plan.add(f"lm-{router}-{placement}-{dedup}-s{seed}",
+                             {"router": router, "placement": placement, "dedup": dedup, "seed": seed},
+                             [f"seed={seed}", f"router.type={router}", f"parallel.placement={placement}",
+                              f"parallel.dedup={dedup}", f"train.max_steps={steps}", "data.per_domain=500",
+                              "train.log_every=50"], "configs/lm_branch.yaml")
+    return plan
+
+
+PLANS = {"routers": routers, "specdrop": specdrop, "gar": gar, "throughput": throughput}

@@ -1,0 +1,175 @@
+"""The experiments behind docs/RESULTS.md: their statistics, grids, measurements and resumable runner."""
+import json
+import math
+
+import pytest
+import torch
+
+from dist_moe.layer import MoELayer
+from dist_moe.models.text import TextMoE
+from dist_moe.train.config import load_config
+from dist_moe.train.text_tasks import TextSplit
+from experiments import measures, plans, stats, tables
+
+
+class _Local:  # the Runtime surface the measurements use, for one process
+    world, rank = 1, 0
+
+    def sum(self, t):
+        return t
+
+
+def test_paired_t_matches_student_t_tables():
+    assert stats.t_quantile_975(4) == pytest.approx(2.7764, abs=1e-3)  # the papers' t_4 critical value
+    assert stats.t_quantile_975(2) == pytest.approx(4.3027, abs=1e-3)
+    assert stats.t_two_sided_p(3.25, 4) == pytest.approx(0.0314, abs=1e-3)
+    p = stats.paired([1.0, 2.0, 3.0], [0.5, 1.0, 2.5])  # differences 0.5, 1.0, 0.5
+    sd = math.sqrt(((0.5 - 2 / 3) ** 2 * 2 + (1 / 3) ** 2) / 2)
+    assert p["mean"] == pytest.approx(2 / 3) and p["t"] == pytest.approx((2 / 3) / (sd / math.sqrt(3)))
+    assert p["lo"] == pytest.approx(2 / 3 - 4.3027 * sd / math.sqrt(3), abs=1e-3)
+
+
+@pytest.mark.parametrize("name", sorted(plans.PLANS))
+def test_every_planned_run_is_a_valid_config_with_a_unique_id(name):
+    plan = plans.PLANS[name]()
+    ids = [r["id"] for r in plan.runs]
+    assert len(ids) == len(set(ids)) and ids
+    for run in plan.runs:
+        cfg = load_config(run["config"], run["overrides"])  # raises on an unknown key or a bad value
+        assert cfg["output"]["dir"].endswith(run["id"])
+
+
+def test_routers_grid_pairs_every_arm_over_the_same_seeds():
+    plan = plans.routers()
+    cells = {(r["labels"]["dataset"], r["labels"]["arm"]) for r in plan.runs}
+    assert len(cells) == len(plans.DATASETS) * len(plans.ROUTER_ARMS)
+    assert len(plan.runs) == len(cells) * 5
+
+
+def _text_data(num_tasks=3, per_task=12, seq=5, hidden=384):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(num_tasks * per_task, seq, hidden, generator=g)
+    x[:, -2:] = 0  # padding positions are exact zeros
+    t = torch.arange(num_tasks).repeat_interleave(per_task)
+    y = torch.randint(0, 2, (len(t),), generator=g)
+    split = TextSplit(x, y, t, x, y, t, (2,) * num_tasks)
+    return split
+
+
+def test_gar_diagnostics_on_routing_that_separates_tasks_exactly():
+    """Hard SpecDrop with one expert per task: every expert's gradient mass and selections come
+    from one task, so purity and NMI are 1; loads follow the task sizes (equal here: LVar 0)."""
+    torch.manual_seed(0)
+    data = _text_data()
+    moe = MoELayer(384, 16, {"type": "specdrop", "num_experts": 3, "num_categories": 3, "variant": "hard",
+                             "p_assigned": 1.0}, expert_type="lora")
+    with torch.no_grad():
+        moe.experts.lora_B.normal_()  # LoRA B starts at zero: give lora_A a gradient too
+    out = measures.after_gar_diagnostics(TextMoE(moe, data.task_classes), data, _Local(), group_size=4)
+    assert out["gradient_purity"] == pytest.approx(1.0)
+    assert out["nmi"] == pytest.approx(1.0)
+    assert out["lvar"] == pytest.approx(0.0, abs=1e-12) and out["utilization"] == 1.0
+
+
+def test_gar_diagnostics_on_task_blind_routing():
+    """Uniform routing (every expert, equal gates) carries no task information: NMI 0, equal loads."""
+    data = _text_data()
+    moe = MoELayer(384, 16, {"type": "uniform", "num_experts": 4}, expert_type="lora")
+    with torch.no_grad():
+        moe.experts.lora_B.normal_()
+    out = measures.after_gar_diagnostics(TextMoE(moe, data.task_classes), data, _Local(), group_size=4)
+    assert out["nmi"] == pytest.approx(0.0, abs=1e-9)
+    assert out["lvar"] == pytest.approx(0.0, abs=1e-12) and out["utilization"] == 1.0
+    assert 1 / 3 <= out["gradient_purity"] < 1.0  # three tasks share every expert
+
+
+def test_masking_measure_counts_predictions_outside_the_category():
+    class Fixed(torch.nn.Module):  # predicts class 0 for every row
+        class_category = torch.tensor([0, 0, 1, 1])
+
+        def forward(self, x, c):
+            return torch.tensor([[5.0, 0.0, 1.0, 0.0]]).expand(len(x), 4), torch.zeros(())
+
+    class Data:
+        x_val = torch.zeros(4, 2)
+        y_val = torch.tensor([0, 1, 2, 3])
+
+        def val_categories(self, rows=slice(None)):
+            return torch.tensor([0, 0, 1, 1])[rows]
+
+    out = measures.after_masking(Fixed(), Data(), _Local())
+    # unmasked: class 0 everywhere (1 of 4 right, 2 rows leave their category); masked: 0, 0, 2, 2 (2 right)
+    assert out["left_category"] == 0.5 and out["val_acc_masked"] == 0.5 and out["masking_gain"] == 0.25
+
+
+def test_plan_rows_append_and_finished_runs_are_skipped(tmp_path, monkeypatch):
+    from experiments import run as runner
+    from experiments.worker import run_plan
+
+    monkeypatch.setenv("DIST_MOE_DATA", str(tmp_path / "data"))
+    results = tmp_path / "r.jsonl"
+    runs = [{"id": f"magic-{arm}", "labels": {"arm": arm}, "config": None,
+             "overrides": [f"router.type={arm}", "data.max_rows=600", "train.max_steps=3", "train.batch_size=64",
+                           f"output.dir={tmp_path / arm}", "router.num_experts=16", "router.top_k=4"]}
+            for arm in ("branch", "switch")]
+    run_plan({"results": str(results), "post": "post_routing_bytes", "runs": runs[:1]})
+    assert runner.done_ids(results) == {"magic-branch"}
+    run_plan({"results": str(results), "post": "post_routing_bytes",
+              "runs": [r for r in runs if r["id"] not in runner.done_ids(results)]})
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["magic-branch", "magic-switch"]
+    for r in rows:  # dedup never sends more across nodes; node dedup sends at most one copy per node
+        for place in ("tree_prefix", "optimized"):
+            assert r[f"copies_{place}_node"] <= r[f"copies_{place}_rank"] <= r[f"copies_{place}_none"] <= 4
+            assert r[f"copies_{place}_node"] <= 1.0
+        assert r["lower_bound_copies"] == 0.5 and 0 < r["train_seconds"] <= r["seconds"]
+
+
+def test_results_block_is_replaced_not_duplicated(tmp_path):
+    doc = tmp_path / "RESULTS.md"
+    doc.write_text("# Results\n\nprose before\n")
+    tables.replace_block(doc, "routers", "table one")
+    tables.replace_block(doc, "routers", "table two")
+    tables.replace_block(doc, "gar", "gar table")
+    text = doc.read_text()
+    assert text.count("<!-- results:routers -->") == 1 and "table two" in text and "table one" not in text
+    assert text.startswith("# Results\n\nprose before") and "gar table" in text
+
+
+def _needs_wordnet():
+    from dist_moe.train.corpus import FORTUNES, WORDNET
+
+    if not (WORDNET / "data.noun").exists() or not (FORTUNES / "fortunes").exists():
+        pytest.skip("Debian wordnet-base / fortunes-min not installed (make installs them as root)")
+
+
+def test_wordnet_lexicographer_files_sit_inside_their_part_of_speech():
+    """The 45 lexname labels: each data.<pos> file holds exactly the files named for its part of speech."""
+    _needs_wordnet()
+    from dist_moe.train.data import class_categories
+    from dist_moe.train.text_tasks import wordnet_synsets
+    from dist_moe.train.wordnet_glosses import LEXNAMES, PARTS
+
+    assert len(LEXNAMES) == 45
+    cats, names = class_categories("wordnet_pos", "wordnet_glosses", list(LEXNAMES))
+    assert names == list(PARTS)
+    for part in PARTS:
+        files = {f for _, f in wordnet_synsets(part)}
+        want = "adj" if part == "adj" else part
+        assert {LEXNAMES[f].split(".")[0] for f in files} == {want}
+        assert {int(cats[f]) for f in files} == {PARTS.index(part)}
+    counts = torch.bincount(cats, minlength=4).tolist()
+    assert counts == [26, 15, 3, 1]  # noun, verb, adj (all, pert, ppl), adv
+
+
+def test_five_task_text_mixture_labels():
+    _needs_wordnet()
+    from dist_moe.train.text_tasks import TASKS, task_examples
+
+    assert TASKS == ("pos", "lexname", "verblex", "source", "domain")
+    classes = {}
+    for task in ("verblex", "domain"):
+        texts, labels, n = task_examples(task)
+        assert len(texts) == len(labels) and set(labels) == set(range(n))
+        classes[task] = n
+    assert classes == {"verblex": 15, "domain": 4}
