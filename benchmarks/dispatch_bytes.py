@@ -82,7 +82,7 @@ def main() -> None:
     jobs.append(("specdrop soft (dense)", "contiguous", contiguous.expert_to_rank, specdrop, {}))
     out = Path("/tmp") / f"dispatch_bytes_{torch.randint(0, 10**9, (1,)).item()}.pt"
     run_workers(worker, TOPOLOGY.world_size, args=(jobs, x_val, str(out)), timeout=600)
-    rows = torch.load(out, weights_only=False)
+    rows = torch.load(out, weights_only=True)
     out.unlink()
     n, token_bytes = len(x_val), x_val.shape[1] * 4
     level = TOPOLOGY.level_matrix()

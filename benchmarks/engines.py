@@ -162,7 +162,7 @@ def main() -> None:
     for world in args.worlds:
         out = Path("/tmp") / f"engines_{world}_{torch.randint(0, 10**9, (1,)).item()}.pt"
         run_workers(worker, world, args=(args, str(out)), timeout=900)
-        totals = torch.load(out)
+        totals = torch.load(out, weights_only=True)
         out.unlink()
         report(world, totals, args)
 

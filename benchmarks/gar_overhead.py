@@ -97,7 +97,7 @@ def main() -> None:
     args = ap.parse_args()
     out = Path("/tmp") / f"gar_overhead_{torch.randint(0, 10**9, (1,)).item()}.pt"
     run_workers(worker, 2, args=(args, str(out)), timeout=900)
-    times = torch.load(out)
+    times = torch.load(out, weights_only=True)
     out.unlink()
     base, gar = statistics.median(times["baseline"]), statistics.median(times["gar"])
     print(f"2 ranks (gloo), switch E=8 top-2, {args.experts} experts, hidden {args.hidden}, ffn {args.ffn}, "

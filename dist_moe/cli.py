@@ -10,9 +10,14 @@ import sys
 def _print_summary(s: dict) -> None:
     rp = s.get("random_pair_tree_distance")
     td = s.get("val_tree_distance")
+    def num(key, scale=1.0, digits=4):  # a metric may be null (e.g. NaN after skipped steps)
+        return "n/a" if s.get(key) is None else f"{scale * s[key]:.{digits}f}"
+
     print(f"\n{s['name']}: router={s['router']} steps={s['steps']} time={s['seconds']}s")
-    print(f"  validation loss {s['val_loss']:.4f}  accuracy {100 * s['val_acc']:.2f}%")
-    print(f"  load CV {s['val_load_cv']:.3f}  dropped {100 * s['val_dropped_fraction']:.2f}% of slots")
+    if s.get("skipped_steps"):
+        print(f"  skipped steps (non-finite loss or gradients): {s['skipped_steps']}")
+    print(f"  validation loss {num('val_loss')}  accuracy {num('val_acc', 100, 2)}%")
+    print(f"  load CV {num('val_load_cv', 1, 3)}  dropped {num('val_dropped_fraction', 100, 2)}% of slots")
     if td is not None and rp:  # None with top-1 routing: no co-selected pairs
         print(f"  tree distance {td:.3f} (random pairs {rp:.3f}, {100 * (1 - td / rp):+.1f}% more local)")
     if s.get("val_align") is not None:

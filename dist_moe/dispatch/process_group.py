@@ -35,13 +35,34 @@ def init_from_env(timeout_s: float = 300.0, always: bool = False):
     return dist.get_rank(), dist.get_world_size(), dist.group.WORLD
 
 
-def shutdown() -> None:
+def shutdown(barrier: bool = True) -> None:
+    """Leave the group; ``barrier=False`` after a failure (a lost peer would never arrive)."""
     if dist.is_initialized():
         from dist_moe.dispatch.dispatcher import release_node_groups
 
-        dist.barrier()  # nobody tears down while a peer still has collectives in flight
+        if barrier:
+            dist.barrier()  # nobody tears down while a peer still has collectives in flight
         release_node_groups()
         dist.destroy_process_group()
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed: a peer died, the network between ranks broke, or the timeout passed."""
+
+
+def collective_failure(error: BaseException, rank: int, world: int, timeout_s: float) -> CollectiveError | None:
+    """A clear error for a failed collective (gloo/NCCL raise RuntimeError or DistError), else None."""
+    text = str(error)
+    signs = ("Connection reset", "Connection closed", "Connection refused", "Timed out", "timed out",
+             "Broken pipe", "Socket", "socket", "NCCL", "gloo", "DistNetworkError", "No route to host")
+    if not isinstance(error, (getattr(dist, "DistError", RuntimeError), RuntimeError)) or not any(
+            s in text or s in type(error).__name__ for s in signs):
+        return None
+    return CollectiveError(
+        f"rank {rank} of {world}: a collective failed, so this rank stops. A peer rank died or was killed, the "
+        f"network between ranks went down, or a peer did not answer within parallel.timeout_s={timeout_s:g} s. "
+        f"Check the other ranks' logs; resume from the last checkpoint with train.resume=true. "
+        f"(backend: {text.splitlines()[0][:300] if text else type(error).__name__})")
 
 
 def barrier(group=None) -> None:

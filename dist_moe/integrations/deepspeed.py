@@ -132,12 +132,16 @@ def deepspeed_moe_layer(hidden_size: int, ffn_hidden_size: int, router: Router |
     return moe
 
 
-def init_distributed() -> None:
-    """``deepspeed.init_distributed`` on gloo for CPU (nccl with CUDA), with the CPU patches."""
+def init_distributed(timeout_s: float | None = None) -> None:
+    """``deepspeed.init_distributed`` on gloo for CPU (nccl with CUDA), with the CPU patches;
+    ``timeout_s`` bounds every collective of the group (DeepSpeed's default: 30 min)."""
+    import datetime
+
     deepspeed_patches.apply()
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", **kwargs)
 
 
 class DeepSpeedHostedMoE(HostedMoE):

@@ -3,7 +3,14 @@
 Layout under ``DIR``: ``step-<N>/`` (a DCP checkpoint) and ``latest`` (the name of
 the newest complete one). A save writes ``.tmp-step-<N>/`` and renames it once
 every rank has finished, then replaces ``latest``; a crash mid-save leaves a
-``.tmp-`` directory that is never loaded.
+``.tmp-`` directory that is never loaded. Before the rename rank 0 writes
+``manifest.json``: the size and SHA-256 of every file DCP wrote. Every load checks
+it first (each rank, so all ranks agree before any collective), and a missing,
+truncated, corrupted or unexpected file is a clear error with nothing loaded.
+Checkpoint directories are 0700 and their files 0600: they hold the run's state.
+DCP pickles its ``.metadata``; before DCP reads it, it is unpickled once with an
+allow-list (DCP's metadata classes, torch dtypes and sizes, paths), so a planted
+pickle that calls anything else is refused instead of run.
 
 What is saved: the model state (router buffers included: BRANCH anchors and EMA
 step, DeepSeek-V3 biases, SpecDrop progress), Adam state, each rank's RNG state
@@ -17,7 +24,10 @@ streams). Tensors only: loading never unpickles objects.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -28,6 +38,83 @@ from torch import nn
 from dist_moe.dispatch.process_group import barrier
 
 LATEST = "latest"
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be trusted: incomplete, truncated, corrupted or foreign."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(path: Path) -> None:
+    """Record size and SHA-256 of every file under ``path`` (rank 0, once DCP is done)."""
+    files = {}
+    for f in sorted(p for p in path.rglob("*") if p.is_file() and p.name != MANIFEST):
+        os.chmod(f, 0o600)
+        files[str(f.relative_to(path))] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+    tmp = path / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps({"format": 1, "files": files}, indent=1) + "\n")
+    os.chmod(tmp, 0o600)
+    tmp.replace(path / MANIFEST)
+
+
+_SAFE_GLOBALS = {("torch", "Size"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+                 ("torch.serialization", "_get_layout"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                 ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if module == "torch.distributed.checkpoint.metadata" or (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise CheckpointError(f"refusing to unpickle {module}.{name} from a checkpoint's .metadata "
+                              "(DCP metadata holds only its own classes, dtypes, sizes and paths)")
+
+
+def _check_metadata(path: Path) -> None:
+    with path.open("rb") as f:
+        try:
+            _MetadataUnpickler(f).load()
+        except CheckpointError as e:
+            raise CheckpointError(f"checkpoint {path.parent}: {e}") from None
+        except Exception as e:  # a truncated or garbled pickle
+            raise CheckpointError(f"checkpoint {path.parent}: .metadata does not unpickle ({e})") from None
+
+
+def verify(path: str | Path) -> None:
+    """Raise ``CheckpointError`` unless every file matches the manifest and none is extra."""
+    path = Path(path)
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        raise CheckpointError(f"checkpoint {path} has no {MANIFEST}: an incomplete save, or not written by dist-moe")
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable ({e})") from None
+    present = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != MANIFEST}
+    extra = sorted(present - set(files))
+    if extra:
+        raise CheckpointError(f"checkpoint {path} holds files its manifest does not list: {extra}")
+    for name, want in files.items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {path} is missing {name}")
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            raise CheckpointError(f"checkpoint {path}: {name} is {size} bytes, the manifest says {want['bytes']} "
+                                  "(truncated or overwritten)")
+        if _sha256(f) != want["sha256"]:
+            raise CheckpointError(f"checkpoint {path}: {name} fails its SHA-256 check (corrupted)")
+    _check_metadata(path / ".metadata")
 
 
 def _expert_keys(model: nn.Module) -> dict[str, tuple[list[int], str, bool]]:
@@ -107,6 +194,7 @@ def save(directory: str | Path, step: int, model: nn.Module, optimizer, extra: d
     dcp.save(state_of(model, optimizer, extra), checkpoint_id=tmp, process_group=group, no_dist=group is None)
     barrier(group)
     if _rank(group) == 0:
+        write_manifest(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         pointer = directory / f".{LATEST}.tmp"
@@ -130,7 +218,9 @@ def latest(directory: str | Path) -> Path | None:
 
 def load(path: str | Path, model: nn.Module, optimizer, extra: dict, group=None) -> dict:
     """Fill ``model``, ``optimizer`` (its state created by one zero step first) and the tensors
-    in ``extra`` from ``path``; keys in ``extra`` missing from the checkpoint are left as they are."""
+    in ``extra`` from ``path``; keys in ``extra`` missing from the checkpoint are left as they are.
+    The manifest is checked first: a damaged checkpoint raises ``CheckpointError`` and loads nothing."""
+    verify(path)
     _materialise_optimizer_state(model, optimizer)
     state = state_of(model, optimizer, {})
     present = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)

@@ -32,7 +32,8 @@ DEFAULT_CONFIG: dict = {
     # which MoE layer hosts the router: dist-moe's own ("torch"), DeepSpeed's or Megatron-core's
     "engine": "torch",
     # expert parallelism over the launched world (torchrun / deepspeed launcher; 1 process: local)
-    "parallel": {"placement": "contiguous", "dedup": "rank", "megatron_dispatcher": "alltoall"},
+    # timeout_s: how long any collective may wait for a peer before every rank stops with an error
+    "parallel": {"placement": "contiguous", "dedup": "rank", "megatron_dispatcher": "alltoall", "timeout_s": 300.0},
     # categories: a coarse label per row (data.CATEGORY_SETS), required by specdrop routing
     # name "corpus": the multi-domain byte corpus (train/corpus.py) for model.kind lm, with seq_len and
     # per_domain sequences; categories "domains" makes each sequence's domain its category.
@@ -56,7 +57,10 @@ DEFAULT_CONFIG: dict = {
               "gar_groups": "consecutive",
               # checkpoint_every: steps between DCP checkpoints under output.dir/checkpoints (null: none);
               # resume: continue from the newest one there (none yet: start afresh)
-              "checkpoint_every": None, "resume": False},
+              "checkpoint_every": None, "resume": False,
+              # a step whose loss or gradients are not finite is skipped (no update, router state restored);
+              # the run stops once more than max_skipped_steps have been skipped
+              "max_skipped_steps": 10},
     # tensorboard: also write TensorBoard scalars to <dir>/tensorboard (needs the tensorboard package)
     "output": {"dir": "runs/{name}", "tensorboard": False},
 }
@@ -68,10 +72,13 @@ _RULES = {
     "name": (str, False, ("a non-empty name", lambda v: bool(v.strip()))),
     "seed": (int, False, ("an int >= 0", lambda v: v >= 0)),
     "engine": (str, False, ("one of torch, deepspeed, megatron", lambda v: v in ("torch", "deepspeed", "megatron"))),
-    "parallel.placement": (str, False, ("one of contiguous, round_robin, tree_prefix",
-                                        lambda v: v in ("contiguous", "round_robin", "tree_prefix"))),
+    "parallel.placement": (str, False, ("one of contiguous, round_robin, tree_prefix or a placement .yaml "
+                                        "(dist-moe place --out)",
+                                        lambda v: v in ("contiguous", "round_robin", "tree_prefix")
+                                        or v.endswith((".yaml", ".yml")))),
     "parallel.dedup": (str, False, ("one of none, rank, node", lambda v: v in ("none", "rank", "node"))),
     "parallel.megatron_dispatcher": (str, False, ("alltoall or allgather", lambda v: v in ("alltoall", "allgather"))),
+    "parallel.timeout_s": (float, False, ("a finite number > 0", lambda v: 0 < v < float("inf"))),
     "data.name": (str, False, None),  # the loader names the valid datasets
     "data.val_fraction": (float, False, ("a number in (0, 1)", lambda v: 0 < v < 1)),
     "data.max_rows": (int, True, ("an int >= 10", lambda v: v >= 10)),
@@ -98,6 +105,7 @@ _RULES = {
     "train.gar_groups": (str, False, ("consecutive or same_category",
                                       lambda v: v in ("consecutive", "same_category"))),
     "train.checkpoint_every": (int, True, _POSITIVE),
+    "train.max_skipped_steps": (int, False, ("an int >= 0", lambda v: v >= 0)),
     "train.resume": (bool, False, None),
     "output.dir": (str, False, ("a non-empty path", lambda v: bool(v.strip()))),
     "output.tensorboard": (bool, False, None),

@@ -27,6 +27,24 @@ from dist_moe.routing.gar import clip_global, moe_layers, rank_local_param_ids, 
 from placement import Placement, Topology
 
 ENGINES = ("torch", "deepspeed", "megatron")
+# the engine releases whose internals dist-moe's adapters and patches were written against
+SUPPORTED = {"deepspeed": ("deepspeed", "0.19."), "megatron": ("megatron-core", "0.16.")}
+
+
+def check_engine_version(engine: str) -> None:
+    """Refuse an engine release the adapters were not written for (before any collective)."""
+    if engine not in SUPPORTED:
+        return
+    import importlib.metadata
+
+    package, series = SUPPORTED[engine]
+    try:
+        version = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        raise ValueError(f"engine={engine!r} needs {package} {series}x installed (pip install -e '.[{engine}]')") from None
+    if not version.startswith(series):
+        raise ValueError(f"engine={engine!r}: {package} {version} is installed, but dist-moe supports {series}x only "
+                         "(its adapters patch that release's internals)")
 
 
 class Runtime:
@@ -35,15 +53,18 @@ class Runtime:
     def __init__(self, engine: str, parallel: dict):
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+        check_engine_version(engine)
+        Topology.launched(launched_world_size())  # a topology that disagrees with the launch fails here, alone
         self.engine, self.parallel = engine, parallel
+        self.timeout_s = float(parallel.get("timeout_s", 300.0))
         self._owns_group = not torch.distributed.is_initialized()  # a caller's group is left to the caller
         if engine != "torch":
             _one_rank_defaults()
         if engine == "deepspeed":
             from dist_moe.integrations.deepspeed import init_distributed
 
-            init_distributed()
-        self.rank, self.world, self.group = init_from_env(always=engine != "torch")
+            init_distributed(self.timeout_s)
+        self.rank, self.world, self.group = init_from_env(self.timeout_s, always=engine != "torch")
         if engine == "megatron":
             from dist_moe.integrations import megatron_patches
 
@@ -64,6 +85,13 @@ class Runtime:
         kind = self.parallel["placement"]
         if kind == "tree_prefix":
             return Placement.tree_prefix(num_experts, self.topology())
+        if kind.endswith((".yaml", ".yml")):  # written by `dist-moe place --out`
+            placement = Placement.from_yaml(kind)
+            if (placement.num_experts, placement.world_size) != (num_experts, self.world):
+                raise ValueError(f"parallel.placement={kind!r} places {placement.num_experts} experts on "
+                                 f"{placement.world_size} ranks, but this run has {num_experts} experts on "
+                                 f"{self.world} ranks")
+            return placement
         return getattr(Placement, kind)(num_experts, self.world)
 
     def build_moe(self, hidden: int, ffn: int, router: dict, capacity_factor, expert_type: str) -> nn.Module:
@@ -75,8 +103,11 @@ class Runtime:
         if self.engine == "torch":
             from dist_moe.layer import MoELayer
 
+            import datetime
+
             return MoELayer(hidden, ffn, router, placement=placement, topology=self.topology(),
                             group=self.group if self.world > 1 else None, dedup=self.parallel["dedup"],
+                            timeout=datetime.timedelta(seconds=self.timeout_s),
                             capacity_factor=capacity_factor, expert_type=expert_type)
         if self.engine == "deepspeed":
             from dist_moe.integrations.deepspeed import DeepSpeedHostedMoE
@@ -98,7 +129,9 @@ class Runtime:
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         return all_reduce_sum(t, self.group if self.world > 1 else None)
 
-    def shutdown(self) -> None:
+    def shutdown(self, failed: bool = False) -> None:
+        """Tear down what this run set up. After a failure there is no closing barrier: a dead
+        or cut-off peer would make it wait out the timeout a second time."""
         if self.engine == "megatron":
             from megatron.core import parallel_state
 
@@ -106,7 +139,7 @@ class Runtime:
         if self._owns_group:
             from dist_moe.dispatch.process_group import shutdown
 
-            shutdown()
+            shutdown(barrier=not failed)
 
 
 def _one_rank_defaults() -> None:
@@ -132,7 +165,8 @@ class LocalStepper:
         self.local = rank_local_param_ids(moe_layers(model))
         self.group, self.world, self.max_grad_norm = group, world, max_grad_norm
 
-    def __call__(self, loss: torch.Tensor) -> None:
+    def __call__(self, loss: torch.Tensor) -> bool:
+        """One step; False (and no update) when the loss or any rank's gradients are not finite."""
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         if self.group is not None:
@@ -140,9 +174,23 @@ class LocalStepper:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.div_(self.world)
+        if not all_finite(loss, self.params, self.group):
+            self.opt.zero_grad(set_to_none=True)
+            return False
         if self.max_grad_norm:
             clip_global(self.params, self.local, self.group, self.max_grad_norm)
         self.opt.step()
+        return True
+
+
+def all_finite(loss: torch.Tensor, params, group) -> bool:
+    """Whether the loss and every gradient are finite on every rank (one agreed answer)."""
+    bad = float(not bool(torch.isfinite(loss.detach()).all()))
+    for p in params:
+        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+            bad = 1.0
+            break
+    return float(all_reduce_sum(torch.tensor([bad]), group)) == 0.0
 
 
 class DeepSpeedStepper:
@@ -160,9 +208,19 @@ class DeepSpeedStepper:
         self.module, self.opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer_cls(groups, lr=lr),
                                                            config=config)
 
-    def __call__(self, loss: torch.Tensor) -> None:
+    def __call__(self, loss: torch.Tensor) -> bool:
+        """One step; False (no update) when the loss or any rank's gradients are not finite."""
+        group = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
+        if not all_finite(loss, [], group):  # DeepSpeed's backward reduces gradients: skip it whole
+            return False
         self.module.backward(loss)
+        params = [p for p in self.module.module.parameters() if p.requires_grad]
+        if not all_finite(loss, params, group):
+            for p in params:
+                p.grad = None
+            return False
         self.module.step()
+        return True
 
     def finish_external(self, params: list, local_ids: set, group) -> None:
         """Step on gradients accumulated outside ``engine.backward`` (GAR's per-group backwards).

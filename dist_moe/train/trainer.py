@@ -23,6 +23,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
+from dist_moe.dispatch.process_group import collective_failure
 from dist_moe.routing.gar import equal_task_weights, gar_train_step, moe_layers
 from dist_moe.train import checkpoint, records
 from dist_moe.train.build import data_and_model
@@ -76,10 +77,18 @@ def train(cfg: dict, quiet: bool = False, after=None) -> dict:
     """
     validate(cfg)
     runtime = Runtime(cfg["engine"], cfg["parallel"])
+    failed = True
     try:
-        return _train(cfg, runtime, quiet, after)
+        summary = _train(cfg, runtime, quiet, after)
+        failed = False
+        return summary
+    except Exception as e:
+        clear = collective_failure(e, runtime.rank, runtime.world, runtime.timeout_s) if runtime.world > 1 else None
+        if clear is not None:
+            raise clear from e
+        raise
     finally:
-        runtime.shutdown()
+        runtime.shutdown(failed=failed)
 
 
 def _train(cfg: dict, rt: Runtime, quiet: bool, after=None) -> dict:
@@ -106,6 +115,7 @@ def _train(cfg: dict, rt: Runtime, quiet: bool, after=None) -> dict:
     gen = torch.Generator().manual_seed(cfg["seed"])  # the same order on every rank; each takes its share
     step, start, last_eval = 0, time.time(), {}
     train_seconds = 0.0  # inside training steps only: no evaluation, logging or checkpoints
+    skipped = 0  # steps skipped for a non-finite loss or gradients
     if resume_from is not None:
         step = records.resume(resume_from, model, step_fn.opt, gen, rt)
     # Redrawn 10x a second on a terminal; in a log file (CI, nohup) every 10 s is enough.
@@ -131,14 +141,19 @@ def _train(cfg: dict, rt: Runtime, quiet: bool, after=None) -> dict:
                 rows = torch.tensor_split(perm[i : i + global_bs], rt.world)[rt.rank]
                 xb, yb = data.x_train[rows], data.y_train[rows]
                 cb = data.train_categories(rows)
-                record = (_gar_step(model, step_fn, xb, yb, cb, gar, tcfg, rt) if gar
-                          else _plain_step(step_fn, xb, yb, cb))
+                if _bad_inputs(xb, rt):  # agreed before any forward: no rank enters a collective alone
+                    record = {"loss": math.nan, "skipped": 1.0}
+                else:
+                    record = (_gar_step(model, step_fn, xb, yb, cb, gar, tcfg, rt) if gar
+                              else _plain_step(model, step_fn, xb, yb, cb))
                 record = _mean_over_ranks(record, rt)
                 train_seconds += time.perf_counter() - step_start
                 step += 1
-                if not math.isfinite(record["loss"]):  # the same mean on every rank: all stop together
-                    raise ValueError(f"training diverged at step {step} (loss {record['loss']}); "
-                                     f"lower train.lr (now {tcfg['lr']})")
+                skipped += record.get("skipped", 0.0) > 0  # agreed by every rank
+                if skipped > tcfg["max_skipped_steps"] or (gar and not math.isfinite(record["loss"])):
+                    raise ValueError(f"training diverged: {int(skipped)} steps had a non-finite loss or gradients "
+                                     f"(train.max_skipped_steps={tcfg['max_skipped_steps']}), the last at step {step} "
+                                     f"(loss {record['loss']}); lower train.lr (now {tcfg['lr']}) or check the data")
                 if step % tcfg["log_every"] == 0 or step == total:
                     record.update(records.measured_bytes(model, rt))  # collective: every rank takes part
                 if logger is not None and (step % tcfg["log_every"] == 0 or step == total):
@@ -166,7 +181,8 @@ def _train(cfg: dict, rt: Runtime, quiet: bool, after=None) -> dict:
     summary = {
         "name": cfg["name"], "router": cfg["router"]["type"], "engine": rt.engine, "world_size": rt.world,
         "topology": rt.topology().describe(),
-        "steps": step, "seconds": round(time.time() - start, 2), "train_seconds": round(train_seconds, 3),
+        "steps": step, "skipped_steps": int(skipped), "seconds": round(time.time() - start, 2),
+        "train_seconds": round(train_seconds, 3),
         **last_eval,
         "random_pair_tree_distance": _random_pair(model.moe.num_experts), "output_dir": str(out_dir), **extra,
     }
@@ -189,11 +205,27 @@ def _random_pair(num_experts: int) -> float:
     return random_pair_tree_distance(num_experts) if num_experts >= 2 and not num_experts & (num_experts - 1) else None
 
 
-def _plain_step(step_fn, xb, yb, cb) -> dict:
+def _bad_inputs(xb: torch.Tensor, rt: Runtime) -> bool:
+    """Whether any rank's batch holds NaN or Inf (token ids never do)."""
+    if not xb.is_floating_point():
+        return False
+    return float(rt.sum(torch.tensor([float(not bool(torch.isfinite(xb).all()))]))) > 0
+
+
+def _plain_step(model, step_fn, xb, yb, cb) -> dict:
+    """One step. When the loss or gradients are not finite on any rank, every rank skips the
+    update and restores the buffers the forward moved (BRANCH anchors and EMA step, DeepSeek-V3
+    biases, load counters), so the bad batch leaves no trace but its count."""
+    saved = [b.detach().clone() for b in model.buffers()]
     logits, aux = step_fn.module(xb, cb)
-    task = loss_of(logits, yb)
-    step_fn(task + aux)
-    return {"loss": float(task.detach()), "aux_loss": float(aux.detach())}
+    # a rank left without rows (the epoch's last, short batch) still runs the step's collectives
+    task = loss_of(logits, yb) if yb.numel() else logits.sum() * 0.0
+    stepped = step_fn(task + aux)
+    if not stepped:
+        with torch.no_grad():
+            for b, old in zip(model.buffers(), saved):
+                b.copy_(old)
+    return {"loss": float(task.detach()), "aux_loss": float(aux.detach()), "skipped": 0.0 if stepped else 1.0}
 
 
 def _gar_step(model, step_fn, xb, yb, cb, gar, tcfg, rt: Runtime) -> dict:

@@ -1,0 +1,57 @@
+"""Bad configuration and launch: every rank stops at once with exit code 2 and an error naming the
+bad value, before any training collective (no rank is left waiting for a peer)."""
+import time
+
+import pytest
+
+from dist_moe.train import engines
+from placement import Placement
+from tests.faults.launch import start_ranks, wait_all
+
+BASE = ["data.max_rows=600", "train.max_steps=3", "router.num_experts=8", "router.top_k=2",
+        "parallel.timeout_s=60"]
+
+
+def _placement_file(tmp_path):
+    path = tmp_path / "placement.yaml"
+    Placement.contiguous(16, 2).to_yaml(path)  # for 16 experts: the run has 8
+    return path
+
+
+CASES = [
+    ([], {"DIST_MOE_TOPOLOGY": "node=2,gpu=4"}, "topology node=2,gpu=4 has 8 ranks but WORLD_SIZE=2"),
+    (["parallel.placement=PLACEMENT"], {}, "places 16 experts on 2 ranks, but this run has 8 experts on 2 ranks"),
+    (["router.type=specdrop", "router.num_experts=3", "router.num_categories=4", "data.name=satimage",
+      "data.categories=satimage_landcover"], {}, "router.num_categories=4"),
+    (["router.type=specdrop"], {}, "set data.categories"),
+    (["data.categories=no_such_set"], {}, "'no_such_set'"),
+    (["train.lr_schedule=cosine"], {}, "unknown config key 'train.lr_schedule'"),
+    (["engine=jax"], {}, "'engine' must be one of torch, deepspeed, megatron"),
+]
+
+
+@pytest.mark.parametrize("overrides, env, message", CASES, ids=[c[2][:30] for c in CASES])
+def test_every_rank_stops_with_the_bad_value_named(tmp_path, overrides, env, message):
+    overrides = [o.replace("PLACEMENT", str(_placement_file(tmp_path))) for o in overrides]
+    start = time.monotonic()
+    procs = start_ranks(2, [*BASE, *overrides], tmp_path, {"DIST_MOE_DATA": str(tmp_path / "data"), **env})
+    codes = wait_all(procs, 60)
+    took = time.monotonic() - start
+    logs = [(tmp_path / f"rank{r}.log").read_text() for r in range(2)]
+    assert codes == [2, 2], (codes, logs)
+    for log in logs:
+        assert message in log, log[-1500:]
+        assert "a collective failed" not in log  # refused up front, not discovered by a peer's timeout
+    assert took < 45, took  # far inside parallel.timeout_s=60: nobody waited for a peer
+
+
+def test_unsupported_engine_release_is_refused(monkeypatch):
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: "0.18.3" if name == "deepspeed" else real(name))
+    with pytest.raises(ValueError, match="deepspeed 0.18.3 is installed, but dist-moe supports 0.19.x only"):
+        engines.check_engine_version("deepspeed")
+    engines.check_engine_version("megatron")  # the installed 0.16.x passes
+    engines.check_engine_version("torch")

@@ -1,0 +1,103 @@
+"""NaN / Inf in inputs or gradients: the step is skipped on every rank and counted; router state
+(BRANCH anchors and EMA step, DeepSeek-V3 biases), parameters and optimizer state are untouched;
+more than train.max_skipped_steps stops the run with a clear error on every rank."""
+import pytest
+import torch
+
+from dist_moe.train import trainer
+from dist_moe.train.config import load_config
+from tests.dist_utils import run_workers
+
+
+def _state(model, opt) -> dict:
+    out = {f"m.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for i, s in enumerate(opt.state.values()):
+        out.update({f"o{i}.{k}": torch.as_tensor(v).clone() for k, v in s.items()})
+    return out
+
+
+def _same(a, b) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _inject(monkeypatch, bad_calls: dict, checks: list):
+    """Poison step n of ``bad_calls``: NaN / Inf inputs (screened by the trainer before any forward)
+    or a NaN expert gradient (found by the step function); record whether the step was skipped and
+    whether model and optimizer state came out of it unchanged."""
+    real_screen, real_step = trainer._bad_inputs, trainer._plain_step
+    seen = {"calls": 0, "pending": None}
+
+    def settle(model_opt):
+        if seen["pending"] is not None:
+            before, skipped = seen["pending"]
+            checks.append((skipped, _same(before, _state(*model_opt))))
+            seen["pending"] = None
+
+    def screen(xb, rt):
+        seen["calls"] += 1
+        settle(seen.get("refs"))
+        poison = bad_calls.get(seen["calls"], "")
+        if poison.startswith("input"):
+            xb[0, 0] = float("nan") if poison == "input_nan" else float("inf")
+            seen["pending"] = (_state(*seen["refs"]), 1.0)
+        bad = real_screen(xb, rt)
+        assert bad == any(bad_calls.get(seen["calls"], "").startswith("input") for _ in [0]) or rt.world > 1
+        return bad
+
+    def step(model, step_fn, xb, yb, cb):
+        seen["refs"] = (model, step_fn.opt)
+        if bad_calls.get(seen["calls"]) != "grad_nan":
+            return real_step(model, step_fn, xb, yb, cb)
+        before = _state(model, step_fn.opt)
+        handle = model.moe.experts.w_down.register_hook(lambda g: torch.full_like(g, float("nan")))
+        record = real_step(model, step_fn, xb, yb, cb)  # a finite loss, a NaN gradient on this rank
+        handle.remove()
+        checks.append((record["skipped"], _same(before, _state(model, step_fn.opt))))
+        return record
+
+    monkeypatch.setattr(trainer, "_bad_inputs", screen)
+    monkeypatch.setattr(trainer, "_plain_step", step)
+
+
+@pytest.mark.parametrize("router", ["branch", "deepseek_v3"])
+def test_bad_inputs_are_skipped_and_leave_no_trace(tmp_path, monkeypatch, router):
+    checks = []
+    _inject(monkeypatch, {3: "input_nan", 4: "input_inf", 7: "grad_nan"}, checks)
+    cfg = load_config(None, [f"router.type={router}", "data.max_rows=2000", "train.max_steps=12",
+                             "train.batch_size=64", f"output.dir={tmp_path}", "train.log_every=1"])
+    summary = trainer.train(cfg, quiet=True)
+    assert checks == [(1.0, True)] * 3  # skipped, and every tensor of model and optimizer unchanged
+    assert summary["skipped_steps"] == 3 and summary["steps"] == 12
+    assert summary["val_loss"] is not None and summary["val_loss"] < 1.0
+
+
+def test_too_many_bad_steps_stop_the_run(tmp_path, monkeypatch):
+    _inject(monkeypatch, {3: "input_nan", 4: "input_nan"}, [])
+    cfg = load_config(None, ["data.max_rows=2000", "train.max_steps=6", f"output.dir={tmp_path}",
+                             "train.max_skipped_steps=1"])
+    with pytest.raises(ValueError, match="2 steps had a non-finite loss or gradients"):
+        trainer.train(cfg, quiet=True)
+
+
+def _two_rank_worker(rank, world, out):
+    import pytest as pt
+
+    monkey = pt.MonkeyPatch()
+    checks = []
+    # rank 1 alone sees a NaN expert gradient at its 4th step, then NaN inputs at its 6th and 7th
+    _inject(monkey, {4: "grad_nan"} if rank == 0 else {4: "grad_nan", 6: "input_nan", 7: "input_inf"}, checks)
+    cfg = load_config(None, ["router.type=branch", "data.max_rows=2000", "train.max_steps=10",
+                             "train.batch_size=32", f"output.dir={out}", "train.max_skipped_steps=3"])
+    summary = trainer.train(cfg, quiet=True)
+    assert summary["skipped_steps"] == 3 and summary["steps"] == 10
+    assert checks and all(same for _, same in checks)
+    monkey.undo()
+    _inject(monkey, {4: "grad_nan"} if rank == 0 else {4: "grad_nan", 6: "input_nan", 7: "input_inf"}, [])
+    cfg["train"]["max_skipped_steps"] = 2  # the same run again must stop on both ranks together
+    with pt.raises(ValueError, match="3 steps had a non-finite"):
+        trainer.train(cfg, quiet=True)
+    monkey.undo()
+
+
+def test_a_bad_step_on_one_rank_is_skipped_by_all(tmp_path):
+    run_workers(_two_rank_worker, 2, args=(str(tmp_path),), timeout=180)
