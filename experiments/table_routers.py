@@ -26,8 +26,8 @@ def make(rows, out_dir) -> str:
              f"{rows[0]['steps']} steps; 20% validation split drawn by the seed; the last step is evaluated "
              "(no selection). Loss is held-out cross-entropy. Copies = node-crossing bytes per token / token "
              "bytes on the run's validation routing (2 nodes: lower bound 0.5). BRANCH uses tree-prefix "
-             "placement, flat routers `Placement.optimized` from their co-activation; `flat-contig-none` is "
-             "the same router's contiguous placement without dedup.", ""]
+             "placement, flat routers `Placement.optimized` from their co-activation; the contiguous column "
+             "is the same router's contiguous placement (for BRANCH at E=16 on 2 x 2 it equals tree-prefix).", ""]
     summary = []
     for data, label in DATASETS.items():
         arms = [a for a in ROUTER_ARMS if (data, a) in groups]
@@ -38,13 +38,14 @@ def make(rows, out_dir) -> str:
         best_flat = min(flat, key=lambda a: _mean(groups[(data, a)], "val_loss")) if flat else None
         lines += [f"#### {data} ({label})", "",
                   "| router | loss (mean ± sd) | acc | load CV | tree dist | vs random | copies none / rank / node "
-                  "(own placement) | flat-contig-none | paired Δloss vs best flat (t, p) |",
+                  "(own placement) | contiguous none / node | paired Δloss vs best flat (t, p) |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for a in arms:
             rs = groups[(data, a)]
             place = own_placement(a)
             copies = " / ".join(fmt(_mean(rs, f"copies_{place}_{d}"), 2) for d in ("none", "rank", "node"))
-            contig = fmt(_mean(rs, "copies_contiguous_none"), 2) if "copies_contiguous_none" in rs[0] else "—"
+            contig = (f"{_mean(rs, 'copies_contiguous_none'):.2f} / {_mean(rs, 'copies_contiguous_node'):.2f}"
+                      if "copies_contiguous_none" in rs[0] else "= own")
             td = _mean(rs, "val_tree_distance")
             rand = rs[0]["random_pair_tree_distance"]
             test = "—"
@@ -88,7 +89,7 @@ def _plot(summary, path) -> None:
     import matplotlib.pyplot as plt
 
     datasets = [d for d in DATASETS if any(s[0] == d for s in summary)]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
     width = 0.8 / max(1, len(datasets))
     arms = list(ROUTER_ARMS)
     for i, data in enumerate(datasets):
@@ -101,7 +102,7 @@ def _plot(summary, path) -> None:
     axes[0].set_ylim(0.6, 0.9)
     axes[0].set_ylabel("normalised tree distance of co-selected experts")
     axes[1].axhline(summary[0][6], color="k", ls="--", lw=1, label="lower bound")
-    axes[1].set_ylabel("node-crossing copies / token (node dedup, own placement)")
+    axes[1].set_ylabel("copies across nodes per token\n(node dedup, own placement)")
     for ax in axes:
         ax.set_xticks(np.arange(len(arms)) + 0.4 - width / 2, arms, rotation=30, ha="right")
         ax.legend(fontsize=8)
