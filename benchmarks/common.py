@@ -10,11 +10,11 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.nn.functional as F
 
 from dist_moe.models import TabularMoE
 from dist_moe.train.config import load_config
 from dist_moe.train.data import tabular_split
-from dist_moe.train.trainer import _plain_step
 
 E, K = 16, 4
 ROUTERS = {
@@ -30,7 +30,8 @@ def train_router(router_cfg: dict, expert_groups: torch.Tensor, d_model: int = 0
     cfg = load_config(None, [f"seed={seed}", f"model.d_model={d_model}"])
     torch.manual_seed(seed)
     data = tabular_split("magic", 0.2, seed)
-    model = TabularMoE(data.x_train.shape[1], data.num_classes, copy.deepcopy(router_cfg), **cfg["model"])
+    model_cfg = {k: v for k, v in cfg["model"].items() if k not in ("kind", "layers", "heads")}  # trainer-only keys
+    model = TabularMoE(data.x_train.shape[1], data.num_classes, copy.deepcopy(router_cfg), **model_cfg)
     if getattr(model.moe.router, "node_limit", None):
         model.moe.router.set_expert_groups(expert_groups)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -38,7 +39,12 @@ def train_router(router_cfg: dict, expert_groups: torch.Tensor, d_model: int = 0
     for _ in range(epochs):
         perm = torch.randperm(len(data.x_train), generator=g)
         for i in range(0, len(perm), 256):
-            _plain_step(model, opt, data.x_train[perm[i : i + 256]], data.y_train[perm[i : i + 256]], None, cfg["train"])
+            rows = perm[i : i + 256]
+            logits, aux = model(data.x_train[rows])
+            opt.zero_grad(set_to_none=True)
+            (F.cross_entropy(logits, data.y_train[rows]) + aux).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["train"]["max_grad_norm"])
+            opt.step()
     return model.eval(), data
 
 

@@ -89,6 +89,10 @@ GAR_ARMS = {  # arm: (gar lambda, switch aux-loss coefficient)
     "gar_1e-4": (1e-4, 0.0),
     "gar_1e-3": (1e-3, 0.0),
     "gar_1e-2": (1e-2, 0.0),
+    # beyond the grid: here GAR's gradient is <= 1.5% of the router's at lambda 1e-2 (measured),
+    # so larger coefficients show whether the objective does anything at a comparable share
+    "gar_1e-1": (1e-1, 0.0),
+    "gar_1": (1.0, 0.0),
 }
 
 

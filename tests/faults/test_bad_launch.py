@@ -42,7 +42,18 @@ def test_every_rank_stops_with_the_bad_value_named(tmp_path, overrides, env, mes
     for log in logs:
         assert message in log, log[-1500:]
         assert "a collective failed" not in log  # refused up front, not discovered by a peer's timeout
+    print(f"\n{message[:40]!r}: both ranks exited 2 after {took:.1f} s (process start included)")
     assert took < 45, took  # far inside parallel.timeout_s=60: nobody waited for a peer
+
+
+def test_a_matching_placement_file_is_used(tmp_path):
+    from dist_moe.train.config import load_config
+    from dist_moe.train.trainer import train
+
+    path = tmp_path / "p.yaml"
+    Placement([0] * 8, 1).to_yaml(path)
+    cfg = load_config(None, [*BASE, f"parallel.placement={path}", f"output.dir={tmp_path / 'run'}"])
+    assert train(cfg, quiet=True)["steps"] == 3
 
 
 def test_unsupported_engine_release_is_refused(monkeypatch):
