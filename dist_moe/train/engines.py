@@ -16,6 +16,7 @@ clip over the global norm.
 """
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
@@ -102,8 +103,6 @@ class Runtime:
         placement = self.placement(num_experts)
         if self.engine == "torch":
             from dist_moe.layer import MoELayer
-
-            import datetime
 
             return MoELayer(hidden, ffn, router, placement=placement, topology=self.topology(),
                             group=self.group if self.world > 1 else None, dedup=self.parallel["dedup"],
@@ -211,9 +210,7 @@ class DeepSpeedStepper:
     def __call__(self, loss: torch.Tensor) -> bool:
         """One step; False (no update) when the loss or any rank's gradients are not finite."""
         group = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
-        if not all_finite(loss, [], group):  # DeepSpeed's backward reduces gradients: skip it whole
-            return False
-        self.module.backward(loss)
+        self.module.backward(loss)  # reduces gradients: a NaN on one rank reaches every rank's check
         params = [p for p in self.module.module.parameters() if p.requires_grad]
         if not all_finite(loss, params, group):
             for p in params:

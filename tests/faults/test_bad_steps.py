@@ -49,7 +49,8 @@ def _inject(monkeypatch, bad_calls: dict, checks: list):
         if bad_calls.get(seen["calls"]) != "grad_nan":
             return real_step(model, step_fn, xb, yb, cb)
         before = _state(model, step_fn.opt)
-        handle = model.moe.experts.w_down.register_hook(lambda g: torch.full_like(g, float("nan")))
+        expert_weight = next(p for n, p in model.moe.named_parameters() if "expert" in n and p.requires_grad)
+        handle = expert_weight.register_hook(lambda g: torch.full_like(g, float("nan")))
         record = real_step(model, step_fn, xb, yb, cb)  # a finite loss, a NaN gradient on this rank
         handle.remove()
         checks.append((record["skipped"], _same(before, _state(model, step_fn.opt))))
@@ -59,11 +60,11 @@ def _inject(monkeypatch, bad_calls: dict, checks: list):
     monkeypatch.setattr(trainer, "_plain_step", step)
 
 
-@pytest.mark.parametrize("router", ["branch", "deepseek_v3"])
-def test_bad_inputs_are_skipped_and_leave_no_trace(tmp_path, monkeypatch, router):
+@pytest.mark.parametrize("router, engine", [("branch", "torch"), ("deepseek_v3", "torch"), ("branch", "deepspeed")])
+def test_bad_inputs_are_skipped_and_leave_no_trace(tmp_path, monkeypatch, router, engine):
     checks = []
     _inject(monkeypatch, {3: "input_nan", 4: "input_inf", 7: "grad_nan"}, checks)
-    cfg = load_config(None, [f"router.type={router}", "data.max_rows=2000", "train.max_steps=12",
+    cfg = load_config(None, [f"router.type={router}", f"engine={engine}", "data.max_rows=2000", "train.max_steps=12",
                              "train.batch_size=64", f"output.dir={tmp_path}", "train.log_every=1"])
     summary = trainer.train(cfg, quiet=True)
     assert checks == [(1.0, True)] * 3  # skipped, and every tensor of model and optimizer unchanged
