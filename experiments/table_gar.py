@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 
 from experiments.plans import GAR_ARMS
-from experiments.tables import by, dates_of, paired, seeds_of
+from experiments.stats import paired
+from experiments.tables import by, dates_of, seeds_of
 
 COMMAND = ".venv/bin/python -m experiments.run gar"
 METRICS = (("val_macro_acc", "macro acc"), ("lvar", "LVar"), ("utilization", "Util"),

@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 
 from experiments.plans import DATASETS, ROUTER_ARMS
-from experiments.tables import by, dates_of, fmt, mean_sd, paired, seeds_of
+from experiments.stats import paired
+from experiments.tables import by, dates_of, fmt, mean_sd, seeds_of
 
 FLAT = ("switch", "deepseek_v3", "skywork", "hash")
 COMMAND = ".venv/bin/python -m experiments.run routers"

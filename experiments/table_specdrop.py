@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 
 from experiments.plans import SPECDROP_ARMS
-from experiments.tables import by, dates_of, mean_sd, paired, seeds_of
+from experiments.stats import paired
+from experiments.tables import by, dates_of, mean_sd, seeds_of
 
 COMMAND = ".venv/bin/python -m experiments.run specdrop"
 LABELS = {"fashion_mnist": "Fashion-MNIST, 4 garment superclasses (this project's grouping; 20,000 images, 3 epochs)",

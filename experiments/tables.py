@@ -12,8 +12,6 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.stats import paired
-
 
 def load_rows(results: Path) -> list[dict]:
     return [json.loads(line) for line in results.read_text().splitlines() if line.strip()] if results.exists() else []
@@ -72,6 +70,3 @@ def write(name: str, results: Path, docs: Path) -> str:
     replace_block(docs / "RESULTS.md", name, body)
     print(body)
     return body
-
-
-__all__ = ["write", "paired", "by", "fmt", "mean_sd", "load_rows", "seeds_of", "dates_of"]

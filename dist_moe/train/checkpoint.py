@@ -81,6 +81,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def _check_metadata(path: Path) -> None:
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path.parent} has no .metadata (not a DCP checkpoint)")
     with path.open("rb") as f:
         try:
             _MetadataUnpickler(f).load()
