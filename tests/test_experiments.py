@@ -122,7 +122,7 @@ def test_plan_rows_append_and_finished_runs_are_skipped(tmp_path, monkeypatch):
         for place in ("tree_prefix", "optimized"):
             assert r[f"copies_{place}_node"] <= r[f"copies_{place}_rank"] <= r[f"copies_{place}_none"] <= 4
             assert r[f"copies_{place}_node"] <= 1.0
-        assert r["lower_bound_copies"] == 0.5 and 0 < r["train_seconds"] <= r["seconds"]
+        assert r["lower_bound_copies"] == 0.5 and 0 < r["train_seconds"] <= r["seconds"] + 0.01  # 2-decimal rounding
 
 
 def test_results_block_is_replaced_not_duplicated(tmp_path):

@@ -51,7 +51,7 @@ def test_link_down_stops_both_sides_and_the_checkpoint_resumes(tmp_path):
     cleared = time.monotonic() - cut
     logs = _logs(tmp_path)
     print(f"\nlink down at checkpoint step {step}: both nodes stopped {cleared:.1f} s later (timeout {TIMEOUT_S} s)")
-    assert rc != 0 and cleared < TIMEOUT_S * 3 + 20, (rc, cleared)
+    assert rc != 0 and cleared < TIMEOUT_S * 2 + 10, (rc, cleared)  # the timeout, the step in flight, teardown
     assert len(re.findall(r"rank [01] of 2: a collective failed", logs)) >= 2, logs[-3000:]
     latest = checkpoint.latest(out / "checkpoints")
     checkpoint.verify(latest)
