@@ -55,7 +55,6 @@ class Runtime:
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
         check_engine_version(engine)
-        Topology.launched(launched_world_size())  # a topology that disagrees with the launch fails here, alone
         self.engine, self.parallel = engine, parallel
         self.timeout_s = float(parallel.get("timeout_s", 300.0))
         self._owns_group = not torch.distributed.is_initialized()  # a caller's group is left to the caller
@@ -66,6 +65,7 @@ class Runtime:
 
             init_distributed(self.timeout_s)
         self.rank, self.world, self.group = init_from_env(self.timeout_s, always=engine != "torch")
+        self.topology()  # a topology that disagrees with the launch fails here, on every rank, before training
         if engine == "megatron":
             from dist_moe.integrations import megatron_patches
 
