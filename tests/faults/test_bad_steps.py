@@ -1,6 +1,8 @@
 """NaN / Inf in inputs or gradients: the step is skipped on every rank and counted; router state
 (BRANCH anchors and EMA step, DeepSeek-V3 biases), parameters and optimizer state are untouched;
 more than train.max_skipped_steps stops the run with a clear error on every rank."""
+import os
+
 import pytest
 import torch
 
@@ -62,6 +64,17 @@ def _inject(monkeypatch, bad_calls: dict, checks: list):
 
 @pytest.mark.parametrize("router, engine", [("branch", "torch"), ("deepseek_v3", "torch"), ("branch", "deepspeed")])
 def test_bad_inputs_are_skipped_and_leave_no_trace(tmp_path, monkeypatch, router, engine):
+    # engine deepspeed sets RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_PORT for its one-rank group in
+    # this process's environment; later tests launch ranks that would inherit them
+    saved = dict(os.environ)
+    try:
+        _run_bad_inputs(tmp_path, monkeypatch, router, engine)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _run_bad_inputs(tmp_path, monkeypatch, router, engine):
     checks = []
     _inject(monkeypatch, {3: "input_nan", 4: "input_inf", 7: "grad_nan"}, checks)
     cfg = load_config(None, [f"router.type={router}", f"engine={engine}", "data.max_rows=2000", "train.max_steps=12",
