@@ -17,7 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from dist_moe.dispatch.agree import agreed_routing, input_problem
 from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher, routing_pairs
+from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.experts import Experts, SharedExpert, apply_experts
 from dist_moe.routing import Router, Routing, build_router
 from dist_moe.routing.capacity import capacity_for, capacity_step
@@ -26,6 +28,8 @@ from placement.traffic import DEDUP_MODES
 
 
 class MoELayer(nn.Module):
+    group = WeakGroup()  # held weakly: torch.distributed owns the group (dispatch/groups.py)
+
     def __init__(
         self,
         hidden_size: int,
@@ -81,6 +85,7 @@ class MoELayer(nn.Module):
         self.last_router_input: Tensor | None = None
         self.last_router_extras: dict = {}
         self.last_token_layout: tuple = ((), None)
+        self.forwards = 0  # counted before anything can raise: the exchanges' tag (dispatch/agree.py)
 
     def forward(
         self,
@@ -92,6 +97,7 @@ class MoELayer(nn.Module):
         """x [..., hidden]; categories / token_ids per token (or [B] per sequence);
         padding_mask [B, S] bool, True at padding (routed like any token, left out of
         per-example summaries such as GAR's)."""
+        self.forwards += 1
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"MoELayer input last dim {x.shape[-1]} != hidden_size {self.hidden_size}")
         shape = x.shape
@@ -100,6 +106,14 @@ class MoELayer(nn.Module):
         h = x.reshape(-1, self.hidden_size)
         categories = per_token(categories, shape, "categories")
         token_ids = per_token(token_ids, shape, "token_ids")
+        if self.dispatcher is None:
+            return self._forward(h, shape, categories, token_ids, padding_mask)
+        # bad input is agreed on at the first exchange, not raised here by one rank alone
+        problem = input_problem(h, categories, getattr(self.router, "num_categories", None))
+        with agreed_routing(self.router):
+            return self._forward(h, shape, categories, token_ids, padding_mask, problem)
+
+    def _forward(self, h, shape, categories, token_ids, padding_mask, problem=None):
         routing = self.router(h, categories=categories, token_ids=token_ids)
         routing.expert_idx, routing.gates = capacity_step(
             routing.expert_idx, routing.gates, self.num_experts, self.capacity_factor, routing.stats)
@@ -113,7 +127,7 @@ class MoELayer(nn.Module):
             y = apply_experts(self.experts, h, token, expert, gate, tags)
         else:
             y = self.dispatcher(h, routing.expert_idx, routing.gates, self.experts, copy_meta=categories,
-                                row_tags=tags)
+                                row_tags=tags, tag=self.forwards, problem=problem)
         if self.shared_expert is not None:
             y = y + self.shared_expert(h)
         self.last_routing = routing.detached()  # keeping the graph alive would pin activations

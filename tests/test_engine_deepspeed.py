@@ -91,3 +91,27 @@ def _gar_worker(rank, world, host):
 @pytest.mark.parametrize("host", ["own step", "deepspeed engine"])
 def test_gar_with_deepspeed_hosted_experts_equals_dist_moe(host):
     run_workers(_gar_worker, 2, args=(host,), timeout=240)
+
+
+def test_capacity_is_deepspeeds_own_rule_with_its_min_capacity():
+    """With a capacity factor the gate's C is DeepSpeed's _capacity (float32 arithmetic, min_capacity 8
+    by default), so a user reproduces DeepSpeed's capacity exactly."""
+    import torch
+    from deepspeed.moe.sharded_moe import _capacity
+
+    from dist_moe.integrations.deepspeed import DistMoEGate, deepspeed_capacity
+
+    for tokens in (1, 7, 64, 100, 257, 1000, 4096):
+        for e in (4, 8, 16, 64):
+            for cf in (0.5, 1.0, 1.1, 1.25, 2.0, 3.3):
+                for k in (1, 2, 4):
+                    for min_cap in (0, 4, 8):
+                        want = int(_capacity(torch.zeros(tokens, e), torch.tensor(cf * k), torch.tensor(min_cap)))
+                        assert deepspeed_capacity(tokens, k, e, cf, min_cap) == want, (tokens, e, cf, k, min_cap)
+    torch.manual_seed(0)
+    gate = DistMoEGate({"type": "switch", "num_experts": 8, "top_k": 2}, 16, capacity_factor=1.25)
+    assert gate.min_capacity == 8  # DeepSpeed's default
+    _, capacity, *_ = gate(torch.randn(20, 16))
+    assert capacity == int(_capacity(torch.zeros(20, 8), torch.tensor(1.25 * 2), torch.tensor(8))) == 8
+    with pytest.raises(ValueError, match="min_capacity"):
+        DistMoEGate({"type": "switch", "num_experts": 8}, 16, min_capacity=-1)

@@ -104,3 +104,32 @@ def _gar_worker(rank, world, dispatcher):
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
 def test_gar_with_megatron_hosted_experts_equals_dist_moe(dispatcher):
     run_workers(_gar_worker, 2, args=(dispatcher,), timeout=240)
+
+
+def test_padding_mask_follows_megatrons_convention_true_is_padding():
+    """megatron-core 0.16.1 treats padding_mask True as padding (its code inverts the mask; two
+    docstrings say otherwise): padded tokens get no weight, valid ones keep theirs, exactly the rows
+    Megatron's own compute_routing_scores_for_aux_loss zeroes."""
+    from dist_moe.integrations import megatron_patches
+
+    megatron_patches.apply()
+    import torch
+    from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
+
+    from dist_moe.integrations.megatron import DistMoERouter, megatron_config
+
+    torch.manual_seed(0)
+    s, b, h, e = 6, 3, 8, 4
+    router = DistMoERouter(config=megatron_config(h, 16, e, 2), router={"type": "switch", "num_experts": e,
+                                                                       "top_k": 2, "jitter_eps": 0.0})
+    hidden = torch.randn(s, b, h)
+    padding = torch.zeros(s, b, dtype=torch.bool)
+    padding[4:, 0] = True  # the first sequence ends after 4 tokens
+    padding[5:, 2] = True
+    probs, routing_map = router(hidden, padding_mask=padding)
+    logits = hidden.reshape(-1, h) @ router.router.node_map.weight.detach().t()
+    _, scores = compute_routing_scores_for_aux_loss(logits, 2, "softmax", padding_mask=padding.reshape(-1))
+    megatron_valid = scores.abs().sum(1) > 0
+    assert torch.equal(probs.detach().abs().sum(1) > 0, megatron_valid)
+    assert int((~megatron_valid).sum()) == 3
+    assert routing_map.sum(1).eq(2).all()  # padding keeps its routes (Megatron sizes buffers as T x topk)

@@ -189,3 +189,27 @@ def test_node_limited_routing(kind, limit, k):
     with pytest.raises(ValueError, match="cannot fit"):
         build_router({"type": kind, "hidden_size": H, "num_experts": 16, "top_k": 6, "node_limit": 1}
                      ).set_expert_groups(groups)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_deepseek_top1_router_trains_and_normalises_only_above_one(k):
+    """Megatron-core normalises sigmoid top-k scores only when k > 1; a normalised single gate
+    is always 1.0 and the router's weight would get no gradient."""
+    torch.manual_seed(0)
+    r = DeepSeekV3Router(8, 4, top_k=k)
+    x = torch.randn(16, 8)
+    out = r(x)
+    (out.gates * torch.randn_like(out.gates)).sum().backward()
+    assert r.normalize_gates == (k > 1)
+    assert r.node_map.weight.grad.abs().sum() > 0
+    pytest.importorskip("megatron.core")
+    from dist_moe.integrations import megatron_patches
+
+    megatron_patches.apply()
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    # Megatron's own routing on the same logits is the reference (bias zero: selection unchanged)
+    probs, routing_map = topk_routing_with_score_function(x @ r.node_map.weight.detach().t(), k,
+                                                          score_function="sigmoid", expert_bias=torch.zeros(4))
+    assert torch.equal(routing_map, out.dense_gates() != 0)
+    assert torch.allclose(out.dense_gates().detach(), probs, atol=1e-6)

@@ -17,6 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dist_moe.dispatch.agree import check_headers
+from dist_moe.dispatch.groups import strong, weak
+
 
 def _a2a(x: Tensor, send: list[int], recv: list[int], group) -> Tensor:
     out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
@@ -28,7 +31,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group, splits, _anchor, *tensors):
         """splits[i] = (send, recv) for tensors[i]; returns the received tensors."""
-        ctx.group, ctx.splits = group, splits
+        ctx.group, ctx.splits = weak(group), splits  # weakly: see dispatch/groups.py
         ctx.float_mask = [t.is_floating_point() for t in tensors]
         outs = [_a2a(t, s, r, group) for t, (s, r) in zip(tensors, splits)]
         ctx.mark_non_differentiable(*[o for o, f in zip(outs, ctx.float_mask) if not f])
@@ -44,7 +47,7 @@ class _AllToAll(torch.autograd.Function):
                 continue
             if g is None:  # still take part: every rank runs the same collectives
                 g = torch.zeros((sum(recv),) + shape[1:], dtype=dtype, device=device)
-            out.append(_a2a(g, recv, send, ctx.group))
+            out.append(_a2a(g, recv, send, strong(ctx.group, "an all-to-all's backward")))
         return (None, None, None, *out)
 
 
@@ -76,15 +79,19 @@ class Received:
     def send_back(self, y: Tensor) -> Tensor:
         """[R, H] results (one reduced row per received copy) -> [N, H] in the sender's copy order."""
         send, recv = self._splits
-        (back,) = all_to_all(self._group, [(send, recv)], y)
+        (back,) = all_to_all(strong(self._group, "an exchange's way back"), [(send, recv)], y)
         return back.index_select(0, self._inverse)
 
 
 def send_copies(group, world: int, x: Tensor, dst: Tensor, pair_copy: Tensor, pair_expert: Tensor,
-                pair_gate: Tensor, copy_meta: Tensor | None = None) -> tuple[Received, list[int], list[int]]:
+                pair_gate: Tensor, copy_meta: Tensor | None = None, tag: int = 0,
+                problem: Tensor | None = None) -> tuple[Received, list[int], list[int]]:
     """Send row i of ``x`` to rank ``dst[i]`` with the pairs that point at it.
 
-    Returns what this rank received, and how many copies and pairs it sent to each rank.
+    The split sizes travel with a header, this rank's forward ``tag`` and input ``problem``
+    code (``dispatch/agree.py``): any problem, or a peer at another tag, raises on every rank
+    before a token moves. Returns what this rank received, and how many copies and pairs it
+    sent to each rank.
     """
     n = x.shape[0]
     order = torch.argsort(dst, stable=True)
@@ -97,7 +104,12 @@ def send_copies(group, world: int, x: Tensor, dst: Tensor, pair_copy: Tensor, pa
     porder = torch.argsort(pair_dst, stable=True)
     pair_counts = torch.bincount(pair_dst, minlength=world)
 
-    recv_counts = exchange_counts(torch.stack([send_counts, pair_counts], 1), group)
+    code = problem.reshape(1).long() if problem is not None else send_counts.new_zeros(1)
+    header = torch.cat([send_counts.new_full((1,), tag), code]).expand(world, 2)
+    recv_counts = exchange_counts(torch.cat([torch.stack([send_counts, pair_counts], 1), header], 1), group)
+    rows = recv_counts.tolist()
+    check_headers([r[2] for r in rows], [r[3] for r in rows], tag)
+    recv_counts = recv_counts[:, :2]
     send_c, recv_c = send_counts.tolist(), recv_counts[:, 0].tolist()
     send_p, recv_p = pair_counts.tolist(), recv_counts[:, 1].tolist()
     meta = copy_meta if copy_meta is not None else x.new_zeros((n, 0), dtype=torch.long)
@@ -109,5 +121,5 @@ def send_copies(group, world: int, x: Tensor, dst: Tensor, pair_copy: Tensor, pa
     # pair copy ids are local to their sender's chunk: shift by the chunk's offset here
     chunk_start = torch.cumsum(recv_counts[:, 0], 0) - recv_counts[:, 0]
     sender = torch.repeat_interleave(torch.arange(world, device=dst.device), recv_counts[:, 1])
-    received = Received(rx, rcopy + chunk_start[sender], rexp, rgate, rmeta, position, (recv_c, send_c), group)
+    received = Received(rx, rcopy + chunk_start[sender], rexp, rgate, rmeta, position, (recv_c, send_c), weak(group))
     return received, send_c, send_p

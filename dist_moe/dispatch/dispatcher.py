@@ -20,11 +20,14 @@ per copy its integer tags (categories) at 8 bytes each.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from dist_moe.dispatch.all_to_all import send_copies
+from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.experts import Experts, apply_experts
 from placement import Placement, Topology
 from placement.traffic import DEDUP_MODES, unique_pairs
@@ -38,7 +41,8 @@ def routing_pairs(expert_idx: Tensor, gates: Tensor) -> tuple[Tensor, Tensor, Te
     return token, expert_idx.reshape(-1)[valid], gates.reshape(-1)[valid]
 
 
-_NODE_GROUPS: dict = {}
+# weak values: torch.distributed owns the groups, and destroy_process_group() frees them (groups.py)
+_NODE_GROUPS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def node_subgroup(group, topology: Topology, timeout=None):
@@ -55,24 +59,27 @@ def node_subgroup(group, topology: Topology, timeout=None):
     rank = dist.get_rank(group)
     node, g = topology.node_of(rank), topology.ranks_per_node
     key = (id(group), topology.num_nodes, g, node, timeout)
-    if key not in _NODE_GROUPS:
+    mine = _NODE_GROUPS.get(key)
+    if mine is None:
         for other in range(topology.num_nodes):
             ranks = [dist.get_global_rank(group, other * g + i) for i in range(g)]
             sub = dist.new_group(ranks, timeout=timeout)
             if other == node:
-                _NODE_GROUPS[key] = sub
-    return _NODE_GROUPS[key]
+                mine = _NODE_GROUPS[key] = sub
+    return mine
 
 
 def release_node_groups() -> None:
     """Destroy the cached per-node groups (call before ``destroy_process_group`` at shutdown)."""
-    for sub in _NODE_GROUPS.values():
-        if sub is not None:
-            dist.destroy_process_group(sub)
+    for sub in list(_NODE_GROUPS.values()):
+        dist.destroy_process_group(sub)
     _NODE_GROUPS.clear()
 
 
 class ExpertParallelDispatcher:
+    group = WeakGroup()  # both held weakly: torch.distributed owns them (groups.py)
+    node_group = WeakGroup()
+
     def __init__(self, group, placement: Placement, topology: Topology, dedup: str = "rank", timeout=None):
         if dedup not in DEDUP_MODES:
             raise ValueError(f"dedup must be one of {DEDUP_MODES}, got {dedup!r}")
@@ -87,6 +94,7 @@ class ExpertParallelDispatcher:
         self.slot_of = placement.local_slot_tensor()
         self.g = topology.ranks_per_node
         self.node_group = node_subgroup(group, topology, timeout) if dedup == "node" else None
+        self.calls = 0
         self.reset_traffic()
 
     def reset_traffic(self) -> None:
@@ -107,12 +115,18 @@ class ExpertParallelDispatcher:
         return self.rank_of, self.slot_of
 
     def __call__(self, h: Tensor, expert_idx: Tensor, gates: Tensor, experts: Experts,
-                 copy_meta: Tensor | None = None, row_tags: Tensor | None = None) -> Tensor:
+                 copy_meta: Tensor | None = None, row_tags: Tensor | None = None, tag: int | None = None,
+                 problem: Tensor | None = None) -> Tensor:
         """h [T, H] this rank's tokens -> y [T, H] sum of gated expert outputs per token.
 
         ``copy_meta`` [T] or [T, C] integers travel with each copy (categories);
         ``row_tags`` [T] too, and reach the experts' capture at the destination.
+        ``tag`` (the caller's forward count; default: this dispatcher's call count) and
+        ``problem`` (``agree.input_problem``) ride with the split sizes: a problem on any rank,
+        or ranks at different tags, raise on every rank before a token moves (``agree.py``).
         """
+        self.calls += 1
+        tag = self.calls if tag is None else tag
         rank_of, _ = self._index_tensors(h.device)
         token, expert, gate = routing_pairs(expert_idx, gates)
         dst_rank = rank_of[expert]
@@ -125,10 +139,12 @@ class ExpertParallelDispatcher:
         else:
             copy_token, dst_node, pair_copy = unique_pairs(token, dst_rank // self.g, self.topology.num_nodes)
             dst = dst_node * self.g + self.rank % self.g  # the gateway on each destination node
-        y_copies = self._exchange(h, copy_token, dst, pair_copy, expert, gate, meta, experts, row_tags is not None)
+        y_copies = self._exchange(h, copy_token, dst, pair_copy, expert, gate, meta, experts, row_tags is not None,
+                                  tag, problem)
         return torch.zeros_like(h).index_add(0, copy_token, y_copies)
 
-    def _exchange(self, h, copy_row, dst, pair_copy, expert, gate, meta, experts, tagged: bool) -> Tensor:
+    def _exchange(self, h, copy_row, dst, pair_copy, expert, gate, meta, experts, tagged: bool, tag: int,
+                  problem) -> Tensor:
         tags = (lambda m: m[:, -1]) if tagged else (lambda m: None)  # the last meta column holds row tags
         rank_of, slot_of = self.rank_of, self.slot_of  # already on h's device (__call__)
         row_bytes = h.shape[1] * h.element_size()
@@ -136,7 +152,7 @@ class ExpertParallelDispatcher:
         meta_bytes = 0 if meta is None else 8 * meta.shape[1]
         copy_meta = None if meta is None else meta[copy_row]
         recv, sent, sent_pairs = send_copies(self.group, self.world, h[copy_row], dst, pair_copy, expert, gate,
-                                             copy_meta)
+                                             copy_meta, tag, problem)
         self._record(sent, sent_pairs, 0, row_bytes, meta_bytes, pair_bytes)
         if self.dedup != "node":
             y = apply_experts(experts, recv.x, recv.pair_copy, slot_of[recv.pair_expert], recv.pair_gate,
@@ -146,7 +162,7 @@ class ExpertParallelDispatcher:
         node_base = self.topology.node_of(self.rank) * self.g
         row, local_dst, pair_copy2 = unique_pairs(recv.pair_copy, rank_of[recv.pair_expert] - node_base, self.g)
         recv2, sent2, sent_pairs2 = send_copies(self.node_group, self.g, recv.x[row], local_dst, pair_copy2,
-                                                recv.pair_expert, recv.pair_gate, recv.copy_meta[row])
+                                                recv.pair_expert, recv.pair_gate, recv.copy_meta[row], tag)
         self._record(sent2, sent_pairs2, node_base, row_bytes, meta_bytes, pair_bytes)
         y2 = apply_experts(experts, recv2.x, recv2.pair_copy, slot_of[recv2.pair_expert], recv2.pair_gate,
                            tags(recv2.copy_meta))

@@ -16,13 +16,27 @@ are ``placement.local_experts(r)`` in order. The router, its aux loss and
 SpecDrop categories and hash token ids reach the gate through
 ``dist_moe.integrations.context.routing_context`` (DeepSpeed passes the gate
 nothing but tokens).
+
+Capacity: with ``capacity_factor`` it is DeepSpeed's own rule (``sharded_moe._capacity``:
+ceil(T / E * capacity_factor * k) in float32, at least ``min_capacity``, default 8 as
+DeepSpeed's), with T the largest token count of any EP rank; dropless, the fullest
+expert of any rank (at least ``min_capacity``). Where dist-moe's gate differs from
+DeepSpeed's top2gating on purpose:
+
+* a dropped slot: when one of a token's two slots overflows its expert, DeepSpeed
+  renormalises the surviving gate to 1 (gates1 / (gates1 + gates2) after the drop);
+  dist-moe keeps the survivor's pre-drop weight (GShard's convention), so a token
+  that lost an expert is not scaled up;
+* the aux loss: DeepSpeed's k=2 l_aux counts first choices only (``ce`` from mask1);
+  dist-moe's strategies count every selected slot (Switch's f_e over T*K selections).
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
 
-from dist_moe.dispatch.stats import all_reduce_max
+from dist_moe.dispatch.groups import WeakGroup
+from dist_moe.dispatch.agree import agree, agreed_routing, input_problem
 from dist_moe.experts import SingleExpert
 from dist_moe.integrations import deepspeed_patches
 from dist_moe.integrations.context import routing_extras
@@ -32,9 +46,19 @@ from dist_moe.routing.capacity import apply_capacity, capacity_for, slot_positio
 from placement import Placement
 
 
+def deepspeed_capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float,
+                       min_capacity: int = 8) -> int:
+    """DeepSpeed 0.19.8's ``_capacity`` for a top-k gate, bit for bit (its float32 arithmetic)."""
+    cf = torch.tensor(capacity_factor * top_k)  # float32, as DeepSpeed builds it
+    capacity = torch.ceil((tokens / num_experts) * cf).to(torch.int64)
+    return int(torch.maximum(capacity, torch.tensor(min_capacity).to(torch.int64)))
+
+
 class DistMoEGate(nn.Module):
+    ep_group = WeakGroup()  # DeepSpeed's EP group, held weakly (dist_moe/dispatch/groups.py)
+
     def __init__(self, router: Router | dict, hidden_size: int, ep_size: int = 1, placement: Placement | None = None,
-                 capacity_factor: float | None = None, min_capacity: int = 0):
+                 capacity_factor: float | None = None, min_capacity: int = 8):
         super().__init__()
         if isinstance(router, dict):
             router = build_router({"hidden_size": hidden_size, **router})
@@ -53,11 +77,14 @@ class DistMoEGate(nn.Module):
                              f"{uneven[0]} {len(placement.local_experts(uneven[0]))}")
         if capacity_factor is not None:
             capacity_for(1, 1, 1, capacity_factor)  # validates
+        if isinstance(min_capacity, bool) or not isinstance(min_capacity, int) or min_capacity < 0:
+            raise ValueError(f"min_capacity must be an int >= 0, got {min_capacity!r}")
         self.router, self.placement, self.ep_size = router, placement, ep_size
         self.capacity_factor, self.min_capacity = capacity_factor, min_capacity
         self.register_buffer("physical_slot", placement.rank_tensor() * per_rank + placement.local_slot_tensor(),
                              persistent=False)
         self.ep_group = None
+        self.forwards = 0  # the tag every EP rank agrees on (dist_moe/dispatch/agree.py)
         self.last_routing = None
         self.last_router_input, self.last_router_extras = None, {}
         self.reset_traffic()
@@ -82,20 +109,29 @@ class DistMoEGate(nn.Module):
         e = self.router.num_experts
         extras = routing_extras(x.shape[0])
         self.last_router_input, self.last_router_extras = x.detach(), extras  # for GAR's recomputation
-        routing = self.router(x, **extras)
-        idx, gates = routing.expert_idx, routing.gates
-        if used_token is not None:  # unused tokens are routed nowhere
-            used = used_token.reshape(-1, 1) > 0
-            idx, gates = torch.where(used, idx, -1), torch.where(used, gates, torch.zeros_like(gates))
+        self.forwards += 1
+        # bad input is agreed on by every EP rank (one all-reduce that also agrees on the capacity):
+        # a rank that raised alone would pair its next batch with its peers' current one
+        problem = input_problem(x, extras.get("categories"), getattr(self.router, "num_categories", None))
+        with agreed_routing(self.router):
+            routing = self.router(x, **extras)
+            idx, gates = routing.expert_idx, routing.gates
+            if used_token is not None:  # unused tokens are routed nowhere
+                used = used_token.reshape(-1, 1) > 0
+                idx, gates = torch.where(used, idx, -1), torch.where(used, gates, torch.zeros_like(gates))
+            if self.capacity_factor is not None:  # DeepSpeed's rule, from the largest token count
+                need = x.shape[0]
+            else:  # dropless: the fullest expert on any rank sets the (shared) capacity
+                counts = torch.bincount(idx[idx >= 0], minlength=e)
+                need = int(counts.max()) if counts.numel() else 0
+            group = self.ep_group if self.ep_size > 1 else None
+            (agreed,) = agree(problem, self.forwards, group, "DistMoEGate", maxima=(need,))
         if self.capacity_factor is not None:
-            tokens = all_reduce_max(x.shape[0], self.ep_group)
-            capacity = max(capacity_for(tokens, idx.shape[1], e, self.capacity_factor), self.min_capacity)
+            capacity = deepspeed_capacity(agreed, idx.shape[1], e, self.capacity_factor, self.min_capacity)
             idx, gates, dropped = apply_capacity(idx, gates, e, capacity)
             routing.stats["dropped"] = dropped
-        else:  # dropless: the fullest expert on any rank sets the (shared) capacity
-            counts = torch.bincount(idx[idx >= 0], minlength=e)
-            capacity = all_reduce_max(max(int(counts.max()) if counts.numel() else 0, self.min_capacity, 1),
-                                      self.ep_group)
+        else:
+            capacity = max(agreed, self.min_capacity, 1)
         routing.expert_idx, routing.gates = idx, gates
         routed = idx >= 0
         physical = torch.where(routed, self.physical_slot.to(idx.device)[idx.clamp_min(0)], -1)
@@ -115,8 +151,9 @@ class DistMoEGate(nn.Module):
 
 def deepspeed_moe_layer(hidden_size: int, ffn_hidden_size: int, router: Router | dict, ep_size: int = 1,
                         placement: Placement | None = None, capacity_factor: float | None = None,
-                        expert_type: str = "swiglu", **expert_kwargs):
+                        expert_type: str = "swiglu", *, min_capacity: int = 8, **expert_kwargs):
     """A ``deepspeed.moe.layer.MoE`` whose gate is ``DistMoEGate`` and whose experts are dist-moe's.
+    ``min_capacity`` is DeepSpeed's (``MoE(min_capacity=8)``).
 
     Call ``set_deepspeed_parallelism()`` (or let ``deepspeed.initialize`` do it) after
     ``deepspeed.init_distributed``; the layer returns (output, aux loss, expert counts).
@@ -124,7 +161,7 @@ def deepspeed_moe_layer(hidden_size: int, ffn_hidden_size: int, router: Router |
     deepspeed_patches.apply()
     from deepspeed.moe.layer import MoE
 
-    gate = DistMoEGate(router, hidden_size, ep_size, placement, capacity_factor)
+    gate = DistMoEGate(router, hidden_size, ep_size, placement, capacity_factor, min_capacity)
     expert = SingleExpert(hidden_size, ffn_hidden_size, expert_type, **expert_kwargs)
     # k=1 only satisfies MoE's own TopKGate check; that gate is replaced before any use
     moe = MoE(hidden_size, expert, num_experts=gate.router.num_experts, ep_size=ep_size, k=1)
@@ -152,11 +189,11 @@ class DeepSpeedHostedMoE(HostedMoE):
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, router: Router | dict, ep_size: int = 1,
                  placement: Placement | None = None, capacity_factor: float | None = None,
-                 expert_type: str = "swiglu", **expert_kwargs):
+                 expert_type: str = "swiglu", *, min_capacity: int = 8, **expert_kwargs):
         super().__init__()
         self.hidden_size = hidden_size
         self.moe = deepspeed_moe_layer(hidden_size, ffn_hidden_size, router, ep_size, placement, capacity_factor,
-                                       expert_type, **expert_kwargs)
+                                       expert_type, min_capacity=min_capacity, **expert_kwargs)
         rank = 0
         if torch.distributed.is_initialized():
             self.moe.set_deepspeed_parallelism()

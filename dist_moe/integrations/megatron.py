@@ -2,7 +2,10 @@
 
 ``DistMoERouter`` meets Megatron's router interface: built as
 ``router(config=..., pg_collection=...)``, called as ``router(hidden [S, B, H],
-padding_mask [S, B] True=valid)``, it returns ``probs [T, E]`` (the gates of the
+padding_mask [S, B])`` with True at padding (what megatron-core 0.16.1's code does:
+``compute_routing_scores_for_aux_loss``, ``_apply_expert_bias``, GPTModel and
+TransformerLayer all invert it to find valid tokens, though two of its docstrings say
+True=valid), it returns ``probs [T, E]`` (the gates of the
 selected experts, zero elsewhere) and a bool ``routing_map [T, E]``. The
 strategy's aux loss rides on ``probs`` through Megatron's
 ``MoEAuxLossAutoScaler``, so it reaches the router in the same backward.
@@ -26,6 +29,8 @@ import functools
 import torch
 from torch import Tensor, nn
 
+from dist_moe.dispatch.agree import agree, agreed_routing, input_problem
+from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.integrations import megatron_patches
 from dist_moe.integrations.context import routing_extras
 from dist_moe.integrations.hosted import HostedMoE
@@ -36,6 +41,8 @@ DISPATCHERS = ("alltoall", "allgather")
 
 
 class DistMoERouter(nn.Module):
+    agree_group = WeakGroup()  # the ranks that route their own tokens, held weakly (dispatch/groups.py)
+
     def __init__(self, *, config, pg_collection=None, router: Router | dict, placement: Placement | None = None):
         super().__init__()
         megatron_patches.apply()
@@ -63,6 +70,9 @@ class DistMoERouter(nn.Module):
         # column p of Megatron's view holds logical expert logical_at[p]
         self.register_buffer("logical_at", torch.argsort(physical), persistent=False)
         self.router, self.placement = router, placement
+        # every rank that routes different tokens agrees on bad input before Megatron's exchanges
+        self.agree_group = getattr(pg_collection, "tp_dp_cp", None) if pg_collection is not None else None
+        self.forwards = 0
         self.layer_number = None
         self.last_routing = None
         self.last_aux_loss = None
@@ -75,14 +85,19 @@ class DistMoERouter(nn.Module):
         h = hidden.reshape(-1, hidden.shape[-1])
         extras = routing_extras(h.shape[0])
         self.last_router_input, self.last_router_extras = h.detach(), extras  # for GAR's recomputation
-        routing = self.router(h, **extras)
+        self.forwards += 1
+        problem = input_problem(h, extras.get("categories"), getattr(self.router, "num_categories", None))
+        with agreed_routing(self.router):  # one small all-reduce: a rank that raised alone would
+            routing = self.router(h, **extras)  # leave Megatron's collective order
+            agree(problem, self.forwards, self.agree_group, "DistMoERouter")
         idx = routing.expert_idx
         if bool((idx < 0).any()):
             raise ValueError("Megatron's dropless dispatch needs every token routed to top_k experts; "
                              "use Megatron's moe_expert_capacity_factor for capacity, not the router's")
-        if padding_mask is not None:  # True at valid tokens: padding keeps its routes (Megatron sizes
-            # its buffers as T x topk) with zero weight, so it adds nothing to any output
-            routing.gates = routing.gates * padding_mask.reshape(-1, 1).to(routing.gates.dtype)
+        if padding_mask is not None:  # True at padding: it keeps its routes (Megatron sizes its
+            # buffers as T x topk) with zero weight, so it adds nothing to any output
+            valid = ~padding_mask.reshape(-1, 1).bool()
+            routing.gates = routing.gates * valid.to(routing.gates.dtype)
         probs = routing.dense_gates()  # [T, E], gates at the selected experts
         routing_map = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, idx, True)
         probs = self._attach_aux(probs, routing.aux_loss)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.dispatch.stats import all_reduce_sum
 
 
@@ -53,6 +54,7 @@ class Router(nn.Module):
 
     num_experts: int
     top_k: int
+    stats_group = WeakGroup()  # held weakly: torch.distributed owns the group (dispatch/groups.py)
 
     def __init__(self, num_experts: int, top_k: int, stats_group=None):
         super().__init__()
@@ -63,6 +65,7 @@ class Router(nn.Module):
         self.top_k = int(top_k)
         self.stats_group = stats_group
         self._update_state = True
+        self._caller_checks = False
 
     # --- state updates -------------------------------------------------
     @property
@@ -79,6 +82,19 @@ class Router(nn.Module):
         finally:
             self._update_state = previous
 
+    @contextlib.contextmanager
+    def checks_by_caller(self):
+        """Skip the data-dependent input checks (NaN/Inf, category range) in these forwards.
+
+        An expert-parallel layer makes them itself (``input_problem``) and agrees on them
+        with its peers before any exchange: a rank that raised here alone would leave the
+        group's collective order while its peers went on."""
+        previous, self._caller_checks = self._caller_checks, True
+        try:
+            yield self
+        finally:
+            self._caller_checks = previous
+
     def reduce_stats(self, t: Tensor) -> Tensor:
         """Sum small statistics over ``stats_group`` (identity when there is none)."""
         return all_reduce_sum(t, self.stats_group)
@@ -92,7 +108,9 @@ class Router(nn.Module):
             raise ValueError(f"router input hidden size {x.shape[1]} != hidden_size={hidden_size}")
         if not x.is_floating_point():
             raise ValueError(f"router input must be floating point, got {x.dtype}")
-        if x.is_cuda:
+        if self._caller_checks:
+            pass
+        elif x.is_cuda:
             # No host sync per layer on GPUs: a device-side assert stops the step instead (torch 2.x).
             torch._assert_async(torch.isfinite(x).all(), "router input contains NaN or Inf")
         elif not bool(torch.isfinite(x).all()):
@@ -109,6 +127,8 @@ class Router(nn.Module):
             raise ValueError(f"categories must have shape [T]=[{num_tokens}], got {shape}")
         if categories.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
             raise ValueError(f"categories must be an integer tensor, got {categories.dtype}")
+        if self._caller_checks:  # an out-of-range id is reported by the caller; keep indexing safe
+            return categories.long().clamp(0, num_categories - 1)
         if num_tokens and (int(categories.min()) < 0 or int(categories.max()) >= num_categories):
             raise ValueError(
                 f"categories out of range [0, {num_categories}): min {int(categories.min())}, "

@@ -172,8 +172,12 @@ class DeepSeekV3Router(_LearnedFlatRouter):
             raise ValueError(f"bias_update_rate must be >= 0, got {bias_update_rate!r}")
         self.score_func = score_func
         self.bias_update_rate = float(bias_update_rate)
-        # DeepSeek-V3 normalises the selected sigmoid affinities to sum to one.
-        self.normalize_gates = (score_func == "sigmoid") if normalize_gates is None else bool(normalize_gates)
+        # DeepSeek-V3 normalises the selected sigmoid affinities to sum to one; Megatron-core
+        # 0.16.1 (topk_routing_with_score_function) only when top_k > 1: one normalised gate is
+        # always 1.0, which would leave the router without a gradient.
+        if normalize_gates is None:
+            normalize_gates = score_func == "sigmoid" and self.top_k > 1
+        self.normalize_gates = bool(normalize_gates)
         self.register_buffer("expert_bias", torch.zeros(num_experts))
 
     def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None) -> Routing:

@@ -8,9 +8,11 @@ every rank has finished, then replaces ``latest``; a crash mid-save leaves a
 it first (each rank, so all ranks agree before any collective), and a missing,
 truncated, corrupted or unexpected file is a clear error with nothing loaded.
 Checkpoint directories are 0700 and their files 0600: they hold the run's state.
-DCP pickles its ``.metadata``; before DCP reads it, it is unpickled once with an
-allow-list (DCP's metadata classes, torch dtypes and sizes, paths), so a planted
-pickle that calls anything else is refused instead of run.
+DCP pickles its ``.metadata``: its bytes are read once, checked against the manifest and
+unpickled here against an exact allow-list of (module, name) pairs (DCP's metadata
+classes, torch dtypes and sizes, paths); DCP gets that object and never opens the file,
+so a planted pickle is refused instead of run, and nothing can swap the file between
+the check and the read.
 
 What is saved: the model state (router buffers included: BRANCH anchors and EMA
 step, DeepSeek-V3 biases, SpecDrop progress), Adam state, each rank's RNG state
@@ -24,7 +26,9 @@ streams). Tensors only: loading never unpickles objects.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -33,6 +37,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch import nn
 
 from dist_moe.dispatch.process_group import barrier
@@ -65,35 +70,49 @@ def write_manifest(path: Path) -> None:
     tmp.replace(path / MANIFEST)
 
 
-_SAFE_GLOBALS = {("torch", "Size"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-                 ("torch.serialization", "_get_layout"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-                 ("collections", "OrderedDict")}
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_DTYPES = ("float64", "float32", "float16", "bfloat16", "complex128", "complex64", "int64", "int32", "int16",
+           "int8", "uint8", "uint16", "uint32", "uint64", "bool", "float8_e4m3fn", "float8_e5m2")
+# Exact (module, qualified name) pairs: what torch 2.13's DCP writes into .metadata, nothing else.
+# A name is never resolved through a module's namespace: (_DCP_METADATA, "os.system") is refused.
+SAFE_GLOBALS = frozenset({
+    *((_DCP_METADATA, n) for n in ("Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+                                   "ChunkStorageMetadata", "TensorProperties", "StorageMeta",
+                                   "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
+    ("torch", "Size"), *(("torch", d) for d in _DTYPES), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+})
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
-        if module == "torch.distributed.checkpoint.metadata" or (module, name) in _SAFE_GLOBALS:
+        if (module, name) in SAFE_GLOBALS:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise CheckpointError(f"refusing to unpickle {module}.{name} from a checkpoint's .metadata "
-                              "(DCP metadata holds only its own classes, dtypes, sizes and paths)")
+        raise CheckpointError(f"refusing to unpickle {module}.{name} (module {module!r}, name {name!r}) from a "
+                              "checkpoint's .metadata: DCP metadata holds only its own classes, dtypes, sizes and paths")
+
+    def persistent_load(self, pid):
+        raise CheckpointError(f"refusing a persistent id in a checkpoint's .metadata ({str(pid)[:80]!r})")
 
 
-def _check_metadata(path: Path) -> None:
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path.parent} has no .metadata (not a DCP checkpoint)")
-    with path.open("rb") as f:
-        try:
-            _MetadataUnpickler(f).load()
-        except CheckpointError as e:
-            raise CheckpointError(f"checkpoint {path.parent}: {e}") from None
-        except Exception as e:  # a truncated or garbled pickle
-            raise CheckpointError(f"checkpoint {path.parent}: .metadata does not unpickle ({e})") from None
+def _unpickle_metadata(raw: bytes, where: Path):
+    """DCP's Metadata from the bytes that were checked; nothing outside SAFE_GLOBALS is ever called."""
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
+    except CheckpointError as e:
+        raise CheckpointError(f"checkpoint {where}: {e}") from None
+    except Exception as e:  # a truncated or garbled pickle
+        raise CheckpointError(f"checkpoint {where}: .metadata does not unpickle ({e})") from None
+    if type(metadata).__name__ != "Metadata" or type(metadata).__module__ != _DCP_METADATA:
+        raise CheckpointError(f"checkpoint {where}: .metadata holds a {type(metadata).__name__}, not DCP's Metadata")
+    return metadata
 
 
-def verify(path: str | Path) -> None:
-    """Raise ``CheckpointError`` unless every file matches the manifest and none is extra."""
+def verify(path: str | Path):
+    """Check every file against the manifest; returns DCP's Metadata, unpickled (allow-listed) from
+    the very bytes whose SHA-256 was checked, for ``load`` to hand to DCP: the file is read once and
+    never unpickled by code that has not checked it. Raises ``CheckpointError`` on any mismatch."""
     path = Path(path)
     manifest = path / MANIFEST
     if not manifest.is_file():
@@ -106,17 +125,41 @@ def verify(path: str | Path) -> None:
     extra = sorted(present - set(files))
     if extra:
         raise CheckpointError(f"checkpoint {path} holds files its manifest does not list: {extra}")
+    if ".metadata" not in files:
+        raise CheckpointError(f"checkpoint {path} has no .metadata (not a DCP checkpoint)")
+    metadata = None
     for name, want in files.items():
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"checkpoint {path} is missing {name}")
-        size = f.stat().st_size
+        raw = f.read_bytes() if name == ".metadata" else None  # the bytes DCP will get
+        size = len(raw) if raw is not None else f.stat().st_size
         if size != want["bytes"]:
             raise CheckpointError(f"checkpoint {path}: {name} is {size} bytes, the manifest says {want['bytes']} "
                                   "(truncated or overwritten)")
-        if _sha256(f) != want["sha256"]:
+        digest = hashlib.sha256(raw).hexdigest() if raw is not None else _sha256(f)
+        if digest != want["sha256"]:
             raise CheckpointError(f"checkpoint {path}: {name} fails its SHA-256 check (corrupted)")
-    _check_metadata(path / ".metadata")
+        if raw is not None:
+            metadata = _unpickle_metadata(raw, path)
+    return metadata
+
+
+class _VerifiedReader(dcp.FileSystemReader):
+    """DCP's file reader, handed the Metadata ``verify`` unpickled instead of reading .metadata itself."""
+
+    def __init__(self, path: Path, metadata):
+        super().__init__(str(path))
+        self._verified = metadata
+
+    def read_metadata(self, *args, **kwargs):
+        if kwargs.get("rank") is not None:
+            raise CheckpointError(f"checkpoint {self.path}: per-rank metadata files are not read")
+        metadata = copy.deepcopy(self._verified)  # DCP stamps its load id into it
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def _expert_keys(model: nn.Module) -> dict[str, tuple[list[int], str, bool]]:
@@ -222,16 +265,17 @@ def load(path: str | Path, model: nn.Module, optimizer, extra: dict, group=None)
     """Fill ``model``, ``optimizer`` (its state created by one zero step first) and the tensors
     in ``extra`` from ``path``; keys in ``extra`` missing from the checkpoint are left as they are.
     The manifest is checked first: a damaged checkpoint raises ``CheckpointError`` and loads nothing."""
-    verify(path)
+    metadata = verify(path)
     _materialise_optimizer_state(model, optimizer)
     state = state_of(model, optimizer, {})
-    present = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    present = set(metadata.state_dict_metadata)
     missing = sorted(k for k in state if k not in present)
     if missing:
         raise ValueError(f"checkpoint {path} lacks {len(missing)} entries this model needs, e.g. {missing[0]!r} "
                          "(another model, or experts this checkpoint never held)")
     wanted = {k: v for k, v in extra.items() if k in present}
-    dcp.load({**state, **wanted}, checkpoint_id=str(path), process_group=group, no_dist=group is None)
+    dcp.load({**state, **wanted}, storage_reader=_VerifiedReader(Path(path), metadata), process_group=group,
+             no_dist=group is None)
     _write_back(model, optimizer, state)
     return wanted
 

@@ -22,6 +22,7 @@ import os
 import torch
 from torch import nn
 
+from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.dispatch.process_group import init_from_env, launched_world_size
 from dist_moe.dispatch.stats import all_reduce_sum
 from dist_moe.routing.gar import clip_global, moe_layers, rank_local_param_ids, sum_replicated_grads
@@ -50,6 +51,8 @@ def check_engine_version(engine: str) -> None:
 
 class Runtime:
     """Process group, engine set-up and the MoE layer factory for one training run."""
+
+    group = WeakGroup()  # held weakly (dist_moe/dispatch/groups.py)
 
     def __init__(self, engine: str, parallel: dict):
         if engine not in ENGINES:
@@ -156,6 +159,8 @@ def _one_rank_defaults() -> None:
 
 class LocalStepper:
     """zero_grad, backward, data-parallel average, global clip, Adam step."""
+
+    group = WeakGroup()  # held weakly (dist_moe/dispatch/groups.py)
 
     def __init__(self, model: nn.Module, lr: float, max_grad_norm, group, world: int):
         self.module = model

@@ -2,6 +2,7 @@
 ``dist-moe report``, and the training position a checkpoint resumes from."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -66,19 +67,76 @@ def record_routing(out_dir: Path, model, data, rt) -> None:
                 Path(out_dir, routing_file(stale)).with_suffix(suffix).unlink(missing_ok=True)
 
 
-def position(step: int, epoch_gen: torch.Tensor, rt) -> dict:
-    """Where training stands, as tensors: the step, the data order, this rank's RNG."""
-    return {"step": torch.tensor(step), "data.epoch_generator": epoch_gen,
-            f"rng.world{rt.world}.rank{rt.rank}": torch.get_rng_state()}
+class DataCursor:
+    """The training data order and where training stands in it, in samples.
+
+    Epoch e's order is a permutation drawn from one seeded generator (the same on every
+    rank; each rank takes its share of every global batch). The position is the number of
+    samples consumed, as Megatron's consumed_samples, not a step count: steps per epoch
+    depend on the world size, samples do not, so a run resumed on another number of ranks
+    trains exactly the samples that remain (global batches of the new world from there).
+    """
+
+    def __init__(self, num_samples: int, seed: int, global_batch: int):
+        self.n, self.global_batch = num_samples, global_batch
+        self.gen = torch.Generator().manual_seed(seed)
+        self.consumed = 0
+        self._perm, self._epoch_start = None, None
+
+    @property
+    def epoch(self) -> int:
+        return self.consumed // self.n
+
+    @property
+    def offset(self) -> int:
+        return self.consumed % self.n
+
+    def next_batch(self) -> torch.Tensor:
+        """The next global batch's row ids (short at an epoch's end); advances the position."""
+        if self._perm is None:  # the first batch of this position's epoch draws its order
+            self._epoch_start = self.gen.get_state()
+            self._perm = torch.randperm(self.n, generator=self.gen)
+        rows = self._perm[self.offset : self.offset + self.global_batch]
+        self.consumed += len(rows)
+        if self.offset == 0:  # the epoch is done: the next batch draws the next order
+            self._perm = None
+        return rows
+
+    def steps_left(self, total_samples: int) -> int:
+        """Optimizer steps from here to ``total_samples`` at this world's global batch."""
+        if self.consumed >= total_samples:
+            return 0
+        whole, rest = divmod(total_samples - self.consumed - (self.n - self.offset) % self.n, self.n)
+        first = math.ceil(((self.n - self.offset) % self.n) / self.global_batch)
+        return first + whole * math.ceil(self.n / self.global_batch) + math.ceil(rest / self.global_batch)
+
+    def state(self) -> dict:
+        """Tensors a checkpoint saves: samples consumed and the generator at that epoch's start."""
+        gen = self.gen.get_state() if self._perm is None else self._epoch_start
+        return {"data.samples": torch.tensor(self.consumed), "data.epoch_generator": gen}
+
+    def load(self, state: dict) -> None:
+        self.consumed = int(state["data.samples"])
+        self.gen.set_state(state["data.epoch_generator"])
+        self._perm = None
 
 
-def resume(path: Path, model, opt, gen: torch.Generator, rt) -> int:
-    """Load ``path`` into the model and optimizer, rewind the data order; returns the step."""
-    extra = position(0, gen.get_state(), rt)
+def position(step: int, cursor: DataCursor, rt) -> dict:
+    """Where training stands, as tensors: the step, the data position, this rank's RNG."""
+    return {"step": torch.tensor(step), **cursor.state(), f"rng.world{rt.world}.rank{rt.rank}": torch.get_rng_state()}
+
+
+def resume(path: Path, model, opt, cursor: DataCursor, rt) -> int:
+    """Load ``path`` into the model and optimizer and the cursor's position; returns the step."""
+    extra = position(0, cursor, rt)
     loaded = checkpoint.load(path, model, opt, extra, rt.group if rt.world > 1 else None)
     if "step" not in loaded or "data.epoch_generator" not in loaded:
         raise ValueError(f"checkpoint {path} has no training position (step, data order)")
-    gen.set_state(loaded["data.epoch_generator"])
+    if "data.samples" not in loaded:  # written before positions were kept in samples: steps of this world
+        steps = math.ceil(cursor.n / cursor.global_batch)
+        epoch, batch = divmod(int(loaded["step"]), steps)
+        loaded["data.samples"] = torch.tensor(epoch * cursor.n + batch * cursor.global_batch)
+    cursor.load(loaded)
     rng = f"rng.world{rt.world}.rank{rt.rank}"
     if rng in loaded:  # the same world size: every rank continues its own random stream
         torch.set_rng_state(loaded[rng])

@@ -111,34 +111,42 @@ def _train(cfg: dict, rt: Runtime, quiet: bool, after=None) -> dict:
 
     n, global_bs = len(data.x_train), bs * rt.world
     steps_per_epoch = math.ceil(n / global_bs)
-    total = tcfg["max_steps"] or tcfg["epochs"] * steps_per_epoch
-    gen = torch.Generator().manual_seed(cfg["seed"])  # the same order on every rank; each takes its share
+    max_steps = tcfg["max_steps"]
+    total_samples = tcfg["epochs"] * n  # the run's length in samples, unless max_steps sets it in steps
+    cursor = records.DataCursor(n, cfg["seed"], global_bs)  # the same order on every rank; each takes its share
     step, start, last_eval = 0, time.time(), {}
     train_seconds = 0.0  # inside training steps only: no evaluation, logging or checkpoints
     skipped = 0  # steps skipped for a non-finite loss or gradients
     if resume_from is not None:
-        step = records.resume(resume_from, model, step_fn.opt, gen, rt)
+        step = records.resume(resume_from, model, step_fn.opt, cursor, rt)
+    resumed_at = cursor.consumed
+    total = max_steps or step + cursor.steps_left(total_samples)
+    epochs = math.ceil(max_steps / steps_per_epoch) if max_steps else tcfg["epochs"]
+
+    def finished() -> bool:
+        return step >= max_steps if max_steps else cursor.consumed >= total_samples
+
+    def progress() -> float:  # step / total for an uninterrupted run; samples when the world changed
+        if max_steps:
+            return step / max_steps
+        return (cursor.epoch + cursor.offset / (steps_per_epoch * global_bs)) / epochs
+
     # Redrawn 10x a second on a terminal; in a log file (CI, nohup) every 10 s is enough.
     bar = tqdm(total=total, initial=step, desc=cfg["name"], disable=quiet or not rt.is_main, dynamic_ncols=True,
                mininterval=0.1 if sys.stderr.isatty() else 10.0)
     try:
-        epochs = math.ceil(total / steps_per_epoch)
         # a router given total_steps counts its own forwards instead
         scheduled = hasattr(router, "set_progress") and getattr(router, "total_steps", None) is None
-        while step < total:
-            epoch_start = gen.get_state()
-            perm = torch.randperm(n, generator=gen)
+        while not finished():
             if scheduled and tcfg["schedule"] == "epoch":
                 for r in routers:
-                    r.set_progress((step // steps_per_epoch) / epochs)  # SpecDrop's schedule, per epoch
-            for i in range((step % steps_per_epoch) * global_bs, n, global_bs):  # mid-epoch after a resume
-                if step >= total:
-                    break
+                    r.set_progress(cursor.epoch / epochs)  # SpecDrop's schedule, per epoch
+            while True:  # the steps of this epoch (from mid-epoch after a resume)
                 if scheduled and tcfg["schedule"] == "step":
                     for r in routers:
-                        r.set_progress(step / total)  # SpecDrop's schedule, per step
+                        r.set_progress(progress())  # SpecDrop's schedule, per step
                 step_start = time.perf_counter()
-                rows = torch.tensor_split(perm[i : i + global_bs], rt.world)[rt.rank]
+                rows = torch.tensor_split(cursor.next_batch(), rt.world)[rt.rank]
                 xb, yb = data.x_train[rows], data.y_train[rows]
                 cb = data.train_categories(rows)
                 if _bad_inputs(xb, rt):  # agreed before any forward: no rank enters a collective alone
@@ -154,24 +162,25 @@ def _train(cfg: dict, rt: Runtime, quiet: bool, after=None) -> dict:
                     raise ValueError(f"training diverged: {int(skipped)} steps had a non-finite loss or gradients "
                                      f"(train.max_skipped_steps={tcfg['max_skipped_steps']}), the last at step {step} "
                                      f"(loss {record['loss']}); lower train.lr (now {tcfg['lr']}) or check the data")
-                if step % tcfg["log_every"] == 0 or step == total:
+                last = finished()
+                if step % tcfg["log_every"] == 0 or last:
                     record.update(records.measured_bytes(model, rt))  # collective: every rank takes part
-                if logger is not None and (step % tcfg["log_every"] == 0 or step == total):
+                if logger is not None and (step % tcfg["log_every"] == 0 or last):
                     record.update(metrics_of(model.moe.last_routing, model.moe.num_experts))
                     if hasattr(router, "progress"):
                         record["schedule_progress"] = float(router.progress)
                     logger.log({"step": step, **record})
                     bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
                 bar.update(1)
-                if tcfg["checkpoint_every"] and (step % tcfg["checkpoint_every"] == 0 or step == total):
-                    # the data order of the epoch holding the next step: this one's, or the next
-                    next_epoch = gen.get_state() if step % steps_per_epoch == 0 else epoch_start
-                    checkpoint.save(ckpt_dir, step, model, step_fn.opt, records.position(step, next_epoch, rt),
+                if tcfg["checkpoint_every"] and (step % tcfg["checkpoint_every"] == 0 or last):
+                    checkpoint.save(ckpt_dir, step, model, step_fn.opt, records.position(step, cursor, rt),
                                     rt.group if rt.world > 1 else None)
+                if last or cursor.offset == 0:
+                    break
             last_eval = evaluate(model, data.x_val, data.y_val, data.val_categories(), runtime=rt)
             records.measured_bytes(model, rt)  # drop the evaluation's bytes: the logged ones are training bytes
             if logger is not None:
-                logger.log({"step": step, "epoch": math.ceil(step / steps_per_epoch), **last_eval})
+                logger.log({"step": step, "epoch": math.ceil(cursor.consumed / n), **last_eval})
         records.record_routing(out_dir, model, data, rt)
         extra = after(model, data, rt) if after is not None else {}
     finally:
@@ -181,7 +190,8 @@ def _train(cfg: dict, rt: Runtime, quiet: bool, after=None) -> dict:
     summary = {
         "name": cfg["name"], "router": cfg["router"]["type"], "engine": rt.engine, "world_size": rt.world,
         "topology": rt.topology().describe(),
-        "steps": step, "skipped_steps": int(skipped), "seconds": round(time.time() - start, 2),
+        "steps": step, "samples": cursor.consumed, "samples_this_run": cursor.consumed - resumed_at,
+        "skipped_steps": int(skipped), "seconds": round(time.time() - start, 2),
         "train_seconds": round(train_seconds, 3),
         **last_eval,
         "random_pair_tree_distance": _random_pair(model.moe.num_experts), "output_dir": str(out_dir), **extra,
