@@ -6,6 +6,8 @@ import json
 import os
 import sys
 
+from dist_moe.errors import report
+
 
 def _print_summary(s: dict) -> None:
     rp = s.get("random_pair_tree_distance")
@@ -14,12 +16,17 @@ def _print_summary(s: dict) -> None:
         return "n/a" if s.get(key) is None else f"{scale * s[key]:.{digits}f}"
 
     print(f"\n{s['name']}: router={s['router']} steps={s['steps']} time={s['seconds']}s")
+    if s.get("already_finished"):
+        print(f"  the run in {s['output_dir']} had already finished at step {s['steps']}: nothing left to train "
+              "(raise train.epochs or train.max_steps to train on); its checkpoint evaluates to:")
     if s.get("skipped_steps"):
         print(f"  skipped steps (non-finite loss or gradients): {s['skipped_steps']}")
     print(f"  validation loss {num('val_loss')}  accuracy {num('val_acc', 100, 2)}%")
     print(f"  load CV {num('val_load_cv', 1, 3)}  dropped {num('val_dropped_fraction', 100, 2)}% of slots")
     if td is not None and rp:  # None with top-1 routing: no co-selected pairs
-        print(f"  tree distance {td:.3f} (random pairs {rp:.3f}, {100 * (1 - td / rp):+.1f}% more local)")
+        closer = 100 * (1 - td / rp)
+        side = f"{closer:.1f}% closer than random pairs" if closer >= 0 else f"{-closer:.1f}% farther than random pairs"
+        print(f"  tree distance {td:.3f} (random pairs {rp:.3f}: co-selected experts {side})")
     if s.get("val_align") is not None:
         print(f"  Align {s['val_align']:.3f} (share of categories hurt most by ablating their own expert)")
     print(f"  metrics: {s['output_dir']}/metrics.jsonl")
@@ -29,8 +36,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="dist-moe", description="distributed Mixture-of-Experts training")
     # the deepspeed launcher inserts --local_rank=N before the command; the rank comes from the environment
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
-    tr = sub.add_parser("train", help="train a model; without --config, the embedded demo (BRANCH on keel magic)")
+    tr = sub.add_parser("train", parents=[debug],
+                        help="train a model; without --config, the embedded demo (BRANCH on keel magic)")
     tr.add_argument("--config", help="YAML config; keys missing from it keep the embedded defaults")
     tr.add_argument("--quiet", action="store_true", help="no progress bar")
     tr.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -39,31 +49,30 @@ def main(argv=None) -> int:
                          "keeps the keys it also takes, such as num_experts and top_k)")
     from dist_moe import cli_cost
 
-    cli_cost.add_parsers(sub)
+    cli_cost.add_parsers(sub, debug)
     args, extra = parser.parse_known_args(argv)
-    if args.command != "train":
-        if extra:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        try:
+    try:
+        if args.command != "train":
+            if extra:
+                parser.error(f"unrecognized arguments: {' '.join(extra)}")
             return cli_cost.run(args)
-        except ValueError as e:
-            print(f"dist-moe: error: {e}", file=sys.stderr)
-            return 2
+        return _train(parser, args, extra)
+    except Exception as e:  # every failure ends as one line and an exit code (dist_moe/errors.py)
+        return report(e, args.debug)
+    except KeyboardInterrupt as e:
+        return report(e, args.debug)
+
+
+def _train(parser, args, extra) -> int:
     # key=value overrides may also follow an option (argparse stops the positional list there)
     stray = [a for a in extra if a.startswith("-") or "=" not in a]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
-    args.overrides = [*args.overrides, *extra]
-
     from dist_moe.train.config import load_config
     from dist_moe.train.trainer import train
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-        summary = train(cfg, quiet=args.quiet)
-    except ValueError as e:
-        print(f"dist-moe: error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config(args.config, [*args.overrides, *extra])
+    summary = train(cfg, quiet=args.quiet)
     if os.environ.get("RANK", "0") != "0":  # under a launcher, rank 0 speaks for the run
         return 0
     if args.json:

@@ -11,15 +11,16 @@ from placement.simulate import RoutingRecord, simulate
 from placement.traffic import DEDUP_MODES, dispatch_traffic
 
 
-def add_parsers(sub) -> None:
-    rp = sub.add_parser("report", help="report.json, report.md and PNG plots of a run's communication cost")
+def add_parsers(sub, debug) -> None:
+    rp = sub.add_parser("report", parents=[debug],
+                        help="report.json, report.md and PNG plots of a run's communication cost")
     rp.add_argument("run_dir")
     rp.add_argument("--topology", help="node=2,gpu=4 or a topology YAML (default: the run's ranks, else 2x2)")
-    pl = sub.add_parser("place", help="an expert placement optimized from a run's co-activation")
+    pl = sub.add_parser("place", parents=[debug], help="an expert placement optimized from a run's co-activation")
     pl.add_argument("--topology", required=True, help="node=2,gpu=4 or a topology YAML")
     pl.add_argument("--stats", required=True, help="a run directory (its routing.npz)")
     pl.add_argument("--out", default="placement.yaml")
-    sm = sub.add_parser("simulate", help="replay a run's routing on a simulated cluster")
+    sm = sub.add_parser("simulate", parents=[debug], help="replay a run's routing on a simulated cluster")
     sm.add_argument("--nodes", type=int, required=True)
     sm.add_argument("--gpus-per-node", type=int, required=True)
     sm.add_argument("--stats", required=True, help="a run directory (its routing.npz)")
@@ -69,6 +70,9 @@ def _report(args) -> int:
 
 
 def _place(args) -> int:
+    folder = Path(args.out).parent
+    if not folder.is_dir():
+        raise ValueError(f"--out {args.out!r}: the folder {str(folder)!r} does not exist")
     record = RoutingRecord.load(args.stats)
     topo = topology_of(args.topology)
     if record.num_experts % topo.world_size:
@@ -89,6 +93,10 @@ def _place(args) -> int:
 
 def _simulate(args) -> int:
     start = time.time()
+    for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node),
+                        ("--tokens-per-rank", args.tokens_per_rank)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     record = RoutingRecord.load(args.stats)
     topo = Topology(("node", "gpu"), (args.nodes, args.gpus_per_node))
     out = simulate(record, topo, args.placement, args.tokens_per_rank)

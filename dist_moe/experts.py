@@ -24,6 +24,18 @@ def _init(shape, fan_in) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape).uniform_(-bound, bound))
 
 
+def _check_fits(e: int, h: int, f: int, kind: str, lora_rank: int) -> None:
+    """Refuse, before allocating, expert weights (and their Adam state) larger than the memory available."""
+    import psutil
+
+    per_expert = {"swiglu": 3 * h * f, "gelu": 2 * h * f, "lora": 2 * h * lora_rank}[kind]
+    needed = 4 * 4 * (e * per_expert + (h * h if kind == "lora" else 0))  # fp32 weights, grads, Adam's two
+    free = psutil.virtual_memory().available
+    if needed > free:
+        raise ValueError(f"{e} {kind} experts of hidden {h} x ffn {f} need about {needed / 2**30:.1f} GiB to train "
+                         f"(weights, gradients, Adam), more than the {free / 2**30:.1f} GiB available")
+
+
 class FactorCapture:
     """Block inputs x and output gradients delta, per template slot, for the Gram form.
 
@@ -75,6 +87,7 @@ class Experts(nn.Module):
                 raise ValueError(f"experts: {name} must be a positive int, got {value!r}")
         self.num_experts, self.kind = num_experts, kind
         e, h, f = num_experts, hidden_size, ffn_hidden_size
+        _check_fits(e, h, f, kind, lora_rank)
         if kind == "swiglu":
             self.w_gate = _init((e, h, f), h)
             self.w_up = _init((e, h, f), h)

@@ -1,18 +1,25 @@
 """Run an experiment's grid (skipping finished runs), then write its tables and plot.
 
     .venv/bin/python -m experiments.run routers|specdrop|gar|throughput [--seeds 0,1,2] [--tables-only]
+                                        [--results FILE] [--out DIR]
 
-Rows accumulate in experiments/results/<name>.jsonl; tables go to docs/results/<name>.md,
-the plot to docs/results/<name>.png, and docs/RESULTS.md's block for <name> is replaced.
+Rows accumulate in experiments/results/<name>.jsonl (the committed results: runs already there
+are skipped, so on a fresh clone nothing runs); tables go to docs/results/<name>.md, the plot
+to docs/results/<name>.png, and docs/RESULTS.md's block for <name> is replaced. To run it all
+again, give a results file of your own (``--results /tmp/routers.jsonl``) and a folder for
+its tables (``--out /tmp/docs``). Ctrl-C or kill stop the launched ranks (and the emulated
+cluster's namespaces) before this command exits.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from experiments import plans, tables
@@ -46,9 +53,40 @@ def launch(plan: plans.Plan, pending: list, results: Path) -> None:
         cmd = ["bash", str(ROOT / "launch/emulate_cluster.sh"), "--nodes", "2", "--procs-per-node", "2",
                "--rate", plan.rate, "--", "-m", "experiments.worker", f.name]
     try:
-        subprocess.run(cmd, env=env, cwd=ROOT, check=True)
+        code = run_forwarding(cmd, env, ROOT)
     finally:
         os.unlink(f.name)
+    if code:
+        raise SystemExit(f"{plan.name}: the launched runs failed (exit {code}); finished runs are kept in {results}")
+
+
+def run_forwarding(cmd: list[str], env: dict, cwd, grace_s: float = 30.0) -> int:
+    """Run a launcher in a session of its own and pass SIGINT/SIGTERM on to it as SIGTERM, then wait:
+    torchrun stops its workers, emulate_cluster.sh its nodes and namespaces, before this process
+    exits (subprocess.run would SIGKILL the launcher on Ctrl-C and leave them behind). A launcher
+    still running ``grace_s`` after the signal is killed with its process group."""
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, start_new_session=True)
+    stopped = []
+
+    def forward(signum, frame):
+        stopped.append((signum, time.monotonic()))
+        os.killpg(proc.pid, signal.SIGTERM)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            try:
+                code = proc.wait(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                if stopped and time.monotonic() - stopped[0][1] > grace_s:
+                    os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if stopped:
+        raise SystemExit(f"stopped by signal {stopped[0][0]}; the launched ranks have exited")
+    return code
 
 
 def main(argv=None) -> None:
@@ -56,10 +94,12 @@ def main(argv=None) -> None:
     ap.add_argument("name", choices=sorted(plans.PLANS))
     ap.add_argument("--seeds", help="comma-separated seeds (default: the experiment's)")
     ap.add_argument("--tables-only", action="store_true", help="only rebuild tables and plot from the results")
+    ap.add_argument("--results", type=Path, help="results file (default: the committed experiments/results/NAME.jsonl)")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs", help="folder for RESULTS.md, tables and plots")
     args = ap.parse_args(argv)
     kwargs = {"seeds": [int(s) for s in args.seeds.split(",")]} if args.seeds else {}
     plan = plans.PLANS[args.name](**kwargs)
-    results = ROOT / "experiments/results" / f"{args.name}.jsonl"
+    results = (args.results or ROOT / "experiments/results" / f"{args.name}.jsonl").resolve()
     results.parent.mkdir(parents=True, exist_ok=True)
     if not args.tables_only:
         done = done_ids(results)
@@ -68,7 +108,7 @@ def main(argv=None) -> None:
               f"running {len(pending)}", flush=True)
         if pending:
             launch(plan, pending, results)
-    tables.write(args.name, results, ROOT / "docs")
+    tables.write(args.name, results, args.out)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,9 @@ import numpy as np
 
 from experiments.plans import DATASETS, ROUTER_ARMS
 from experiments.stats import paired
-from experiments.tables import by, dates_of, fmt, mean_sd, seeds_of
+from experiments.tables import by, fmt, mean_sd, runs_header
 
 FLAT = ("switch", "deepseek_v3", "skywork", "hash")
-COMMAND = ".venv/bin/python -m experiments.run routers"
 
 
 def own_placement(arm: str) -> str:
@@ -21,8 +20,8 @@ def _mean(rows, key):
 
 def make(rows, out_dir) -> str:
     groups = by(rows, "dataset", "arm")
-    lines = [f"Command: `{COMMAND}` (4 ranks via torchrun, accounted as node=2,gpu=2). "
-             f"Seeds {seeds_of(rows)}; run {dates_of(rows)}. E=16, top-4, capacity factor 1.25, SwiGLU experts "
+    lines = [f"{runs_header('routers', rows, 'dataset', 'arm')} 4 ranks via torchrun, accounted as node=2,gpu=2. "
+             "E=16, top-4, capacity factor 1.25, SwiGLU experts "
              "(ffn 32), Adam lr 3e-3, 64 rows per rank (256 per step), "
              f"{rows[0]['steps']} steps; 20% validation split drawn by the seed; the last step is evaluated "
              "(no selection). Loss is held-out cross-entropy. Copies = node-crossing bytes per token / token "

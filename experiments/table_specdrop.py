@@ -5,9 +5,8 @@ import numpy as np
 
 from experiments.plans import SPECDROP_ARMS
 from experiments.stats import paired
-from experiments.tables import by, dates_of, mean_sd, seeds_of
+from experiments.tables import by, mean_sd, runs_header
 
-COMMAND = ".venv/bin/python -m experiments.run specdrop"
 LABELS = {"fashion_mnist": "Fashion-MNIST, 4 garment superclasses (this project's grouping; 20,000 images, 3 epochs)",
           "wordnet_glosses": "WordNet glosses -> 45 lexicographer files inside 4 parts of speech "
                              "(MiniLM gloss embeddings, 8,434 synsets, 8 epochs)",
@@ -22,8 +21,8 @@ def _m(rows, key):
 
 def make(rows, out_dir) -> str:
     groups = by(rows, "dataset", "arm")
-    lines = [f"Command: `{COMMAND}` (4 ranks via torchrun, node=2,gpu=2). Seeds {seeds_of(rows)}; run "
-             f"{dates_of(rows)}. 20% validation split drawn by the seed, last step evaluated. Arms: soft SpecDrop "
+    lines = [f"{runs_header('specdrop', rows, 'dataset', 'arm')} 4 ranks via torchrun, node=2,gpu=2. "
+             "20% validation split drawn by the seed, last step evaluated. Arms: soft SpecDrop "
              "(p_a 0.7), No-Routing (uniform 1/K merge), HardCategory (own expert only), dense + label-aware "
              "logit masking (uniform merge, logits outside the category masked in training and evaluation). "
              "Masked acc: the same model's logits masked to the row's category at evaluation; masking gain = "

@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from experiments.tables import dates_of
-
-COMMAND = ".venv/bin/python -m experiments.run throughput"
+from experiments.tables import runs_header
 
 
 def make(rows, out_dir) -> str:
@@ -14,8 +12,8 @@ def make(rows, out_dir) -> str:
     base = next(r for r in runs if r["router"] == "switch" and r["placement"] == "contiguous" and r["dedup"] == "none")
     compute = base["step_s"] - base["predicted_comm_s"]  # the model's step = compute + predicted all-to-alls
     fit = calib[-1]["calibration"] if calib else {}
-    lines = [f"Command: `{COMMAND}` (launch/emulate_cluster.sh: 2 network-namespace nodes x 2 ranks, "
-             f"inter-node link shaped to 400 mbit). Run {dates_of(runs)}. The tiny LM of `configs/lm_branch.yaml` "
+    lines = [f"{runs_header('throughput', runs, 'router', 'placement', 'dedup')} launch/emulate_cluster.sh: 2 "
+             "network-namespace nodes x 2 ranks, inter-node link shaped to 400 mbit. The tiny LM of `configs/lm_branch.yaml` "
              f"(E=8, top-2, 2 MoE layers, d_model 64), 16 sequences x 64 bytes per rank, {base['steps']} steps, "
              "seed 0; step time is the trainer's `train_seconds` / steps (evaluation excluded). Links calibrated "
              "at the start of the launch: " + ", ".join(

@@ -35,8 +35,26 @@ def by(rows, *keys) -> dict:
     return out
 
 
-def seeds_of(rows) -> str:
-    return ",".join(str(s) for s in sorted({r["seed"] for r in rows}))
+def runs_header(name: str, rows, *cell_keys) -> str:
+    """What was run, exactly: the command that reproduces these rows (with --seeds when they are not
+    the plan's default), how many runs, and the seeds of every cell that differs from the rest."""
+    import inspect
+    from collections import Counter
+
+    from experiments.plans import PLANS
+
+    cells = by(rows, *cell_keys)
+    seeds = {key: tuple(sorted({r["seed"] for r in rs})) for key, rs in cells.items()}
+    common = Counter(seeds.values()).most_common(1)[0][0]
+    default = tuple(inspect.signature(PLANS[name]).parameters["seeds"].default)
+    command = f".venv/bin/python -m experiments.run {name}"
+    if common != default:
+        command += " --seeds " + ",".join(map(str, common))
+    text = (f"Command: `{command}`. {len(rows)} runs on {dates_of(rows)}: seeds {','.join(map(str, common))} in each "
+            f"of the {len(cells)} {' x '.join(cell_keys)} cells")
+    odd = [f"{'/'.join(map(str, key))} seeds {','.join(map(str, s))}" for key, s in sorted(seeds.items())
+           if s != common]
+    return text + (f" except {'; '.join(odd)}." if odd else ".")
 
 
 def dates_of(rows) -> str:

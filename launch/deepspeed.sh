@@ -18,11 +18,9 @@ while [ $# -gt 0 ]; do
     *) LAUNCHER_ARGS+=("$1"); shift ;;
   esac
 done
-HERE=$(cd "$(dirname "$0")/.." && pwd)
-BIN="$HERE/.venv/bin"
-if [ ! -x "$BIN/deepspeed" ]; then
-  DS=$(command -v deepspeed) || { echo "deepspeed.sh: deepspeed not installed (make test installs it)" >&2; exit 2; }
-  BIN=$(dirname "$DS")
-fi
+# shellcheck source=launch/lib.sh
+. "$(dirname "$0")/lib.sh"
+DEEPSPEED=$(venv_tool deepspeed) || exit 2
+DIST_MOE=$(venv_tool dist-moe) || exit 2
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec "$BIN/deepspeed" "${LAUNCHER_ARGS[@]}" "$BIN/dist-moe" train engine=deepspeed "$@"
+run_launcher "$DEEPSPEED" "${LAUNCHER_ARGS[@]}" "$DIST_MOE" train engine=deepspeed "$@"

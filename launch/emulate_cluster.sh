@@ -8,7 +8,7 @@
 # only inter-node traffic is slow: ranks on one node talk over that namespace's
 # loopback. One `torchrun --nnodes N --node_rank i` per node (or, with
 # --launcher deepspeed, one `deepspeed --no_ssh --node_rank i` over a generated
-# hostfile) runs SCRIPT inside its namespace with the first `python` on PATH.
+# hostfile) runs SCRIPT inside its namespace with the project's .venv python (else the first on PATH).
 # Node 0's output streams here; the other nodes' go to log files named at the
 # end. Exits non-zero if any node fails. Namespaces carry a per-run suffix and
 # are removed on every exit path. Without root or iproute2 it says so and runs
@@ -42,12 +42,14 @@ case "$NODES$PPN" in *[!0-9]*) echo "emulate_cluster: --nodes and --procs-per-no
 case "$LAUNCHER" in torchrun|deepspeed) ;; *) echo "emulate_cluster: --launcher takes torchrun or deepspeed" >&2; exit 2 ;; esac
 
 SCRIPT_ARGS=("$@")
-PY=$(command -v python || command -v python3)
-[ -n "$PY" ] || { echo "emulate_cluster: no python on PATH" >&2; exit 2; }
+# shellcheck source=launch/lib.sh
+. "$(dirname "$0")/lib.sh"
+PY=$(venv_tool python) || exit 2
 LOGDIR=$(mktemp -d "${TMPDIR:-/tmp}/emulate_cluster.XXXXXX")
+error_dir  # every node's ranks write their error lines here (the namespaces share the file system)
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 if [ "$LAUNCHER" = deepspeed ]; then
-  DEEPSPEED=$(command -v deepspeed) || { echo "emulate_cluster: --launcher deepspeed needs deepspeed on PATH" >&2; exit 2; }
+  DEEPSPEED=$(venv_tool deepspeed) || exit 2
   # the launcher reads the node list from a hostfile; with --no_ssh each node starts its own ranks
   for i in $(seq 0 $((NODES - 1))); do echo "node$i slots=$PPN"; done >"$LOGDIR/hostfile"
 fi
@@ -95,7 +97,7 @@ wait_nodes() {  # wait for every node; the first failure stops the others (torch
   wait
   if [ "$NODES" -gt 1 ]; then echo "emulate_cluster: logs of nodes 1..$((NODES - 1)): $LOGDIR/node<i>.log" >&2; fi
   [ "$status" -eq 0 ] || echo "emulate_cluster: a node failed; the others were stopped" >&2
-  return "$status"
+  return "$(repeat_first_error "$status")"
 }
 
 trap 'stop_nodes; exit 130' INT TERM

@@ -7,7 +7,8 @@
 # Every process joins one gloo (CPU) or NCCL (GPU) group; the topology comes from
 # torchrun's variables (WORLD_SIZE, LOCAL_WORLD_SIZE), or DIST_MOE_TOPOLOGY=node=2,gpu=2
 # to describe a layout the launcher cannot see. Uses the project's .venv (made by
-# `make test` / `make demo`), else the python and dist-moe on PATH.
+# `make test` / `make demo`), else the python and dist-moe on PATH. Ctrl-C or kill stop
+# every rank; a failed run ends with the first rank's error line.
 set -euo pipefail
 NPROC=2
 PORT=29500
@@ -19,12 +20,12 @@ while [ $# -gt 0 ]; do
     *) break ;;
   esac
 done
-case "$NPROC" in ''|*[!0-9]*) echo "torchrun.sh: --nproc takes a positive integer, got '$NPROC'" >&2; exit 2 ;; esac
-HERE=$(cd "$(dirname "$0")/.." && pwd)
-PY="$HERE/.venv/bin/python"
-[ -x "$PY" ] || PY=$(command -v python || command -v python3)
-DIST_MOE="$HERE/.venv/bin/dist-moe"
-[ -x "$DIST_MOE" ] || DIST_MOE=$(command -v dist-moe) || { echo "torchrun.sh: dist-moe not installed (make test installs it)" >&2; exit 2; }
+case "$NPROC" in ''|*[!0-9]*|0*) echo "torchrun.sh: --nproc takes a positive integer, got '$NPROC'" >&2; exit 2 ;; esac
+case "$PORT" in ''|*[!0-9]*) echo "torchrun.sh: --port takes a port number, got '$PORT'" >&2; exit 2 ;; esac
+# shellcheck source=launch/lib.sh
+. "$(dirname "$0")/lib.sh"
+PY=$(venv_tool python) || exit 2
+DIST_MOE=$(venv_tool dist-moe) || exit 2
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" --master-port "$PORT" \
+run_launcher "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" --master-port "$PORT" \
   "$DIST_MOE" train "$@"

@@ -94,10 +94,28 @@ def replicas_for(num_experts: int, world: int) -> int:
     return r
 
 
+def memory_needed(world: int, tokens: int, top_k: int, levels: int) -> int:
+    """Bytes ``simulate`` holds at its peak: [W, W] byte, level and cost matrices (about 40 B per
+    rank pair with the topology's coordinate cube) and about 80 B per (token, expert) slot."""
+    return world * world * (40 + levels) + tokens * top_k * 80
+
+
+def check_memory(needed: int, what: str) -> None:
+    """Refuse, before allocating, work that would not fit in half of the memory available now."""
+    import psutil
+
+    free = psutil.virtual_memory().available
+    if needed > free // 2:
+        raise ValueError(f"{what} needs about {needed / 2**30:.1f} GiB, more than half of the "
+                         f"{free / 2**30:.1f} GiB available: simulate fewer ranks or fewer tokens per rank")
+
+
 def simulate(record: RoutingRecord, topology: Topology, placement_kind: str = "tree_prefix",
              tokens_per_rank: int = 256, seed: int = 0) -> dict:
     """Bytes per level and estimated all-to-all seconds for every dedup mode."""
     w = topology.world_size
+    check_memory(memory_needed(w, w * tokens_per_rank, record.expert_idx.shape[1], len(topology.sizes)),
+                 f"simulating {topology.describe()} ({w} ranks) with {tokens_per_rank} tokens per rank")
     r = replicas_for(record.num_experts, w)
     e_sim = r * record.num_experts
     g = torch.Generator().manual_seed(seed)

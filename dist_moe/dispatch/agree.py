@@ -97,3 +97,22 @@ def agreed_routing(router):
             for b, old in zip(router.buffers(), saved):
                 b.copy_(old)
         raise
+
+
+def agree_on_errors(check, group=None) -> None:
+    """Run ``check()`` (start-up checks: output directory, run lock, checkpoint) on every rank; a
+    ValueError on any rank is raised on every rank, so none is left waiting in the first collective
+    for a peer that has already stopped."""
+    try:
+        check()
+        mine = None
+    except ValueError as e:
+        mine = str(e)
+    messages = [mine]
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        messages = [None] * dist.get_world_size(group)
+        dist.all_gather_object(messages, mine, group=group)  # strings from peers, never from disk
+    bad = [(rank, m) for rank, m in enumerate(messages) if m]
+    if bad:
+        rank, message = bad[0]
+        raise ValueError(message if message == mine else f"rank {rank}: {message}")

@@ -19,6 +19,9 @@ from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.dispatch.stats import all_reduce_sum
 
 
+MAX_EXPERTS = 1 << 16  # 65,536: far beyond published MoE models (DeepSeek-V3: 256 routed experts)
+
+
 @dataclass
 class Routing:
     probs: Tensor  # [T, E] float32, the strategy's full distribution over experts
@@ -59,6 +62,8 @@ class Router(nn.Module):
     def __init__(self, num_experts: int, top_k: int, stats_group=None):
         super().__init__()
         num_experts = positive_int("num_experts", num_experts)
+        if num_experts > MAX_EXPERTS:  # refused before any [E, ...] tensor is allocated
+            raise ValueError(f"num_experts must be at most {MAX_EXPERTS}, got {num_experts}")
         if not _is_int(top_k) or not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
         self.num_experts = num_experts

@@ -26,17 +26,20 @@ streams). Tensors only: loading never unpickles objects.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import io
 import json
 import os
 import pickle
+import re
 import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch import nn
 
@@ -44,6 +47,8 @@ from dist_moe.dispatch.process_group import barrier
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
+CONFIG = "config.json"  # the run's config at the save: a resume that would change the model is refused
+_STEP_NAME = re.compile(r"step-[0-9]+")
 
 
 class CheckpointError(ValueError):
@@ -128,8 +133,11 @@ def verify(path: str | Path):
     if ".metadata" not in files:
         raise CheckpointError(f"checkpoint {path} has no .metadata (not a DCP checkpoint)")
     metadata = None
+    root = path.resolve()
     for name, want in files.items():
         f = path / name
+        if Path(name).is_absolute() or ".." in Path(name).parts or root not in f.resolve().parents:
+            raise CheckpointError(f"checkpoint {path}: its manifest names {name!r}, outside the checkpoint")
         if not f.is_file():
             raise CheckpointError(f"checkpoint {path} is missing {name}")
         raw = f.read_bytes() if name == ".metadata" else None  # the bytes DCP will get
@@ -225,8 +233,10 @@ def state_of(model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str
     return state
 
 
-def save(directory: str | Path, step: int, model: nn.Module, optimizer, extra: dict, group=None) -> Path:
-    """Write ``step-<step>`` atomically (every rank calls this); returns its path."""
+def save(directory: str | Path, step: int, model: nn.Module, optimizer, extra: dict, group=None,
+         config: dict | None = None) -> Path:
+    """Write ``step-<step>`` atomically (every rank calls this); returns its path. ``config``, the
+    run's config, is kept beside the tensors (``saved_config``)."""
     directory = Path(directory)
     final = directory / f"step-{step}"
     tmp = directory / f".tmp-step-{step}"
@@ -236,9 +246,12 @@ def save(directory: str | Path, step: int, model: nn.Module, optimizer, extra: d
         tmp.mkdir(mode=0o700)
     barrier(group)
     _materialise_optimizer_state(model, optimizer)  # a save before the first step still loads
-    dcp.save(state_of(model, optimizer, extra), checkpoint_id=tmp, process_group=group, no_dist=group is None)
+    with _unwrapped():
+        dcp.save(state_of(model, optimizer, extra), checkpoint_id=tmp, process_group=group, no_dist=group is None)
     barrier(group)
     if _rank(group) == 0:
+        if config is not None:
+            (tmp / CONFIG).write_text(json.dumps(config, indent=1, default=str) + "\n")
         write_manifest(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
@@ -251,14 +264,25 @@ def save(directory: str | Path, step: int, model: nn.Module, optimizer, extra: d
 
 
 def latest(directory: str | Path) -> Path | None:
-    """The newest complete checkpoint under ``directory``, or None."""
-    pointer = Path(directory) / LATEST
+    """The newest complete checkpoint under ``directory``, or None. ``latest`` may only name a
+    ``step-<N>`` directory of this very directory (no path, no link out of it)."""
+    directory = Path(directory)
+    pointer = directory / LATEST
     if not pointer.exists():
         return None
-    path = Path(directory) / pointer.read_text().strip()
+    name = pointer.read_text(errors="replace").strip()
+    path = directory / name
+    if not _STEP_NAME.fullmatch(name) or path.resolve().parent != directory.resolve():
+        raise CheckpointError(f"{pointer} names {name[:80]!r}, not a step-<N> checkpoint of {directory}")
     if not path.is_dir():
-        raise ValueError(f"{pointer} names {path.name}, which does not exist")
+        raise CheckpointError(f"{pointer} names {name}, which does not exist")
     return path
+
+
+def saved_config(path: str | Path) -> dict | None:
+    """The run config a checkpoint was saved with (None for checkpoints written before it was kept)."""
+    f = Path(path) / CONFIG
+    return json.loads(f.read_text()) if f.is_file() else None
 
 
 def load(path: str | Path, model: nn.Module, optimizer, extra: dict, group=None) -> dict:
@@ -274,10 +298,31 @@ def load(path: str | Path, model: nn.Module, optimizer, extra: dict, group=None)
         raise ValueError(f"checkpoint {path} lacks {len(missing)} entries this model needs, e.g. {missing[0]!r} "
                          "(another model, or experts this checkpoint never held)")
     wanted = {k: v for k, v in extra.items() if k in present}
-    dcp.load({**state, **wanted}, storage_reader=_VerifiedReader(Path(path), metadata), process_group=group,
-             no_dist=group is None)
-    _write_back(model, optimizer, state)
+    try:
+        with _unwrapped():
+            dcp.load({**state, **wanted}, storage_reader=_VerifiedReader(Path(path), metadata), process_group=group,
+                     no_dist=group is None)
+        _write_back(model, optimizer, state)
+    except (RuntimeError, AssertionError, ValueError) as e:  # DCP's and load_state_dict's size checks
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, CheckpointError) or not any(w in str(e).lower() for w in ("size", "shape", "mismatch")):
+            raise
+        raise CheckpointError(f"checkpoint {path} does not fit this model ({first[:300]}): another model size, "
+                              "router or expert count than the run that saved it") from None
     return wanted
+
+
+@contextlib.contextmanager
+def _unwrapped():
+    """DCP wraps every rank's failure in a CheckpointException, a BaseException whose text is a
+    traceback: raise the first rank's own exception instead (an OSError, a size mismatch, ...)."""
+    try:
+        yield
+    except CheckpointException as e:
+        inner = next((exc for exc, _ in e.failures.values() if isinstance(exc, Exception)), None)
+        if inner is None:
+            raise
+        raise inner from None
 
 
 def _materialise_optimizer_state(model: nn.Module, optimizer) -> None:

@@ -70,7 +70,7 @@ _POSITIVE = ("a positive int", lambda v: v >= 1)
 # key -> (type, may be None, (description, predicate) or None)
 _RULES = {
     "name": (str, False, ("a non-empty name", lambda v: bool(v.strip()))),
-    "seed": (int, False, ("an int >= 0", lambda v: v >= 0)),
+    "seed": (int, False, ("an int in [0, 2**63 - 1]", lambda v: 0 <= v < 2**63)),
     "engine": (str, False, ("one of torch, deepspeed, megatron", lambda v: v in ("torch", "deepspeed", "megatron"))),
     "parallel.placement": (str, False, ("one of contiguous, round_robin, tree_prefix or a placement .yaml "
                                         "(dist-moe place --out)",
@@ -194,7 +194,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> di
         if not path.is_file():
             raise ValueError(f"config path {str(path)!r} is not a file")
         try:
-            loaded = _yaml(path.read_text()) or {}
+            loaded = _yaml(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise ValueError(f"config file {str(path)!r} is not UTF-8 text (byte {e.start}: {e.reason})") from None
         except yaml.YAMLError as e:
             raise ValueError(f"config file {str(path)!r} is not valid YAML: {e}") from None
         if not isinstance(loaded, dict):
@@ -203,3 +205,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> di
     for item in overrides:
         cfg = _merge(cfg, parse_override(item))
     return validate(cfg)
+
+
+# Sections whose values make the model (or the data a position points into): a resume that
+# changes any of them would mix two configs in one run.
+MODEL_SECTIONS = ("router", "model", "data")
+
+
+def _leaves(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_leaves(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def model_changes(saved: dict, cfg: dict) -> list[tuple[str, object, object]]:
+    """(key, checkpoint's value, this run's value) for every model-making key that differs, plus ``seed``
+    (it orders the data the saved position counts into)."""
+    old = _leaves({k: saved.get(k, {}) for k in MODEL_SECTIONS} | {"seed": saved.get("seed")})
+    new = _leaves({k: cfg.get(k, {}) for k in MODEL_SECTIONS} | {"seed": cfg.get("seed")})
+    return [(k, old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]

@@ -98,6 +98,23 @@ def load_keel(name: str) -> tuple[np.ndarray, np.ndarray, list[str]]:
     return x, y, classes
 
 
+def check_table(x: np.ndarray, y: np.ndarray, num_classes: int, source: str) -> None:
+    """Refuse a table with non-finite cells or labels outside [0, num_classes), naming the file, the
+    column and the count: one NaN cell turns its whole column NaN once standardised, and every
+    training step would then be skipped."""
+    bad = ~np.isfinite(x)
+    if bad.any():
+        cols = np.flatnonzero(bad.any(0))
+        counts = ", ".join(f"column {c}: {int(bad[:, c].sum())}" for c in cols[:5])
+        raise ValueError(f"data file {source} holds {int(bad.sum())} non-finite cells (NaN or Inf) in "
+                         f"{len(cols)} of {x.shape[1]} columns ({counts}{', ...' if len(cols) > 5 else ''}); "
+                         "fix or delete the file (a cache is rebuilt from its package)")
+    out = (y < 0) | (y >= num_classes)
+    if out.any():
+        raise ValueError(f"data file {source} holds {int(out.sum())} labels outside [0, {num_classes}) "
+                         f"(e.g. {int(y[out][0])} in row {int(np.flatnonzero(out)[0])}); fix or delete the file")
+
+
 @dataclass
 class TabularSplit:
     x_train: torch.Tensor
@@ -149,6 +166,7 @@ def tabular_split(name: str, val_fraction: float = 0.2, seed: int = 0, max_rows:
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"data.val_fraction must lie in (0, 1), got {val_fraction!r}")
     x, y, classes = load_keel(name)
+    check_table(x, y, len(classes), str(data_dir() / f"keel_{name}.npz") if name in DATASETS else name)
     class_category, category_names = class_categories(categories, name, classes) if categories else (None, None)
     perm = np.random.default_rng(seed).permutation(len(x))
     if max_rows is not None:

@@ -23,14 +23,16 @@ import torch
 import yaml
 from tqdm import tqdm
 
+from dist_moe.dispatch.agree import agree_on_errors
 from dist_moe.dispatch.process_group import collective_failure
 from dist_moe.routing.gar import equal_task_weights, gar_train_step, moe_layers
 from dist_moe.train import checkpoint, records
 from dist_moe.train.build import data_and_model
-from dist_moe.train.config import validate
+from dist_moe.train.config import model_changes, validate
 from dist_moe.train.engines import Runtime
 from dist_moe.train.evaluate import evaluate, loss_of
 from dist_moe.train.metrics import metrics_of
+from dist_moe.train.rundir import RunLock, check_writable, truncate_metrics
 from placement import random_pair_tree_distance
 
 def json_safe(record: dict) -> dict:
@@ -91,7 +93,46 @@ def train(cfg: dict, quiet: bool = False, after=None) -> dict:
         runtime.shutdown(failed=failed)
 
 
+def _open_run(cfg: dict, rt: Runtime):
+    """Every rank's start-up checks, agreed before any training collective: the output directory is
+    writable, no other run holds it (rank 0 takes its lock), and a resumed checkpoint fits this config.
+    Returns (output directory, the lock or None, the checkpoint to resume or None)."""
+    out_dir = Path(cfg["output"]["dir"].format(name=cfg["name"]))
+    lock = RunLock(out_dir) if rt.is_main else None
+    found = []
+
+    def check():
+        check_writable(out_dir)
+        if lock is not None:
+            lock.acquire()
+        path = checkpoint.latest(out_dir / "checkpoints") if cfg["train"]["resume"] else None
+        if path is not None:
+            saved = checkpoint.saved_config(path)
+            for key, old, new in model_changes(saved, cfg)[:1] if saved is not None else ():
+                raise ValueError(f"train.resume: config key {key!r} is {new!r} in this run but {old!r} in "
+                                 f"checkpoint {path}: resuming would mix two models; use the checkpoint's "
+                                 "value, or train into a new output.dir")
+        found.append(path)
+
+    try:
+        agree_on_errors(check, rt.group if rt.world > 1 else None)
+    except ValueError:
+        if lock is not None:
+            lock.release()
+        raise
+    return out_dir, lock, found[0]
+
+
 def _train(cfg: dict, rt: Runtime, quiet: bool, after=None) -> dict:
+    out_dir, lock, resume_from = _open_run(cfg, rt)
+    try:
+        return _train_in(cfg, rt, quiet, after, out_dir, resume_from)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train_in(cfg: dict, rt: Runtime, quiet: bool, after, out_dir: Path, resume_from) -> dict:
     tcfg = cfg["train"]
     torch.manual_seed(cfg["seed"])  # the same on every rank: replicated modules start identical
     data, model = data_and_model(cfg, rt)
@@ -100,14 +141,7 @@ def _train(cfg: dict, rt: Runtime, quiet: bool, after=None) -> dict:
     gar = getattr(router, "gar_config", None)
     bs = tcfg["batch_size"]  # per rank, as DeepSpeed's train_micro_batch_size_per_gpu
     step_fn = rt.stepper(model, tcfg["lr"], tcfg["max_grad_norm"], bs)
-    out_dir = Path(cfg["output"]["dir"].format(name=cfg["name"]))
     ckpt_dir = out_dir / "checkpoints"
-    resume_from = checkpoint.latest(ckpt_dir) if tcfg["resume"] else None
-    if rt.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    logger = (JsonlLogger(out_dir / "metrics.jsonl", resume_from is not None, cfg["output"]["tensorboard"])
-              if rt.is_main else None)
 
     n, global_bs = len(data.x_train), bs * rt.world
     steps_per_epoch = math.ceil(n / global_bs)
@@ -120,6 +154,12 @@ def _train(cfg: dict, rt: Runtime, quiet: bool, after=None) -> dict:
     if resume_from is not None:
         step = records.resume(resume_from, model, step_fn.opt, cursor, rt)
     resumed_at = cursor.consumed
+    if rt.is_main:
+        (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+        if resume_from is not None:  # rows a killed run logged after this checkpoint are trained again
+            truncate_metrics(out_dir / "metrics.jsonl", step)
+    logger = (JsonlLogger(out_dir / "metrics.jsonl", resume_from is not None, cfg["output"]["tensorboard"])
+              if rt.is_main else None)
     total = max_steps or step + cursor.steps_left(total_samples)
     epochs = math.ceil(max_steps / steps_per_epoch) if max_steps else tcfg["epochs"]
 
@@ -135,6 +175,9 @@ def _train(cfg: dict, rt: Runtime, quiet: bool, after=None) -> dict:
     bar = tqdm(total=total, initial=step, desc=cfg["name"], disable=quiet or not rt.is_main, dynamic_ncols=True,
                mininterval=0.1 if sys.stderr.isatty() else 10.0)
     try:
+        already_finished = resume_from is not None and finished()
+        if already_finished:  # nothing left to train: report the checkpoint's model as it is
+            last_eval = evaluate(model, data.x_val, data.y_val, data.val_categories(), runtime=rt)
         # a router given total_steps counts its own forwards instead
         scheduled = hasattr(router, "set_progress") and getattr(router, "total_steps", None) is None
         while not finished():
@@ -166,7 +209,8 @@ def _train(cfg: dict, rt: Runtime, quiet: bool, after=None) -> dict:
                 if step % tcfg["log_every"] == 0 or last:
                     record.update(records.measured_bytes(model, rt))  # collective: every rank takes part
                 if logger is not None and (step % tcfg["log_every"] == 0 or last):
-                    record.update(metrics_of(model.moe.last_routing, model.moe.num_experts))
+                    if model.moe.last_routing is not None:  # None while every step so far was skipped
+                        record.update(metrics_of(model.moe.last_routing, model.moe.num_experts))
                     if hasattr(router, "progress"):
                         record["schedule_progress"] = float(router.progress)
                     logger.log({"step": step, **record})
@@ -174,7 +218,7 @@ def _train(cfg: dict, rt: Runtime, quiet: bool, after=None) -> dict:
                 bar.update(1)
                 if tcfg["checkpoint_every"] and (step % tcfg["checkpoint_every"] == 0 or last):
                     checkpoint.save(ckpt_dir, step, model, step_fn.opt, records.position(step, cursor, rt),
-                                    rt.group if rt.world > 1 else None)
+                                    rt.group if rt.world > 1 else None, config=cfg)
                 if last or cursor.offset == 0:
                     break
             last_eval = evaluate(model, data.x_val, data.y_val, data.val_categories(), runtime=rt)
@@ -190,7 +234,7 @@ def _train(cfg: dict, rt: Runtime, quiet: bool, after=None) -> dict:
     summary = {
         "name": cfg["name"], "router": cfg["router"]["type"], "engine": rt.engine, "world_size": rt.world,
         "topology": rt.topology().describe(),
-        "steps": step, "samples": cursor.consumed, "samples_this_run": cursor.consumed - resumed_at,
+        "steps": step, "already_finished": already_finished, "samples": cursor.consumed, "samples_this_run": cursor.consumed - resumed_at,
         "skipped_steps": int(skipped), "seconds": round(time.time() - start, 2),
         "train_seconds": round(train_seconds, 3),
         **last_eval,

@@ -1,0 +1,55 @@
+"""Ctrl-C or kill of an experiment driver stops everything it launched: no rank keeps running (and
+appending rows), no network namespace of the emulated cluster is left behind."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SLEEPER = str(ROOT / "tests/scripts/sleep_forever.py")
+DRIVER = "import sys; from experiments.run import run_forwarding, ROOT; sys.exit(run_forwarding(sys.argv[1:], " \
+         "dict(__import__('os').environ), ROOT))"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}/stat").exists() else "X"
+    return state not in ("Z", "X")
+
+
+def _namespaces() -> set:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    return {line.split()[0] for line in out.stdout.splitlines() if line.strip()}
+
+
+@pytest.mark.parametrize("launcher,sig", [("torchrun", signal.SIGTERM), ("emulated", signal.SIGINT)])
+def test_stopping_the_driver_stops_its_ranks_and_cleans_up(tmp_path, launcher, sig):
+    if launcher == "emulated" and (os.geteuid() != 0 or subprocess.run(["which", "ip"], capture_output=True).returncode):
+        pytest.skip("the emulated cluster needs root and iproute2")
+    before = _namespaces() if launcher == "emulated" else set()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MARK_DIR": str(tmp_path)}
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", SLEEPER]
+    else:
+        cmd = ["bash", str(ROOT / "launch/emulate_cluster.sh"), "--nodes", "2", "--procs-per-node", "1",
+               "--port", "29731", SLEEPER]
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, *cmd], env=env, cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("rank*.pid"))) < 2:  # both ranks are up
+        assert driver.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.2)
+    pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
+    if launcher == "emulated":
+        assert _namespaces() - before, "no namespaces while the emulated cluster runs"
+    driver.send_signal(sig)
+    assert driver.wait(timeout=60) != 0
+    time.sleep(0.5)
+    assert not [p for p in pids if _alive(p)], "ranks still running after the driver exited"
+    assert _namespaces() == before
