@@ -95,8 +95,9 @@ class MoELayer(nn.Module):
         padding_mask: Tensor | None = None,
     ):
         """x [..., hidden]; categories / token_ids per token (or [B] per sequence);
-        padding_mask [B, S] bool, True at padding (routed like any token, left out of
-        per-example summaries such as GAR's)."""
+        padding_mask [B, S] bool, True at padding (routed like any token, left out of the
+        router's statistics: aux loss, loads, anchors, biases; and of per-example summaries such
+        as GAR's)."""
         self.forwards += 1
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"MoELayer input last dim {x.shape[-1]} != hidden_size {self.hidden_size}")
@@ -114,7 +115,8 @@ class MoELayer(nn.Module):
             return self._forward(h, shape, categories, token_ids, padding_mask, problem)
 
     def _forward(self, h, shape, categories, token_ids, padding_mask, problem=None):
-        routing = self.router(h, categories=categories, token_ids=token_ids)
+        valid = None if padding_mask is None else ~padding_mask.reshape(-1)  # padding stays out of statistics
+        routing = self.router(h, categories=categories, token_ids=token_ids, valid=valid)
         routing.expert_idx, routing.gates = capacity_step(
             routing.expert_idx, routing.gates, self.num_experts, self.capacity_factor, routing.stats)
         if self.ablated_experts:  # the expert still runs; its gated output is zeroed (denominators unchanged)
@@ -145,6 +147,11 @@ class MoELayer(nn.Module):
                        list(self.experts.parameters()),
                        lambda: (self.last_router_input, self.last_router_extras, self.last_token_layout),
                        self.group if ep else None, self.dispatcher.rank if ep else 0, self.experts)
+
+    def expert_state_keys(self, prefix: str = "") -> dict:
+        """state-dict key of each expert tensor -> (global expert ids of its rows, checkpoint stem, stacked)."""
+        return {f"{prefix}experts.{slot}": (self.local_expert_ids, f"{prefix}experts.{slot}", True)
+                for slot, _ in self.experts.named_parameters()}
 
     @property
     def traffic(self) -> Traffic:

@@ -43,9 +43,11 @@ def _equivalence_worker(rank, world, routers):
         dscomm.all_to_all_single = counting
         try:
             with routing_context(categories=cats, token_ids=ids):
-                y, aux, counts = ds(x)
+                y, l_aux, counts = ds(x)
         finally:
             dscomm.all_to_all_single = original
+        # DeepSpeed's convention: the gate's l_aux comes unscaled; the loop applies its coefficient
+        aux = l_aux * getattr(gate.router, "aux_loss_coeff", 0.0)
         # equal splits: the share for the other ranks is the padded count, measured == analytic
         assert sent and sent[0] * (world - 1) // world == gate.traffic["padded_bytes"]
         ((y * w).sum() + aux).backward()
@@ -115,3 +117,31 @@ def test_capacity_is_deepspeeds_own_rule_with_its_min_capacity():
     assert capacity == int(_capacity(torch.zeros(20, 8), torch.tensor(1.25 * 2), torch.tensor(8))) == 8
     with pytest.raises(ValueError, match="min_capacity"):
         DistMoEGate({"type": "switch", "num_experts": 8}, 16, min_capacity=-1)
+
+
+def test_a_users_own_expert_module_is_hosted_like_deepspeed_moe_does():
+    import torch
+
+    from dist_moe.integrations.deepspeed import DeepSpeedHostedMoE
+    from dist_moe.train.checkpoint import _expert_keys
+
+    class Mine(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.tanh(self.fc(x))
+
+    torch.manual_seed(0)
+    layer = DeepSpeedHostedMoE(8, None, {"type": "switch", "num_experts": 4, "top_k": 2}, expert=Mine())
+    copies = layer._local()
+    assert len(copies) == 4 and all(isinstance(c, Mine) for c in copies)
+    y, aux = layer(torch.randn(6, 8))
+    (y.sum() + aux).backward()
+    assert sum(c.fc.weight.grad is not None for c in copies) >= 2  # the routed copies were trained
+    keys = _expert_keys(layer)  # checkpoints key each copy by its global expert id
+    assert sorted(stem for _, stem, _ in keys.values()) == sorted(["experts.fc.weight", "experts.fc.bias"] * 4)
+    assert sorted(ids[0] for ids, stem, _ in keys.values() if stem == "experts.fc.weight") == [0, 1, 2, 3]
+    site = layer.gar_site()
+    assert set(site.template) == {"fc.weight", "fc.bias"} and not site.stacked

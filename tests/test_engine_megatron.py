@@ -133,3 +133,31 @@ def test_padding_mask_follows_megatrons_convention_true_is_padding():
     assert torch.equal(probs.detach().abs().sum(1) > 0, megatron_valid)
     assert int((~megatron_valid).sum()) == 3
     assert routing_map.sum(1).eq(2).all()  # padding keeps its routes (Megatron sizes buffers as T x topk)
+
+
+def test_megatron_conventions_coefficient_from_config_and_category_layout():
+    """The aux-loss coefficient comes from config.moe_aux_loss_coeff (a conflicting router value, or one
+    for a router without an aux loss, is refused), and categories must be in Megatron's [S, B] order."""
+    from dist_moe.integrations import megatron_patches
+
+    megatron_patches.apply()
+    import torch
+
+    from dist_moe.integrations.context import routing_context
+    from dist_moe.integrations.megatron import DistMoERouter, megatron_config
+
+    cfg = megatron_config(8, 16, 4, 2, moe_aux_loss_coeff=0.05)
+    r = DistMoERouter(config=cfg, router={"type": "switch"})
+    assert r.router.aux_loss_coeff == 0.05 and r.router.top_k == 2  # both from Megatron's config
+    with pytest.raises(ValueError, match="disagree"):
+        DistMoERouter(config=cfg, router={"type": "switch", "aux_loss_coeff": 0.01})
+    with pytest.raises(ValueError, match="has no auxiliary loss"):
+        DistMoERouter(config=cfg, router={"type": "branch"})
+    spec = DistMoERouter(config=megatron_config(8, 16, 4, 4), router={"type": "specdrop", "num_categories": 3})
+    s, b = 5, 3
+    hidden = torch.randn(s, b, 8)
+    good = torch.randint(0, 3, (s, b))
+    with routing_context(categories=good):
+        spec(hidden)
+    with routing_context(categories=good.t().contiguous()), pytest.raises(ValueError, match=r"\[S, B\] = \[5, 3\]"):
+        spec(hidden)  # [B, S]: the right size, the wrong order

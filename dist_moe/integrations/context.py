@@ -30,12 +30,18 @@ def routing_context(categories: Tensor | None = None, token_ids: Tensor | None =
         _CONTEXT.reset(token)
 
 
-def routing_extras(num_tokens: int) -> dict:
-    """The active context's per-token tensors, flattened and checked against ``num_tokens``."""
+def routing_extras(num_tokens: int, layout: tuple | None = None, layout_name: str = "") -> dict:
+    """The active context's per-token tensors, flattened and checked against ``num_tokens``; with
+    ``layout`` (e.g. Megatron's (S, B)), a tensor of more than one dimension must have that shape:
+    a [B, S] tensor for [S, B] tokens has the right size and the wrong order."""
     extras = {}
     for name, value in _CONTEXT.get().items():
         if value is None:
             continue
+        if layout is not None and value.dim() > 1 and tuple(value.shape) != tuple(layout):
+            raise ValueError(f"routing_context {name} has shape {list(value.shape)}, but the layer's tokens are "
+                             f"{layout_name} = {list(layout)}: pass {name} in that layout (a [B, S] tensor needs "
+                             f".t() for Megatron's [S, B]), or flattened in its order")
         flat = value.reshape(-1)
         if flat.numel() != num_tokens:
             raise ValueError(f"routing_context {name} has {flat.numel()} entries for {num_tokens} tokens")

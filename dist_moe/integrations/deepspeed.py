@@ -5,7 +5,10 @@
 ``(l_aux, C, E, indices [K, S], locations [K, S], gates [K, S], exp_counts [E])``:
 indices -1 for dropped routes, (expert, location) slots unique and below C, and C
 the same on every expert-parallel rank (DeepSpeed sends E x C capacity-padded
-slots per rank). The router gradient flows through ``gates``.
+slots per rank). The router gradient flows through ``gates``. ``l_aux`` follows
+DeepSpeed's convention: unscaled (the strategy's ``aux_loss_coeff`` divided out), for
+the training loop's ``loss + coeff * l_aux``; ``DeepSpeedHostedMoE`` applies the
+strategy's coefficient itself, as dist-moe's layer does.
 
 Placement: DeepSpeed keeps expert slot s on EP rank s // (E / ep). A dist-moe
 placement is honoured by relabelling: logical expert e goes to the physical slot
@@ -114,7 +117,8 @@ class DistMoEGate(nn.Module):
         # a rank that raised alone would pair its next batch with its peers' current one
         problem = input_problem(x, extras.get("categories"), getattr(self.router, "num_categories", None))
         with agreed_routing(self.router):
-            routing = self.router(x, **extras)
+            used = None if used_token is None else used_token.reshape(-1) > 0  # unused: out of the statistics
+            routing = self.router(x, valid=used, **extras)
             idx, gates = routing.expert_idx, routing.gates
             if used_token is not None:  # unused tokens are routed nowhere
                 used = used_token.reshape(-1, 1) > 0
@@ -139,7 +143,14 @@ class DistMoEGate(nn.Module):
         exp_counts = torch.bincount(physical[routed], minlength=e)
         self._record(physical, capacity, x)
         self.last_routing = routing.detached()
-        return routing.aux_loss, capacity, e, physical.t(), locations.t(), gates.t(), exp_counts
+        return self.unscaled_aux(routing.aux_loss), capacity, e, physical.t(), locations.t(), gates.t(), exp_counts
+
+    def unscaled_aux(self, aux: Tensor) -> Tensor:
+        """DeepSpeed's convention: a gate returns l_aux without its coefficient and the training loop
+        writes ``loss + coeff * l_aux``. dist-moe's strategies scale theirs (``aux_loss_coeff``), so it
+        is divided out here; the strategy's coefficient then only says whether there is one (0: none)."""
+        coeff = getattr(self.router, "aux_loss_coeff", 0.0)
+        return aux / coeff if coeff else aux
 
     def _record(self, physical: Tensor, capacity: int, x: Tensor) -> None:
         row = x.shape[1] * x.element_size()
@@ -149,20 +160,30 @@ class DistMoEGate(nn.Module):
         self.traffic["padded_bytes"] += (self.ep_size - 1) * per_rank * capacity * row
 
 
-def deepspeed_moe_layer(hidden_size: int, ffn_hidden_size: int, router: Router | dict, ep_size: int = 1,
+def deepspeed_moe_layer(hidden_size: int, ffn_hidden_size: int | None, router: Router | dict, ep_size: int = 1,
                         placement: Placement | None = None, capacity_factor: float | None = None,
-                        expert_type: str = "swiglu", *, min_capacity: int = 8, **expert_kwargs):
-    """A ``deepspeed.moe.layer.MoE`` whose gate is ``DistMoEGate`` and whose experts are dist-moe's.
+                        expert_type: str = "swiglu", *, expert: nn.Module | None = None, min_capacity: int = 8,
+                        **expert_kwargs):
+    """A ``deepspeed.moe.layer.MoE`` whose gate is ``DistMoEGate``. Its experts are dist-moe's
+    (``expert_type``, ``ffn_hidden_size``), or, as ``deepspeed.moe.layer.MoE(expert=...)`` takes it,
+    the user's own ``expert`` module, which DeepSpeed copies into every local slot.
     ``min_capacity`` is DeepSpeed's (``MoE(min_capacity=8)``).
 
     Call ``set_deepspeed_parallelism()`` (or let ``deepspeed.initialize`` do it) after
-    ``deepspeed.init_distributed``; the layer returns (output, aux loss, expert counts).
+    ``deepspeed.init_distributed``; the layer returns (output, l_aux unscaled as DeepSpeed's gates
+    return it, expert counts).
     """
     deepspeed_patches.apply()
     from deepspeed.moe.layer import MoE
 
     gate = DistMoEGate(router, hidden_size, ep_size, placement, capacity_factor, min_capacity)
-    expert = SingleExpert(hidden_size, ffn_hidden_size, expert_type, **expert_kwargs)
+    if expert is None:
+        if ffn_hidden_size is None:
+            raise ValueError("deepspeed_moe_layer needs ffn_hidden_size for dist-moe's experts, or an expert module")
+        expert = SingleExpert(hidden_size, ffn_hidden_size, expert_type, **expert_kwargs)
+    elif not isinstance(expert, nn.Module):
+        raise ValueError(f"expert must be a torch.nn.Module (DeepSpeed copies it per slot), "
+                         f"got {type(expert).__name__}")
     # k=1 only satisfies MoE's own TopKGate check; that gate is replaced before any use
     moe = MoE(hidden_size, expert, num_experts=gate.router.num_experts, ep_size=ep_size, k=1)
     moe.deepspeed_moe.gate = gate
@@ -187,25 +208,41 @@ class DeepSpeedHostedMoE(HostedMoE):
     Needs ``deepspeed.init_distributed`` (``init_distributed`` here) first when ``ep_size > 1``.
     """
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, router: Router | dict, ep_size: int = 1,
+    def __init__(self, hidden_size: int, ffn_hidden_size: int | None, router: Router | dict, ep_size: int = 1,
                  placement: Placement | None = None, capacity_factor: float | None = None,
-                 expert_type: str = "swiglu", *, min_capacity: int = 8, **expert_kwargs):
+                 expert_type: str = "swiglu", *, expert: nn.Module | None = None, min_capacity: int = 8,
+                 **expert_kwargs):
         super().__init__()
         self.hidden_size = hidden_size
         self.moe = deepspeed_moe_layer(hidden_size, ffn_hidden_size, router, ep_size, placement, capacity_factor,
-                                       expert_type, min_capacity=min_capacity, **expert_kwargs)
+                                       expert_type, expert=expert, min_capacity=min_capacity, **expert_kwargs)
         rank = 0
         if torch.distributed.is_initialized():
             self.moe.set_deepspeed_parallelism()
             rank = torch.distributed.get_rank()
-        # DeepSpeed deep-copies one expert module into every slot of every rank: give each
-        # expert its own draw, off the global stream (replicated modules stay identical)
-        local = self.moe.deepspeed_moe.experts.deepspeed_experts
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(torch.initial_seed() + 1 + rank)
-            for expert in local:
-                fresh = SingleExpert(hidden_size, ffn_hidden_size, expert_type, **expert_kwargs)
-                expert.load_state_dict(fresh.state_dict())
+        if expert is None:
+            # DeepSpeed deep-copies one expert module into every slot of every rank: give each of
+            # dist-moe's experts its own draw, off the global stream (replicated modules stay identical).
+            # A user's own expert module keeps DeepSpeed's behaviour: identical copies.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(torch.initial_seed() + 1 + rank)
+                for copy in self._local():
+                    copy.load_state_dict(SingleExpert(hidden_size, ffn_hidden_size, expert_type,
+                                                      **expert_kwargs).state_dict())
+
+    def _local(self) -> list:
+        return list(self.moe.deepspeed_moe.experts.deepspeed_experts)
+
+    def expert_state_keys(self, prefix: str = "") -> dict:
+        """Each local expert copy's tensors under dist-moe's checkpoint stems (``experts.<slot>``)."""
+        ids = self.gate.placement.local_experts(self.gate._ep_rank())
+        out = {}
+        for j, copy in enumerate(self._local()):
+            inner = "inner." if isinstance(copy, SingleExpert) else ""
+            for slot in expert_slots(copy):
+                out[f"{prefix}moe.deepspeed_moe.experts.deepspeed_experts.{j}.{inner}{slot}"] = (
+                    [ids[j]], f"{prefix}experts.{slot}", isinstance(copy, SingleExpert))
+        return out
 
     @property
     def gate(self) -> DistMoEGate:
@@ -219,22 +256,33 @@ class DeepSpeedHostedMoE(HostedMoE):
     def last_routing(self):
         return self.gate.last_routing
 
-    def _run(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        y, aux, _ = self.moe(tokens)
-        return y, aux
+    def _run(self, tokens: Tensor, padding: Tensor | None) -> tuple[Tensor, Tensor]:
+        y, l_aux, _ = self.moe(tokens, used_token=None if padding is None else (~padding).float())
+        # dist-moe's layer interface returns the aux loss with the strategy's coefficient applied
+        return y, l_aux * getattr(self.router, "aux_loss_coeff", 0.0)
 
     def gar_site(self):
         """GAR over DeepSpeed's expert copies: materialized observations from their gradients."""
         from dist_moe.routing.gar_observe import GARSite
 
-        local = self.moe.deepspeed_moe.experts.deepspeed_experts
-        template = {n: [getattr(e.inner, n) for e in local] for n in local[0].inner.template()}
+        local = self._local()
+        slots = [expert_slots(e) for e in local]
+        template = {n: [s[n] for s in slots] for n in slots[0]}
         gate = self.gate
         ep = gate.ep_group if gate.ep_size > 1 else None
-        return GARSite(self.router, template, True, [p for e in local for p in e.parameters()],
+        return GARSite(self.router, template, isinstance(local[0], SingleExpert),
+                       [p for e in local for p in e.parameters()],
                        lambda: (gate.last_router_input, gate.last_router_extras,
                                 ((gate.last_router_input.shape[0],), None)),
                        ep, gate._ep_rank())
+
+
+def expert_slots(expert: nn.Module) -> dict:
+    """An expert copy's trainable parameters by template slot: dist-moe's ``SingleExpert`` by its
+    slot names (each a stacked [1, ...] tensor), a user's module by its own parameter names."""
+    if isinstance(expert, SingleExpert):
+        return expert.inner.template()
+    return {n: p for n, p in expert.named_parameters() if p.requires_grad}
 
 
 def load_dist_moe_experts(moe, experts) -> None:

@@ -2,7 +2,9 @@
 
 ``(y, aux) = layer(x [..., H], categories, token_ids, padding_mask)``: per-token or
 per-sequence categories and token ids are flattened as MoELayer does and handed to
-the engine's router through ``routing_context``; padding is routed like any token.
+the engine's router through ``routing_context``; padding (True in ``padding_mask``) is
+left out of the router's statistics, in each engine's own way (DeepSpeed's ``used_token``,
+Megatron's ``padding_mask``).
 Subclasses say how their engine runs the flat tokens (``_run``) and where their
 router and last routing live.
 """
@@ -20,8 +22,8 @@ class HostedMoE(nn.Module):
     def num_experts(self) -> int:
         return self.router.num_experts
 
-    def _run(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        """tokens [T, H] -> (y [T, H], aux loss) through the engine's layer."""
+    def _run(self, tokens: Tensor, padding: Tensor | None) -> tuple[Tensor, Tensor]:
+        """tokens [T, H], padding [T] bool or None -> (y [T, H], aux loss) through the engine's layer."""
         raise NotImplementedError
 
     def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None,
@@ -29,6 +31,7 @@ class HostedMoE(nn.Module):
         from dist_moe.layer import per_token
 
         categories, token_ids = per_token(categories, x.shape, "categories"), per_token(token_ids, x.shape, "token_ids")
+        padding = per_token(padding_mask, x.shape, "padding_mask")
         with routing_context(categories=categories, token_ids=token_ids):
-            y, aux = self._run(x.reshape(-1, self.hidden_size))
+            y, aux = self._run(x.reshape(-1, self.hidden_size), padding)
         return y.reshape(x.shape), aux

@@ -34,6 +34,7 @@ from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.integrations import megatron_patches
 from dist_moe.integrations.context import routing_extras
 from dist_moe.integrations.hosted import HostedMoE
+from dist_moe.routing import ROUTERS as ROUTER_TYPES
 from dist_moe.routing import Router, build_router
 from placement import Placement
 
@@ -48,14 +49,22 @@ class DistMoERouter(nn.Module):
         megatron_patches.apply()
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-        self._attach_aux = MoEAuxLossAutoScaler.apply
+        from megatron.core.transformer.moe.moe_utils import save_to_aux_losses_tracker
+
+        self._attach_aux, self._track = MoEAuxLossAutoScaler.apply, save_to_aux_losses_tracker
         self.config = config
         e, ep = config.num_moe_experts, config.expert_model_parallel_size
         if isinstance(router, dict):
+            router = _with_config_coefficient(router, config)
             # every rank that routes its own tokens; tensor-parallel ranks repeat the same tokens,
             # which scales BRANCH's and DeepSeek-V3's sums uniformly and leaves their ratios as they are
             stats = getattr(pg_collection, "tp_dp_cp", None) if pg_collection is not None else None
-            router = build_router({"hidden_size": config.hidden_size, "num_experts": e, **router}, stats_group=stats)
+            # hidden size, expert count and top-k come from Megatron's config unless the dict sets them
+            router = build_router({"hidden_size": config.hidden_size, "num_experts": e,
+                                   "top_k": config.moe_router_topk, **router}, stats_group=stats)
+        elif aux_coefficient(config) and aux_coefficient(config) != getattr(router, "aux_loss_coeff", 0.0):
+            raise ValueError(f"config.moe_aux_loss_coeff={aux_coefficient(config)} but the router's aux_loss_coeff "
+                             f"is {getattr(router, 'aux_loss_coeff', None)}: set one of them")
         if router.num_experts != e:
             raise ValueError(f"router has {router.num_experts} experts, config.num_moe_experts is {e}")
         if router.top_k != config.moe_router_topk:  # dropless dispatch sizes its buffers as T x topk
@@ -72,6 +81,7 @@ class DistMoERouter(nn.Module):
         self.router, self.placement = router, placement
         # every rank that routes different tokens agrees on bad input before Megatron's exchanges
         self.agree_group = getattr(pg_collection, "tp_dp_cp", None) if pg_collection is not None else None
+        self.track_group = getattr(pg_collection, "tp_cp", None) if pg_collection is not None else None
         self.forwards = 0
         self.layer_number = None
         self.last_routing = None
@@ -83,26 +93,72 @@ class DistMoERouter(nn.Module):
 
     def forward(self, hidden: Tensor, padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         h = hidden.reshape(-1, hidden.shape[-1])
-        extras = routing_extras(h.shape[0])
+        extras = routing_extras(h.shape[0], tuple(hidden.shape[:-1]), "[S, B]")
         self.last_router_input, self.last_router_extras = h.detach(), extras  # for GAR's recomputation
         self.forwards += 1
+        valid = None if padding_mask is None else ~padding_mask.reshape(-1).bool()  # padding: out of statistics
         problem = input_problem(h, extras.get("categories"), getattr(self.router, "num_categories", None))
         with agreed_routing(self.router):  # one small all-reduce: a rank that raised alone would
-            routing = self.router(h, **extras)  # leave Megatron's collective order
+            routing = self.router(h, valid=valid, **extras)  # leave Megatron's collective order
             agree(problem, self.forwards, self.agree_group, "DistMoERouter")
         idx = routing.expert_idx
         if bool((idx < 0).any()):
             raise ValueError("Megatron's dropless dispatch needs every token routed to top_k experts; "
                              "use Megatron's moe_expert_capacity_factor for capacity, not the router's")
-        if padding_mask is not None:  # True at padding: it keeps its routes (Megatron sizes its
-            # buffers as T x topk) with zero weight, so it adds nothing to any output
-            valid = ~padding_mask.reshape(-1, 1).bool()
-            routing.gates = routing.gates * valid.to(routing.gates.dtype)
+        if valid is not None:  # padding keeps its routes (Megatron sizes its buffers as T x topk)
+            routing.gates = routing.gates * valid.unsqueeze(1).to(routing.gates.dtype)  # with zero weight
         probs = routing.dense_gates()  # [T, E], gates at the selected experts
         routing_map = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, idx, True)
-        probs = self._attach_aux(probs, routing.aux_loss)
+        probs = self._attach_aux(probs, self._report_aux(routing.aux_loss, valid, h.shape[0]))
         self.last_routing, self.last_aux_loss = routing.detached(), routing.aux_loss.detach()
         return probs[:, self.logical_at], routing_map[:, self.logical_at]
+
+
+    def _report_aux(self, aux: Tensor, valid: Tensor | None, tokens: int) -> Tensor:
+        """The aux loss as Megatron's routers handle theirs: unscaled into its per-layer tracker (what
+        ``track_moe_metrics`` logs), and scaled by the valid token count under calculate_per_token_loss."""
+        coeff = getattr(self.router, "aux_loss_coeff", 0.0)
+        if not coeff:
+            return aux
+        layers = self.config.num_layers + (getattr(self.config, "mtp_num_layers", None) or 0)
+        self._track("load_balancing_loss", aux.detach() / coeff, self.layer_number, layers,
+                    reduce_group=self.track_group)
+        if getattr(self.config, "calculate_per_token_loss", False):
+            return aux * (valid.sum() if valid is not None else tokens)
+        return aux
+
+
+def aux_coefficient(config) -> float:
+    """The batch-level aux-loss coefficient a Megatron config asks for (``moe_aux_loss_coeff`` of the
+    ``aux_loss`` balancing type); other balancing types with a coefficient are refused."""
+    kinds = config.moe_router_load_balancing_type
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    coeffs = config.moe_aux_loss_coeff
+    coeffs = coeffs if isinstance(coeffs, list) else [coeffs] * len(kinds)
+    out = 0.0
+    for kind, c in zip(kinds, coeffs):
+        if c and kind != "aux_loss":
+            raise ValueError(f"config.moe_router_load_balancing_type={kind!r} with coefficient {c}: dist-moe's "
+                             "strategies give Megatron's batch-level 'aux_loss' only")
+        out = float(c) if c else out
+    return out
+
+
+def _with_config_coefficient(router: dict, config) -> dict:
+    """The router dict with Megatron's ``config.moe_aux_loss_coeff`` as its aux-loss coefficient."""
+    from dist_moe.routing.registry import accepted_keys
+
+    coeff, kind = aux_coefficient(config), router.get("type")
+    if not coeff:
+        return router
+    if kind in ROUTER_TYPES and "aux_loss_coeff" not in accepted_keys(kind):
+        raise ValueError(f"config.moe_aux_loss_coeff={coeff}, but router type {kind!r} has no auxiliary loss "
+                         "(it balances load its own way): set config.moe_aux_loss_coeff=0")
+    given = router.get("aux_loss_coeff")
+    if given is not None and float(given) != coeff:
+        raise ValueError(f"router aux_loss_coeff={given} and config.moe_aux_loss_coeff={coeff} disagree: "
+                         "set the coefficient in one place (Megatron's config)")
+    return {**router, "aux_loss_coeff": coeff}
 
 
 def megatron_config(hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, ep_size: int = 1,
@@ -125,7 +181,8 @@ def megatron_config(hidden_size: int, ffn_hidden_size: int, num_experts: int, to
         gated_linear_unit=expert_type == "swiglu",
         activation_func=torch.nn.functional.silu if expert_type == "swiglu" else torch.nn.functional.gelu,
         use_cpu_initialization=cpu, gradient_accumulation_fusion=False, bf16=False, params_dtype=torch.float32,
-        moe_aux_loss_coeff=0.0,  # the strategy's own aux loss is attached by DistMoERouter
+        # 0: the strategy's own coefficient applies; a coefficient here is Megatron's way to set it
+        moe_aux_loss_coeff=0.0,
     )
     fields.update(overrides)
     return TransformerConfig(**fields)
@@ -196,7 +253,8 @@ class MegatronHostedMoE(HostedMoE):
         with torch.random.fork_rng(devices=[]):  # a probe for top_k and the expert count; no RNG drawn
             probe = build_router({"hidden_size": hidden_size, **router})
         config = megatron_config(hidden_size, ffn_hidden_size, probe.num_experts, probe.top_k, ep_size,
-                                 dispatcher, expert_type)
+                                 dispatcher, expert_type,
+                                 moe_aux_loss_coeff=getattr(probe, "aux_loss_coeff", 0.0))  # Megatron's place
         self.hidden_size = hidden_size
         self.moe = megatron_moe_layer(config, router, placement)
 
@@ -208,9 +266,16 @@ class MegatronHostedMoE(HostedMoE):
     def last_routing(self):
         return self.moe.router.last_routing
 
-    def _run(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        y, _ = self.moe(tokens.unsqueeze(1))  # Megatron's [S, B=1, H]
+    def _run(self, tokens: Tensor, padding: Tensor | None) -> tuple[Tensor, Tensor]:
+        # Megatron's [S, B=1, H]; its layer takes the padding mask as [B, S] and transposes it
+        y, _ = self.moe(tokens.unsqueeze(1), padding_mask=None if padding is None else padding.unsqueeze(0))
         return y.squeeze(1), self.moe.router.last_aux_loss
+
+    def expert_state_keys(self, prefix: str = "") -> dict:
+        """Megatron's local experts, one plain tensor each, under dist-moe's checkpoint stems."""
+        ids = self.moe.router.placement.local_experts(self.moe.ep_group.rank())
+        return {f"{prefix}moe.experts.local_experts.{j}.{slot}": ([ids[j]], f"{prefix}experts.{slot}", False)
+                for j, mlp in enumerate(self.moe.experts.local_experts) for slot, _ in mlp.named_parameters()}
 
     def gar_site(self):
         """GAR over Megatron's SequentialMLP experts: materialized observations in their

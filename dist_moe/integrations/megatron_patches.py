@@ -6,6 +6,8 @@ must run before megatron.core is imported and is idempotent.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 _APPLIED = False
@@ -28,7 +30,38 @@ def apply() -> None:
     # of its split sizes and synchronises on it; on CPU the sizes only need to become lists.
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = object()
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _splits_to_lists
+    # 0.16.1: the RNG tracker that attention dropout and expert initialisation fork keeps CUDA
+    # generator states (model_parallel_cuda_manual_seed, DotProductAttention); keep CPU ones.
+    from megatron.core.tensor_parallel import random
+
+    random.CudaRNGStatesTracker = _cpu_rng_tracker(random.CudaRNGStatesTracker)
     _APPLIED = True
+
+
+def _cpu_rng_tracker(base):
+    class CpuRNGStatesTracker(base):
+        """Megatron's named RNG streams (model-parallel, expert-parallel, ...) on the CPU generator."""
+
+        def add(self, name, seed):
+            if seed in self.seeds_ or name in self.states_:
+                raise Exception(f"rng state {name} or seed {seed} already exists")
+            self._is_initialized = True
+            self.seeds_.add(seed)
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name="model-parallel-rng"):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            outer = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outer)
+
+    return CpuRNGStatesTracker
 
 
 def _splits_to_lists(self, point: str, tokens_per_expert=None):

@@ -44,12 +44,16 @@ class Routing:
         return out.scatter_add(1, idx, torch.where(kept, self.gates, 0.0))
 
 
-def expert_load(expert_idx: Tensor, num_experts: int, weights: Tensor | None = None) -> Tensor:
-    """Tokens (or gate mass with ``weights``) per expert; dropped slots (-1) are ignored."""
-    kept = expert_idx >= 0
-    idx = expert_idx[kept]
-    w = None if weights is None else weights[kept].float().detach()
-    return torch.bincount(idx, weights=w, minlength=num_experts).float()
+def expert_load(expert_idx: Tensor, num_experts: int, weights: Tensor | None = None,
+                valid: Tensor | None = None) -> Tensor:
+    """Tokens (or gate mass with ``weights``) per expert; dropped slots (-1) and tokens outside
+    ``valid`` ([T] bool, e.g. padding) are left out. A scatter-add, not a bincount over a masked
+    selection: no data-dependent shape, so no host sync on a GPU."""
+    w = (expert_idx >= 0).float() if weights is None else weights.detach().float() * (expert_idx >= 0)
+    if valid is not None:
+        w = w * valid.reshape(-1, 1)
+    load = torch.zeros(num_experts, device=expert_idx.device)
+    return load.scatter_add_(0, expert_idx.clamp_min(0).reshape(-1), w.reshape(-1))
 
 
 class Router(nn.Module):
@@ -141,7 +145,19 @@ class Router(nn.Module):
             )
         return categories.long()
 
-    def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None) -> Routing:
+    def check_valid(self, valid, num_tokens: int) -> Tensor | None:
+        """``valid`` [T] bool (False at padding) as a float mask, or None: padding is routed like
+        any token but left out of the statistics (aux loss, loads, anchors, biases), as Megatron's
+        routers leave it out."""
+        if valid is None:
+            return None
+        if not isinstance(valid, Tensor) or valid.shape != (num_tokens,):
+            shape = tuple(valid.shape) if isinstance(valid, Tensor) else type(valid).__name__
+            raise ValueError(f"valid must be a [T]=[{num_tokens}] bool tensor, got {shape}")
+        return valid.float()
+
+    def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None,
+                valid: Tensor | None = None) -> Routing:
         raise NotImplementedError
 
 

@@ -50,8 +50,10 @@ class BranchRouter(Router):
         """f_j(x) for all E-1 nodes, [T, E-1] fp32, one batched computation."""
         return self.node_map(x)
 
-    def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None) -> Routing:
+    def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None,
+                valid: Tensor | None = None) -> Routing:
         x = self.check_input(x, self.hidden_size)
+        keep = self.check_valid(valid, x.shape[0])
         f = self.node_scores(x)
         live = self.training
         masks = x.new_ones(x.shape[0], 1)  # M^(0) = 1_B
@@ -62,7 +64,7 @@ class BranchRouter(Router):
             if live:
                 # eq. 5-6: arrival weights are detached masks normalised over the
                 # (data-parallel) batch; the statistic stays differentiable in f.
-                w = masks.detach()
+                w = masks.detach() if keep is None else masks.detach() * keep.unsqueeze(1)  # no padding
                 mass = self.reduce_stats(w.sum(0))
                 weighted = self.reduce_stats((w * fd).sum(0))
                 stat = weighted / mass.clamp_min(torch.finfo(torch.float32).tiny)
@@ -83,7 +85,7 @@ class BranchRouter(Router):
         gates = vals
         if self.eta:
             gates = vals / vals.sum(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)  # eq. 21
-        stats = {"load": expert_load(idx, self.num_experts)}
+        stats = {"load": expert_load(idx, self.num_experts, valid=keep)}
         return Routing(probs=probs, expert_idx=idx, gates=gates, aux_loss=zero_aux(x.device), stats=stats)
 
     @torch.no_grad()

@@ -24,12 +24,16 @@ from dist_moe.routing.hashing import hash_combine
 from dist_moe.routing.node_map import NodeMap
 
 
-def switch_aux_loss(probs: Tensor, expert_idx: Tensor, coeff: float) -> Tensor:
-    """coeff * E * sum_e f_e * P_e; f_e = share of the T*K selections, P_e = mean probability."""
-    t, e = probs.shape
-    kept = expert_idx >= 0
-    f = expert_load(expert_idx, e) / kept.sum().clamp_min(1)
-    mean_prob = probs.sum(0) / max(t, 1)  # a rank with zero tokens contributes 0, not NaN
+def switch_aux_loss(probs: Tensor, expert_idx: Tensor, coeff: float, valid: Tensor | None = None) -> Tensor:
+    """coeff * E * sum_e f_e * P_e; f_e = share of the T*K selections, P_e = mean probability, both over
+    the ``valid`` tokens only (Megatron's switch_load_balancing_loss_func with its padding mask)."""
+    e = probs.shape[1]
+    load = expert_load(expert_idx, e, valid=valid)
+    f = load / load.sum().clamp_min(1)
+    if valid is None:
+        mean_prob = probs.sum(0) / max(probs.shape[0], 1)  # a rank with no tokens adds 0, not NaN
+    else:
+        mean_prob = (probs * valid.unsqueeze(1)).sum(0) / valid.sum().clamp_min(1)
     return coeff * e * (f.to(probs.dtype) * mean_prob).sum()
 
 
@@ -118,16 +122,18 @@ class SwitchRouter(_LearnedFlatRouter):
             x = x * torch.empty_like(x).uniform_(1 - self.jitter_eps, 1 + self.jitter_eps)
         return self.node_map(x)
 
-    def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None) -> Routing:
+    def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None,
+                valid: Tensor | None = None) -> Routing:
         x = self.check_input(x, self.hidden_size)
+        keep = self.check_valid(valid, x.shape[0])
         probs = torch.softmax(self.logits(x), dim=-1)
         _, idx = select_top_k(self.limit_to_groups(probs.detach()), self.top_k)
         vals = probs.gather(1, idx)
         gates = vals / vals.sum(1, keepdim=True) if self.normalize_gates else vals
-        aux = switch_aux_loss(probs, idx, self.aux_loss_coeff)
+        aux = switch_aux_loss(probs, idx, self.aux_loss_coeff, keep)
         stats = {}
         idx, gates = capacity_step(idx, gates, self.num_experts, self.capacity_factor, stats)
-        stats["load"] = expert_load(idx, self.num_experts)
+        stats["load"] = expert_load(idx, self.num_experts, valid=keep)
         return Routing(probs=probs, expert_idx=idx, gates=gates, aux_loss=aux, stats=stats)
 
 
@@ -180,8 +186,10 @@ class DeepSeekV3Router(_LearnedFlatRouter):
         self.normalize_gates = bool(normalize_gates)
         self.register_buffer("expert_bias", torch.zeros(num_experts))
 
-    def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None) -> Routing:
+    def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None,
+                valid: Tensor | None = None) -> Routing:
         x = self.check_input(x, self.hidden_size)
+        keep = self.check_valid(valid, x.shape[0])
         logits = self.node_map(x)
         scores = torch.sigmoid(logits) if self.score_func == "sigmoid" else torch.softmax(logits, dim=-1)
         biased = scores.detach() + self.expert_bias  # the bias enters the selection only
@@ -191,7 +199,7 @@ class DeepSeekV3Router(_LearnedFlatRouter):
         idx = chosen.gather(1, order)
         vals = scores.gather(1, idx)
         gates = vals / vals.sum(1, keepdim=True).clamp_min(1e-20) if self.normalize_gates else vals
-        load = expert_load(idx, self.num_experts)
+        load = expert_load(idx, self.num_experts, valid=keep)  # padding does not move the biases
         if self.updates_state and self.bias_update_rate > 0:
             global_load = self.reduce_stats(load)
             # underloaded experts (load < mean) move up by gamma, overloaded down
@@ -209,7 +217,8 @@ class HashRouter(Router):
         self.hidden_size = hidden_size
         self.seed = int(seed)
 
-    def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None) -> Routing:
+    def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None,
+                valid: Tensor | None = None) -> Routing:
         x = self.check_input(x, self.hidden_size)
         t = x.shape[0]
         if token_ids is None:
@@ -223,7 +232,7 @@ class HashRouter(Router):
         _, idx = select_top_k(score.double(), self.top_k)
         gates = x.new_full((t, self.top_k), 1.0 / self.top_k)
         probs = x.new_zeros(t, self.num_experts).scatter(1, idx, gates)
-        stats = {"load": expert_load(idx, self.num_experts), "dropped": 0}
+        stats = {"load": expert_load(idx, self.num_experts, valid=self.check_valid(valid, t)), "dropped": 0}
         return Routing(probs=probs, expert_idx=idx, gates=gates, aux_loss=zero_aux(x.device), stats=stats)
 
 
@@ -237,10 +246,11 @@ class UniformRouter(Router):
         super().__init__(num_experts, top_k)
         self.hidden_size = hidden_size
 
-    def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None) -> Routing:
+    def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None,
+                valid: Tensor | None = None) -> Routing:
         x = self.check_input(x, self.hidden_size)
         t, e = x.shape[0], self.num_experts
         probs = x.new_full((t, e), 1.0 / e)
         idx = torch.arange(e, device=x.device).expand(t, e).contiguous()
-        stats = {"load": expert_load(idx, e), "dropped": 0}
+        stats = {"load": expert_load(idx, e, valid=self.check_valid(valid, t)), "dropped": 0}
         return Routing(probs=probs, expert_idx=idx, gates=probs.clone(), aux_loss=zero_aux(x.device), stats=stats)

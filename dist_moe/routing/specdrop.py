@@ -165,7 +165,8 @@ class SpecDropRouter(Router):
         return self.weight_table()[int(c)] / self.S
 
     # --- forward -----------------------------------------------------------
-    def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None) -> Routing:
+    def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None,
+                valid: Tensor | None = None) -> Routing:
         x = self.check_input(x, self.hidden_size)
         t = x.shape[0]
         if self.variant == "uniform" and categories is None:
@@ -187,7 +188,8 @@ class SpecDropRouter(Router):
             gates_dense = probs
         _, idx = select_top_k(probs, self.top_k)
         gates = gates_dense.gather(1, idx)
-        stats = {"load": expert_load(idx, self.num_experts, weights=gates), "dropped": 0}
+        stats = {"load": expert_load(idx, self.num_experts, weights=gates, valid=self.check_valid(valid, t)),
+                 "dropped": 0}
         return Routing(probs=probs, expert_idx=idx, gates=gates, aux_loss=zero_aux(x.device), stats=stats)
 
     def extra_repr(self) -> str:

@@ -177,26 +177,10 @@ def _expert_keys(model: nn.Module) -> dict[str, tuple[list[int], str, bool]]:
     DeepSpeed's copies are [1, ...] each; Megatron's are one plain tensor per expert. The
     stem is ``<layer>.experts.<slot>`` for every host, so checkpoints name experts alike.
     """
-    from dist_moe.layer import MoELayer
-
     out = {}
     for name, m in model.named_modules():
-        prefix = f"{name}." if name else ""
-        if isinstance(m, MoELayer):
-            for slot, _ in m.experts.named_parameters():
-                out[f"{prefix}experts.{slot}"] = (m.local_expert_ids, f"{prefix}experts.{slot}", True)
-        elif type(m).__name__ == "DeepSpeedHostedMoE":
-            ids = m.gate.placement.local_experts(m.gate._ep_rank())
-            for j, expert in enumerate(m.moe.deepspeed_moe.experts.deepspeed_experts):
-                for slot, _ in expert.inner.named_parameters():
-                    key = f"{prefix}moe.deepspeed_moe.experts.deepspeed_experts.{j}.inner.{slot}"
-                    out[key] = ([ids[j]], f"{prefix}experts.{slot}", True)
-        elif type(m).__name__ == "MegatronHostedMoE":
-            ids = m.moe.router.placement.local_experts(m.moe.ep_group.rank())
-            for j, mlp in enumerate(m.moe.experts.local_experts):
-                for slot, _ in mlp.named_parameters():
-                    key = f"{prefix}moe.experts.local_experts.{j}.{slot}"
-                    out[key] = ([ids[j]], f"{prefix}experts.{slot}", False)
+        if hasattr(m, "expert_state_keys"):  # MoELayer and the engine-hosted layers say where theirs are
+            out.update(m.expert_state_keys(f"{name}." if name else ""))
     return out
 
 

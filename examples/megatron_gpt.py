@@ -1,0 +1,102 @@
+"""A Megatron-core GPTModel whose MoE router is dist-moe's, plugged in through the layer spec.
+
+    .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 examples/megatron_gpt.py
+
+Two decoder layers from ``get_gpt_layer_local_spec`` with an MoE FFN of 4 experts (expert
+parallel over the launched ranks, Megatron's alltoall dispatcher). The same model is built twice
+from one seed: once with Megatron's own TopKRouter, once with ``DistMoERouter(switch)`` swapped
+into ``spec.submodules.mlp.submodules.router``, its router weights copied from the first. Where
+the semantics match (softmax before top-k, no jitter, Megatron's aux_loss with the coefficient
+from ``config.moe_aux_loss_coeff``) both train to the same losses, step for step; the aux loss of
+both reaches Megatron's tracker (``track_moe_metrics``). Sequences end in padding, which both
+routers leave out of their statistics.
+"""
+import functools
+
+import torch
+import torch.distributed as dist
+
+from dist_moe.integrations import megatron_patches
+
+megatron_patches.apply()  # CPU: no CUDA streams, no Transformer Engine (a no-op on GPUs)
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+from megatron.core.transformer.moe.moe_utils import track_moe_metrics  # noqa: E402
+
+from dist_moe.integrations.megatron import DistMoERouter  # noqa: E402
+
+STEPS, BATCH, SEQ, VOCAB, EXPERTS = 4, 4, 16, 64, 4
+
+
+def build(config, dist_moe_router: bool):
+    torch.manual_seed(0)  # the same initial weights for both
+    spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False)
+    if dist_moe_router:  # the one line a Megatron user changes
+        spec.submodules.mlp.submodules.router = functools.partial(DistMoERouter, router={"type": "switch",
+                                                                                          "jitter_eps": 0.0})
+    return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ)
+
+
+def copy_weights(megatron_model, dist_moe_model) -> None:
+    theirs = dict(megatron_model.named_parameters())
+    with torch.no_grad():
+        for name, p in dist_moe_model.named_parameters():
+            p.copy_(theirs[name.replace("router.router.node_map.weight", "router.weight")])
+
+
+def train(model, config, rank: int, world: int) -> list[tuple[float, float]]:
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+    out = []
+    for step in range(STEPS):
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+        padding = torch.zeros(BATCH, SEQ, dtype=torch.bool)
+        padding[:, SEQ - 1 - step:] = True  # the sequences end in padding
+        positions = torch.arange(SEQ).expand(BATCH, SEQ)
+        causal = torch.triu(torch.ones(1, 1, SEQ, SEQ), diagonal=1).bool()  # True: masked out (Megatron's)
+        loss = model(tokens[:, :-1], positions, causal, labels=tokens[:, 1:], padding_mask=padding)
+        loss = (loss * ~padding).sum() / (~padding).sum()
+        opt.zero_grad()
+        loss.backward()
+        for name, p in model.named_parameters():  # data parallelism for the replicated weights
+            if world > 1 and ".experts." not in name:
+                dist.all_reduce(p.grad)
+                p.grad /= world
+        opt.step()
+        tracked = {}
+        track_moe_metrics(1.0, step, total_loss_dict=tracked, num_layers=config.num_layers)
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        out.append((float(mean_loss) / world, float(tracked["load_balancing_loss"])))
+    return out
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
+    model_parallel_cuda_manual_seed(0)  # Megatron's named RNG streams (on the CPU generator without CUDA)
+    config = TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, num_moe_experts=EXPERTS,
+        moe_router_topk=2, moe_router_pre_softmax=True, moe_aux_loss_coeff=0.01,
+        moe_router_load_balancing_type="aux_loss", moe_token_dispatcher_type="alltoall",
+        expert_model_parallel_size=world, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        use_cpu_initialization=not torch.cuda.is_available(), gradient_accumulation_fusion=False,
+        bf16=False, params_dtype=torch.float32)
+    megatron_model, dist_moe_model = build(config, False), build(config, True)
+    copy_weights(megatron_model, dist_moe_model)
+    theirs = train(megatron_model, config, rank, world)
+    ours = train(dist_moe_model, config, rank, world)
+    if rank == 0:
+        for step, ((l1, a1), (l2, a2)) in enumerate(zip(theirs, ours)):
+            print(f"step {step}: loss TopKRouter {l1:.6f} DistMoERouter {l2:.6f}; "
+                  f"load_balancing_loss {a1:.6f} {a2:.6f}")
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
