@@ -6,6 +6,7 @@ import numpy as np
 from experiments.plans import DATASETS, ROUTER_ARMS
 from experiments.stats import paired
 from experiments.tables import by, fmt, mean_sd, runs_header
+from placement.report import legend_below
 
 FLAT = ("switch", "deepseek_v3", "skywork", "hash")
 
@@ -105,8 +106,7 @@ def _plot(summary, path) -> None:
     axes[1].set_ylabel("copies across nodes per token\n(node dedup, own placement)")
     for ax in axes:
         ax.set_xticks(np.arange(len(arms)) + 0.4 - width / 2, arms, rotation=30, ha="right")
-        ax.legend(fontsize=8)
     fig.suptitle("BRANCH-MoE vs flat routers, E=16 top-4, 4 ranks as 2 nodes x 2")
-    fig.tight_layout()
+    legend_below(fig, axes, 0.1)
     fig.savefig(path, dpi=110)
     plt.close(fig)

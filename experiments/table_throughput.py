@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from experiments.tables import runs_header
+from placement.report import legend_below
 
 
 def make(rows, out_dir) -> str:
@@ -49,8 +50,7 @@ def _plot(points, path) -> None:
     ax.bar(x + 0.2, [1e3 * p[2] for p in points], 0.4, label="cost model")
     ax.set_xticks(x, [p[0] for p in points], rotation=35, ha="right", fontsize=8)
     ax.set_ylabel("ms per training step")
-    ax.legend()
     ax.set_title("tiny MoE LM, 2 emulated nodes x 2, 400 mbit inter-node link")
-    fig.tight_layout()
+    legend_below(fig, [ax], 0.08)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -19,6 +19,6 @@ if [ ! -f /usr/share/wordnet/data.noun ] || [ ! -f /usr/share/games/fortunes/for
   exec dist-moe train "output.dir=$OUT"
 fi
 launch/emulate_cluster.sh --nodes 2 --procs-per-node 2 --port "${DEMO_PORT:-29655}" \
-  "$HERE/.venv/bin/dist-moe" train --quiet --config configs/lm_branch.yaml "output.dir=$OUT" "$@"
+  "$HERE/.venv/bin/dist-moe" train --config configs/lm_branch.yaml "output.dir=$OUT" "$@"
 dist-moe report "$OUT"
 echo "demo: report at $OUT/report.md (plots beside it)"

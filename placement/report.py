@@ -53,6 +53,8 @@ def analyze(record: RoutingRecord, topology: Topology, run_placement: str = "con
            "num_experts": record.num_experts, "run_placement": run_placement, "placements": {}}
     lower = record.token_bytes * (1 - 1 / topology.num_nodes) if topology.num_nodes > 1 else 0.0
     out["node_lower_bound_bytes_per_token"] = lower
+    heat = record.dispatch["dedup"] if record.dispatch is not None else "rank"  # the heatmap shows the run's mode
+    out["heatmap_dedup"] = heat
     for name, placement in _placements(record, topology, run_placement).items():
         modes = {}
         for dedup in DEDUP_MODES:
@@ -60,7 +62,7 @@ def analyze(record: RoutingRecord, topology: Topology, run_placement: str = "con
             levels = traffic.by_level()
             modes[dedup] = {"bytes_per_token_by_level": {k: v / t for k, v in levels.items()},
                             "estimated_seconds": topology.cost.estimate(traffic, dedup),
-                            "matrix": traffic.matrix.tolist() if dedup == "rank" else None}
+                            "matrix": traffic.matrix.tolist() if dedup == heat else None}
         out["placements"][name] = {"expert_to_rank": placement.expert_to_rank, "modes": modes,
                                    "node_cut_coactivation": cut_weight(record.coactivation(),
                                                                        placement.expert_nodes(topology).tolist())}
@@ -93,6 +95,7 @@ def write_report(run_dir: str | Path, topology: Topology, run_placement: str = "
     report = dict(layers[0])
     report["layers"] = [{k: v for k, v in a.items() if k in ("placements", "run_dispatch", "expert_load",
                                                               "tree_distance")} for a in layers]
+    report["heatmap_dedup"] = layers[0]["heatmap_dedup"]
     steps = [r for r in _metrics(run_dir) if "loss" in r]
     report["training"] = {
         "steps": [r["step"] for r in steps],
@@ -139,6 +142,18 @@ def _markdown(report: dict, topology: Topology) -> str:
     return "\n".join(lines)
 
 
+def legend_below(fig, axes, space: float = 0.14) -> None:
+    """One legend for the figure, under the plots, where it cannot cover a bar; then the layout."""
+    handles, labels = {}, []
+    for ax in axes:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            if label not in handles:
+                handles[label] = h
+                labels.append(label)
+    fig.legend([handles[x] for x in labels], labels, loc="lower center", ncol=min(len(labels), 5), frameon=False)
+    fig.tight_layout(rect=(0, space, 1, 1))
+
+
 def _plots(run_dir: Path, report: dict, topology: Topology) -> None:
     import matplotlib
 
@@ -146,10 +161,11 @@ def _plots(run_dir: Path, report: dict, topology: Topology) -> None:
     import matplotlib.pyplot as plt
 
     run_name = report["run_placement"] if report["run_placement"] in report["placements"] else "optimized"
-    matrix = torch.tensor(report["placements"][run_name]["modes"]["rank"]["matrix"], dtype=torch.float64)
+    dedup = report["heatmap_dedup"]  # the run's own dedup mode
+    matrix = torch.tensor(report["placements"][run_name]["modes"][dedup]["matrix"], dtype=torch.float64)
     fig, ax = plt.subplots(figsize=(5, 4))
     im = ax.imshow((matrix / 1024).numpy(), cmap="viridis")
-    ax.set(title=f"dispatch KiB, {run_name} placement, rank dedup", xlabel="destination rank",
+    ax.set(title=f"dispatch KiB, {run_name} placement, {dedup} dedup", xlabel="destination rank",
            ylabel="source rank")
     ticks = range(0, matrix.shape[0], max(1, matrix.shape[0] // 16))  # whole ranks, at most 16 labels
     ax.set_xticks(ticks)
@@ -171,8 +187,7 @@ def _plots(run_dir: Path, report: dict, topology: Topology) -> None:
             ax.axhline(report["node_lower_bound_bytes_per_token"], color="k", ls="--", lw=1, label="lower bound")
         ax.set_xticks([j + width for j in range(len(groups))], [f"L{li} {n}" for li, n in groups], rotation=20)
         ax.set(title=f"bytes per token crossing the {level} level", ylabel="B/token")
-    axes[0][0].legend()
-    fig.tight_layout()
+    legend_below(fig, axes[0])
     fig.savefig(run_dir / "bytes_by_level.png", dpi=100)
     plt.close(fig)
 

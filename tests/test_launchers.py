@@ -63,3 +63,21 @@ def test_launcher_option_errors(tmp_path):
     proc = subprocess.run([str(ROOT / "launch/torchrun.sh"), "--nproc", "two"], capture_output=True, text=True,
                           timeout=30)
     assert proc.returncode == 2 and "'two'" in proc.stderr
+    proc = subprocess.run([str(ROOT / "launch/torchrun.sh"), "--nproc", "0"], capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 2 and "positive integer, got '0'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("script", ["torchrun.sh", "emulate_cluster.sh"])
+def test_the_first_ranks_error_is_the_launchers_last_line(tmp_path, script):
+    """Below torchrun's ChildFailedError report, the script repeats the first rank's line and exits
+    with its code (2 for a bad config; torchrun itself says 1 for any failure)."""
+    if script == "torchrun.sh":
+        cmd = [str(ROOT / "launch/torchrun.sh"), "--nproc", "2", "--port", str(free_port()), "data.name=nope"]
+    else:
+        cmd = [str(ROOT / "launch/emulate_cluster.sh"), "--nodes", "2", "--procs-per-node", "1", "--port",
+               str(free_port()), str(Path(sys.executable).parent / "dist-moe"), "train", "data.name=nope"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("dist-moe: error: data.name must be one of"), proc.stderr[-2000:]

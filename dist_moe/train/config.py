@@ -62,6 +62,7 @@ DEFAULT_CONFIG: dict = {
               # the run stops once more than max_skipped_steps have been skipped
               "max_skipped_steps": 10},
     # tensorboard: also write TensorBoard scalars to <dir>/tensorboard (needs the tensorboard package)
+    # {name}: the config's name, plus any model-changing overrides of this run (+router.top_k=2)
     "output": {"dir": "runs/{name}", "tensorboard": False},
 }
 _OPEN_SECTIONS = {"router"}  # free-form here, checked by build_router
@@ -204,7 +205,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> di
         cfg = _merge(cfg, loaded)
     for item in overrides:
         cfg = _merge(cfg, parse_override(item))
+    cfg["name"] = run_name(cfg["name"], overrides)
     return validate(cfg)
+
+
+def run_name(name: str, overrides) -> str:
+    """``name`` plus the overrides that change the model or its data (``+router.variant=uniform``), so
+    that a control run gets an output directory of its own instead of overwriting the config's run;
+    unchanged when the overrides set ``name`` or ``output.dir`` themselves."""
+    keys = [item.split("=", 1)[0].strip() for item in overrides]
+    if any(k == "name" or k.startswith("output.") for k in keys):
+        return name
+    tags = [item.strip() for item, k in zip(overrides, keys) if k.split(".")[0] in (*MODEL_SECTIONS, "seed")]
+    return name + "".join("+" + t.replace("/", "_").replace(" ", "") for t in tags)
 
 
 # Sections whose values make the model (or the data a position points into): a resume that
