@@ -145,19 +145,23 @@ class Experts(nn.Module):
 
 
 def apply_experts(experts: Experts, x: Tensor, pair_row: Tensor, pair_slot: Tensor, pair_gate: Tensor,
-                  row_tags: Tensor | None = None) -> Tensor:
-    """y[r] = sum over pairs p with pair_row[p] == r of gate_p * expert_{slot_p}(x[r]).
+                  row_tags: Tensor | None = None, counts: list[int] | None = None) -> Tensor:
+    """y[r] = sum over pairs p with pair_row[p] == r of gate_p * expert_{slot_p}(x[r]), in fp32.
 
     Pairs are grouped by local expert slot with one stable sort, so each expert runs
-    once on a contiguous slice; gated outputs are reduced per row with index_add.
-    ``row_tags`` [rows of x] are handed to a tagging capture (GAR observations).
+    once on a contiguous slice; gated outputs are reduced per row with index_add, in
+    fp32 whatever the activations' dtype (the caller casts once). ``counts`` (pairs per
+    slot, known to the dispatcher from its exchange header) saves the one host read that
+    sizing the slices takes otherwise. ``row_tags`` [rows of x] are handed to a tagging
+    capture (GAR observations).
     """
     order = torch.argsort(pair_slot, stable=True)
     rows, gates = pair_row[order], pair_gate[order]
-    counts = torch.bincount(pair_slot, minlength=experts.num_experts).tolist()
+    if counts is None:
+        counts = torch.bincount(pair_slot, minlength=experts.num_experts).tolist()
     out = experts(x[rows], counts, None if row_tags is None else row_tags[rows])
-    y = torch.zeros_like(x)
-    return y.index_add(0, rows, (out * gates.unsqueeze(1).to(out.dtype)).to(x.dtype))
+    y = torch.zeros(x.shape[0], out.shape[1], dtype=torch.float32, device=x.device)
+    return y.index_add(0, rows, out.float() * gates.float().unsqueeze(1))
 
 
 class SingleExpert(nn.Module):

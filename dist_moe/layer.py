@@ -24,7 +24,7 @@ from dist_moe.experts import Experts, SharedExpert, apply_experts
 from dist_moe.routing import Router, Routing, build_router
 from dist_moe.routing.capacity import capacity_for, capacity_step
 from placement import Placement, Topology, Traffic
-from placement.traffic import DEDUP_MODES
+from placement.plan import check_dedup
 
 
 class MoELayer(nn.Module):
@@ -48,8 +48,7 @@ class MoELayer(nn.Module):
         """``timeout`` (timedelta) bounds the collectives of any process group this layer creates
         (node dedup's per-node groups); ``group``'s own timeout is set where it was created."""
         super().__init__()
-        if dedup not in DEDUP_MODES:
-            raise ValueError(f"dedup must be one of {DEDUP_MODES}, got {dedup!r}")
+        check_dedup(dedup)
         if capacity_factor is not None:
             capacity_for(1, 1, 1, capacity_factor)  # validates the value
         world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
@@ -126,7 +125,7 @@ class MoELayer(nn.Module):
         tags = None if capture is None or capture.source_tags is None else capture.source_tags(shape[:-1], padding_mask)
         if self.dispatcher is None:
             token, expert, gate = routing_pairs(routing.expert_idx, routing.gates)
-            y = apply_experts(self.experts, h, token, expert, gate, tags)
+            y = apply_experts(self.experts, h, token, expert, gate, tags).to(h.dtype)  # accumulated in fp32
         else:
             y = self.dispatcher(h, routing.expert_idx, routing.gates, self.experts, copy_meta=categories,
                                 row_tags=tags, tag=self.forwards, problem=problem)

@@ -100,12 +100,12 @@ def check_equivalence(router: str, dedup: str, topology: Topology, placement: Pl
             assert copies == n * (E - E // world), f"{tag}: {copies} copies for {n} tokens"
         elif dedup == "rank":  # one per other rank
             assert copies == n * (world - 1), f"{tag}: {copies} copies for {n} tokens"
-    if dedup != "node":  # metadata: per pair copy id + expert id + fp32 gate, per copy one category
+    if dedup != "node":  # metadata: per pair copy id + (expert id, fp32 gate) in one int64, per copy one category
         dst = placement.rank_tensor()[ep.last_routing.expert_idx.clamp_min(0)][ep.last_routing.expert_idx >= 0]
         pairs = int((dst != rank).sum())
         copies = pairs if dedup == "none" else sum(
             len(set(placement.rank_of(e) for e in row.tolist() if e >= 0) - {rank}) for row in ep.last_routing.expert_idx)
-        assert ep.metadata_bytes == pairs * 20 + copies * 8, f"{tag}: metadata bytes {ep.metadata_bytes}"
+        assert ep.metadata_bytes == pairs * 16 + copies * 8, f"{tag}: metadata bytes {ep.metadata_bytes}"
 
 
 def run_all(topology: Topology, dedups=("none", "rank", "node"), routers=None) -> int:

@@ -11,12 +11,17 @@ node   stage 1: one copy per (token, destination node) to the rank on that node
        node); stage 2: each gateway forwards one copy per destination rank inside
        its node. The combine reduces inside the node before crossing back.
 
+The plan comes from ``placement.plan`` (the same one ``dispatch_traffic`` counts);
+each exchange reads back to the host once, its split sizes (``all_to_all.exchange``),
+so a forward blocks the host once per exchange (twice with node dedup) and the
+backward not at all. Outputs accumulate in fp32 and are cast once.
+
 Every exchange records the payload bytes it sends to each peer in ``traffic``
 (this rank's row), so summed over ranks the measured matrix equals
 ``placement.dispatch_traffic`` for the same routings. Routing metadata travels
 beside the payload and is counted separately in ``metadata_bytes`` (to other
-ranks only): per pair its copy index and expert id (int64 each) and its gate,
-per copy its integer tags (categories) at 8 bytes each.
+ranks only): per pair 16 bytes (its copy index; its expert id and gate packed in one
+int64), per copy its integer tags (categories, row tags) at 8 bytes each.
 """
 from __future__ import annotations
 
@@ -26,11 +31,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dist_moe.dispatch.all_to_all import send_copies
+from dist_moe.dispatch.all_to_all import exchange
 from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.experts import Experts, apply_experts
 from placement import Placement, Topology
-from placement.traffic import DEDUP_MODES, unique_pairs
+from placement.plan import DispatchPlan, Exchange, check_dedup
 
 
 def routing_pairs(expert_idx: Tensor, gates: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -81,17 +86,16 @@ class ExpertParallelDispatcher:
     node_group = WeakGroup()
 
     def __init__(self, group, placement: Placement, topology: Topology, dedup: str = "rank", timeout=None):
-        if dedup not in DEDUP_MODES:
-            raise ValueError(f"dedup must be one of {DEDUP_MODES}, got {dedup!r}")
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         if topology.world_size != self.world:
             raise ValueError(f"topology {topology.describe()} has {topology.world_size} ranks, the group {self.world}")
         placement.check(placement.num_experts, self.world)
-        self.placement, self.topology, self.dedup = placement, topology, dedup
+        self.placement, self.topology, self.dedup = placement, topology, check_dedup(dedup)
         self.rank_of = placement.rank_tensor()
         self.slot_of = placement.local_slot_tensor()
+        self.num_local = placement.num_experts // self.world
         self.g = topology.ranks_per_node
         self.node_group = node_subgroup(group, topology, timeout) if dedup == "node" else None
         self.calls = 0
@@ -101,13 +105,12 @@ class ExpertParallelDispatcher:
         self.traffic = torch.zeros(self.world, self.world, dtype=torch.long)
         self.metadata_bytes = 0
 
-    def _record(self, copies: list[int], pairs: list[int], peer_base: int, row_bytes: int, copy_meta_bytes: int,
-                pair_bytes: int) -> None:
+    def _record(self, copies: list[int], pairs: list[int], peer_base: int, row_bytes: int, copy_meta_bytes: int) -> None:
         for i, (n_copies, n_pairs) in enumerate(zip(copies, pairs)):
             peer = peer_base + i
             if peer != self.rank:
                 self.traffic[self.rank, peer] += n_copies * row_bytes
-                self.metadata_bytes += n_copies * copy_meta_bytes + n_pairs * pair_bytes
+                self.metadata_bytes += n_copies * copy_meta_bytes + n_pairs * 16  # copy id; expert + gate
 
     def _index_tensors(self, device):
         if self.rank_of.device != device:  # moved once, not on every call
@@ -127,44 +130,40 @@ class ExpertParallelDispatcher:
         """
         self.calls += 1
         tag = self.calls if tag is None else tag
-        rank_of, _ = self._index_tensors(h.device)
-        token, expert, gate = routing_pairs(expert_idx, gates)
-        dst_rank = rank_of[expert]
-        parts = [t.reshape(h.shape[0], -1).long() for t in (copy_meta, row_tags) if t is not None]
-        meta = torch.cat(parts, 1) if parts else None
-        if self.dedup == "none":
-            copy_token, dst, pair_copy = token, dst_rank, torch.arange(token.shape[0], device=h.device)
-        elif self.dedup == "rank":
-            copy_token, dst, pair_copy = unique_pairs(token, dst_rank, self.world)
-        else:
-            copy_token, dst_node, pair_copy = unique_pairs(token, dst_rank // self.g, self.topology.num_nodes)
-            dst = dst_node * self.g + self.rank % self.g  # the gateway on each destination node
-        y_copies = self._exchange(h, copy_token, dst, pair_copy, expert, gate, meta, experts, row_tags is not None,
-                                  tag, problem)
-        return torch.zeros_like(h).index_add(0, copy_token, y_copies)
-
-    def _exchange(self, h, copy_row, dst, pair_copy, expert, gate, meta, experts, tagged: bool, tag: int,
-                  problem) -> Tensor:
-        tags = (lambda m: m[:, -1]) if tagged else (lambda m: None)  # the last meta column holds row tags
-        rank_of, slot_of = self.rank_of, self.slot_of  # already on h's device (__call__)
+        rank_of, slot_of = self._index_tensors(h.device)
+        t = h.shape[0]
+        parts = [m.reshape(t, -1).long() for m in (copy_meta, row_tags) if m is not None]
+        meta = torch.cat(parts, 1) if parts else h.new_zeros((t, 0), dtype=torch.long)
+        plan = DispatchPlan.build(expert_idx, self.placement, self.topology, self.dedup, self.rank, local=True)
+        stage = plan.stages[0]
+        pair_expert = expert_idx.reshape(-1)
+        pair_gate = gates.reshape(-1)
         row_bytes = h.shape[1] * h.element_size()
-        pair_bytes = 16 + gate.element_size()  # copy index and expert id (int64) and the gate
-        meta_bytes = 0 if meta is None else 8 * meta.shape[1]
-        copy_meta = None if meta is None else meta[copy_row]
-        recv, sent, sent_pairs = send_copies(self.group, self.world, h[copy_row], dst, pair_copy, expert, gate,
-                                             copy_meta, tag, problem)
-        self._record(sent, sent_pairs, 0, row_bytes, meta_bytes, pair_bytes)
-        if self.dedup != "node":
-            y = apply_experts(experts, recv.x, recv.pair_copy, slot_of[recv.pair_expert], recv.pair_gate,
-                              tags(recv.copy_meta))
-            return recv.send_back(y)
-        # stage 2 on the gateway: one copy per destination rank inside this node
+        tagged = row_tags is not None
+        recv, sent, sent_pairs, copy_row = exchange(self.group, stage, h, plan.pair_token, pair_expert, pair_gate,
+                                                    meta, slot_of, self.num_local, tag, problem)
+        self._record(sent, sent_pairs, 0, row_bytes, 8 * meta.shape[1])
+        y = self._node_stage(recv, experts, tag, row_bytes, tagged) if self.dedup == "node" else \
+            self._run(recv, experts, tagged)
+        back = recv.send_back(y.to(h.dtype))
+        out = torch.zeros(t, h.shape[1], dtype=torch.float32, device=h.device)
+        return out.index_add(0, copy_row, back.float()).to(h.dtype)  # fp32 accumulation, cast once
+
+    def _run(self, recv, experts: Experts, tagged: bool) -> Tensor:
+        """This rank's experts on the pairs it received: one fp32 row per received copy."""
+        tags = recv.copy_meta[:, -1] if tagged else None  # the last meta column holds row tags
+        return apply_experts(experts, recv.x, recv.pair_copy, self.slot_of[recv.pair_expert], recv.pair_gate,
+                             tags, counts=recv.expert_counts)
+
+    def _node_stage(self, recv, experts: Experts, tag: int, row_bytes: int, tagged: bool) -> Tensor:
+        """Stage 2 on the gateway: one copy per destination rank inside this node."""
         node_base = self.topology.node_of(self.rank) * self.g
-        row, local_dst, pair_copy2 = unique_pairs(recv.pair_copy, rank_of[recv.pair_expert] - node_base, self.g)
-        recv2, sent2, sent_pairs2 = send_copies(self.node_group, self.g, recv.x[row], local_dst, pair_copy2,
-                                                recv.pair_expert, recv.pair_gate, recv.copy_meta[row], tag)
-        self._record(sent2, sent_pairs2, node_base, row_bytes, meta_bytes, pair_bytes)
-        y2 = apply_experts(experts, recv2.x, recv2.pair_copy, slot_of[recv2.pair_expert], recv2.pair_gate,
-                           tags(recv2.copy_meta))
-        y = torch.zeros_like(recv.x).index_add(0, row, recv2.send_back(y2))
-        return recv.send_back(y)
+        local_dst = self.rank_of[recv.pair_expert] - node_base
+        stage2 = Exchange.group(recv.pair_copy, local_dst, self.g, recv.x.shape[0])
+        recv2, sent2, sent_pairs2, row2 = exchange(self.node_group, stage2, recv.x, recv.pair_copy, recv.pair_expert,
+                                                   recv.pair_gate, recv.copy_meta, self.slot_of, self.num_local, tag)
+        self._record(sent2, sent_pairs2, node_base, row_bytes, 8 * recv.copy_meta.shape[1])
+        y2 = self._run(recv2, experts, tagged)
+        back = recv2.send_back(y2.to(recv.x.dtype))
+        y = torch.zeros(recv.x.shape[0], recv.x.shape[1], dtype=torch.float32, device=recv.x.device)
+        return y.index_add(0, row2, back.float())
