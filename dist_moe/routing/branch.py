@@ -96,11 +96,10 @@ class BranchRouter(Router):
         as a step, so the warmup cap still removes the initialisation bias afterwards.
         """
         ok = (mass > 0) & torch.isfinite(stat)
-        if not bool(ok.any()):
-            return
-        self.ema_step += 1
-        t = int(self.ema_step)
-        alpha = min(self.ema_decay, (t - 1) / t)
+        # tensor arithmetic only (no host read on a GPU): a batch that reaches no node moves nothing
+        self.ema_step += ok.any().long()
+        t = self.ema_step.double().clamp_min(1)
+        alpha = torch.clamp((t - 1) / t, max=self.ema_decay).to(self.anchors.dtype)
         new = alpha * self.anchors + (1 - alpha) * stat
         self.anchors.copy_(torch.where(ok, new, self.anchors))
 

@@ -26,21 +26,24 @@ def slot_positions(expert_idx: Tensor, num_experts: int) -> Tensor:
     flat = expert_idx.t().reshape(-1)
     key = torch.where(flat >= 0, flat, num_experts)  # dropped slots sort last
     order = torch.argsort(key, stable=True)  # grouped by expert, priority order kept inside a group
-    counts = torch.bincount(key, minlength=num_experts + 1)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=key.device).scatter_add_(0, key,
+                                                                                          torch.ones_like(key))
     start = torch.cumsum(counts, 0) - counts
     position = torch.empty_like(order)
     position[order] = torch.arange(order.numel(), device=order.device) - start[key[order]]  # slot in its expert
     return position.reshape(k, t).t()
 
 
-def apply_capacity(expert_idx: Tensor, gates: Tensor, num_experts: int, capacity: int) -> tuple[Tensor, Tensor, int]:
+def apply_capacity(expert_idx: Tensor, gates: Tensor, num_experts: int, capacity: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(expert ids with dropped slots -1, gates 0 there, the number dropped as a 0-dim tensor: no host read)."""
     keep = (expert_idx >= 0) & (slot_positions(expert_idx, num_experts) < capacity)
-    dropped = int((expert_idx >= 0).sum() - keep.sum())
+    dropped = (expert_idx >= 0).sum() - keep.sum()
     return torch.where(keep, expert_idx, -1), torch.where(keep, gates, torch.zeros_like(gates)), dropped
 
 
 def capacity_step(expert_idx: Tensor, gates: Tensor, num_experts: int, capacity_factor, stats: dict):
-    """Apply ``capacity_factor`` (None: dropless) and record "dropped" (added up) and "capacity" in stats."""
+    """Apply ``capacity_factor`` (None: dropless) and record "dropped" (added up; a tensor once a slot
+    could drop) and "capacity" in stats."""
     stats.setdefault("dropped", 0)
     if capacity_factor is None:
         return expert_idx, gates

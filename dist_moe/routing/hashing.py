@@ -24,11 +24,11 @@ def fmix32(h: Tensor) -> Tensor:
 
 
 def hash_combine(*parts: Tensor | int) -> Tensor:
-    """Hash several int64 tensors (broadcast together) into one 32-bit value each."""
+    """Hash several int64 tensors (broadcast together) into one 32-bit value each. Python ints
+    mix as Python ints (the same low 32 bits), so no tensor is made off the inputs' device."""
     h = None
     for part in parts:
-        v = part if isinstance(part, Tensor) else torch.tensor(part, dtype=torch.long)
-        v = fmix32(v.long())
+        v = fmix32(part.long() if isinstance(part, Tensor) else int(part))
         h = v if h is None else fmix32(h * 31 + v)
     return h
 

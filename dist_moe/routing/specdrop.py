@@ -139,19 +139,29 @@ class SpecDropRouter(Router):
             raise ValueError(f"progress fraction must lie in [0, 1], got {fraction!r}")
         self.progress.fill_(fraction)
 
-    def scheduled_weights(self) -> tuple[float, float]:
-        """(p_a, p_i) at the current progress, before the imbalance rule."""
+    def _scheduled(self) -> tuple[Tensor, Tensor]:
+        """(p_a, p_i) as 0-dim float64 tensors on the router's device: the forward never reads the
+        progress back to the host."""
         k, s = self.num_experts, self.S
         w = self.warmup_fraction
-        ramp = 1.0 if w == 0 else 0.5 * (1 - math.cos(math.pi * min(float(self.progress) / w, 1.0)))
+        progress = self.progress.double()
+        if w == 0:
+            ramp = torch.ones_like(progress)
+        else:
+            ramp = 0.5 * (1 - torch.cos(math.pi * torch.clamp(progress / w, max=1.0)))
         p_a = s / k + (self.p_a_target - s / k) * ramp
-        p_i = (s - p_a) / (k - 1) if k > 1 else 0.0
+        p_i = (s - p_a) / (k - 1) if k > 1 else torch.zeros_like(p_a)
         return p_a, p_i
+
+    def scheduled_weights(self) -> tuple[float, float]:
+        """(p_a, p_i) at the current progress, before the imbalance rule."""
+        p_a, p_i = self._scheduled()
+        return float(p_a), float(p_i)
 
     def weight_table(self) -> Tensor:
         """[M, K] weights p_k(c) at the current progress (rows sum to S)."""
         k, s = self.num_experts, self.S
-        p_a, p_i = self.scheduled_weights()
+        p_a, p_i = self._scheduled()
         gap = (p_a - p_i) * self.gap_scale.double()
         p_a_c, p_i_c = s / k + gap * (k - 1) / k, s / k - gap / k
         table = p_i_c.unsqueeze(1).repeat(1, k)
@@ -174,7 +184,7 @@ class SpecDropRouter(Router):
         categories = self.check_categories(categories, t, self.num_categories)
         if self.updates_state:
             if self.total_steps is not None:  # steps completed so far: the first forward is at 0
-                self.progress.fill_(min(float(self.step) / self.total_steps, 1.0))
+                self.progress.copy_(torch.clamp(self.step.double() / self.total_steps, max=1.0))
             self.step += 1
         weights = self.weight_table().to(x.device)[categories]  # [T, K] p_k(c)
         probs = weights / self.S
@@ -182,7 +192,7 @@ class SpecDropRouter(Router):
             if token_ids is None:
                 token_ids = torch.arange(t, device=x.device)
             experts = torch.arange(self.num_experts, device=x.device)
-            u = uniform01(hash_combine(self.seed, int(self.step), token_ids.long().unsqueeze(1), experts))
+            u = uniform01(hash_combine(self.seed, self.step, token_ids.long().unsqueeze(1), experts))
             gates_dense = (u < weights).float() / self.S  # fixed denominator S, not the active count
         else:
             gates_dense = probs

@@ -22,7 +22,7 @@ def routing_metrics(expert_idx: Tensor, load: Tensor, dropped: int, num_experts:
     return {
         "load_cv": load_cv(load),
         "tree_distance": td,
-        "dropped_fraction": dropped / max(expert_idx.numel(), 1),
+        "dropped_fraction": float(dropped) / max(expert_idx.numel(), 1),
     }
 
 
