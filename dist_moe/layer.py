@@ -23,6 +23,7 @@ from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.experts import Experts, SharedExpert, apply_experts
 from dist_moe.routing import Router, Routing, build_router
 from dist_moe.routing.capacity import capacity_for, capacity_step
+from dist_moe.seeding import fork_rng
 from placement import Placement, Topology, Traffic
 from placement.plan import check_dedup
 
@@ -175,7 +176,7 @@ def _local_experts(world: int, rank: int, *args, **kwargs) -> Experts:
     where it was, so the replicated modules built next stay identical across ranks."""
     if world == 1:
         return Experts(*args, **kwargs)
-    with torch.random.fork_rng(devices=[]):
+    with fork_rng():
         torch.manual_seed(torch.initial_seed() + 1 + rank)
         return Experts(*args, **kwargs)
 

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dist_moe.dispatch.stats import reduce_copy
+
 # input_problem's bits, and what each says
 INPUT_PROBLEMS = {1: "NaN or Inf in the router input", 2: "category ids out of range"}
 
@@ -73,7 +75,7 @@ def agree(problem: Tensor, tag: int, group, what: str = "this MoE layer", maxima
     t = torch.tensor([0, tag, -tag, *maxima], dtype=torch.long, device=problem.device)
     t[0] = problem.reshape(())
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        t = reduce_copy(t, group, dist.ReduceOp.MAX)
     worst, high, low, *agreed = t.tolist()
     if worst:  # the largest code over the ranks: enough to say what went wrong
         raise _rejected(what, f"{describe_problem(worst)} on a rank of the group "

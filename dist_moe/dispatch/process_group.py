@@ -20,28 +20,73 @@ def launched_world_size() -> int:
     return world
 
 
-def init_from_env(timeout_s: float = 300.0, always: bool = False):
-    """Join the launched group (gloo on CPU, nccl with CUDA); returns (rank, world, group or None).
+DEVICES = ("auto", "cpu", "cuda")
 
-    A single process gets no group unless ``always`` (engines that need one even alone);
-    MASTER_ADDR / MASTER_PORT must then be set (``Runtime`` sets them).
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def resolve_device(choice: str = "auto") -> torch.device:
+    """``parallel.device``: the CPU, or this process's GPU (LOCAL_RANK); auto takes a GPU when one is
+    visible. A group that already exists decides (NCCL: its GPU; gloo: the CPU)."""
+    if choice not in DEVICES:
+        raise ValueError(f"parallel.device must be one of {DEVICES}, got {choice!r}")
+    if dist.is_initialized():
+        nccl = dist.get_backend() == "nccl"
+        if choice == "cuda" and not nccl or choice == "cpu" and nccl:
+            raise ValueError(f"parallel.device={choice} but the process group that exists already is "
+                             f"{dist.get_backend()} (NCCL runs on GPUs, gloo here on the CPU)")
+        choice = "cuda" if nccl else "cpu"
+    elif choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("parallel.device=cuda, but no CUDA device is visible (torch.cuda.is_available() is False)")
+    count, local = torch.cuda.device_count(), local_rank()
+    if local >= count:
+        raise ValueError(f"LOCAL_RANK={local}, but this node shows {count} CUDA devices: start at most {count} "
+                         "processes per node (--nproc-per-node / --num_gpus)")
+    return torch.device("cuda", local)
+
+
+def group_options(device: torch.device, timeout_s: float) -> dict:
+    """``init_process_group`` keywords for ``device``: NCCL bound to this process's GPU, or gloo.
+    The backend follows the device chosen, not whether some GPU happens to be visible."""
+    options = {"backend": "nccl" if device.type == "cuda" else "gloo",
+               "timeout": datetime.timedelta(seconds=timeout_s)}
+    if device.type == "cuda":
+        options["device_id"] = device  # NCCL's communicator is made for this GPU at once
+    return options
+
+
+def init_from_env(timeout_s: float = 300.0, always: bool = False, device: torch.device | None = None):
+    """Join the launched group on ``device`` (default: the CPU); returns (rank, world, group or None).
+
+    On a GPU the device is set first (``torch.cuda.set_device``), so everything that uses "the
+    current device" (NCCL, DCP's object collectives, Megatron) uses this process's GPU. A single
+    process gets no group unless ``always`` (engines that need one even alone); MASTER_ADDR /
+    MASTER_PORT must then be set (``Runtime`` sets them).
     """
+    device = device if device is not None else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     world = launched_world_size()
     if world == 1 and not dist.is_initialized() and not always:
         return 0, 1, None
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(**group_options(device, timeout_s))
     return dist.get_rank(), dist.get_world_size(), dist.group.WORLD
 
 
-def shutdown(barrier: bool = True) -> None:
-    """Leave the group; ``barrier=False`` after a failure (a lost peer would never arrive)."""
+def shutdown(wait: bool = True) -> None:
+    """Leave the group; ``wait=False`` after a failure (a lost peer would never arrive)."""
     if dist.is_initialized():
         from dist_moe.dispatch.dispatcher import release_node_groups
 
-        if barrier:
-            dist.barrier()  # nobody tears down while a peer still has collectives in flight
+        if wait:
+            barrier(dist.group.WORLD)  # nobody tears down while a peer still has collectives in flight
         release_node_groups()
         dist.destroy_process_group()
 
@@ -66,6 +111,9 @@ def collective_failure(error: BaseException, rank: int, world: int, timeout_s: f
 
 
 def barrier(group=None) -> None:
-    """Wait for every rank of ``group``; nothing without one."""
+    """Wait for every rank of ``group``; nothing without one (on NCCL, on this process's GPU)."""
     if group is not None and dist.is_initialized():
-        dist.barrier(group=group)
+        if dist.get_backend(group) == "nccl":
+            dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
+        else:
+            dist.barrier(group=group)

@@ -4,6 +4,10 @@ Routers call this instead of torch.distributed so that the strategies stay pure
 tensor math; with ``group=None`` (or no initialised process group) it is the
 identity.
 
+A tensor handed to these helpers may live on any device: NCCL takes CUDA tensors only, so
+on an NCCL group a CPU tensor (a trainer's scalar, a count) is reduced on this process's GPU
+and comes back where it was.
+
 Sums that feed a differentiable statistic (BRANCH's training-time anchor) go
 through ``_AllReduceSum``: its backward all-reduces the incoming gradient, so
 that after data-parallel gradient summation every rank holds the gradient of the
@@ -14,20 +18,32 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dist_moe.dispatch.groups import strong, weak
+
+
+def group_device(group) -> torch.device:
+    """Where ``group``'s collectives take their tensors: this process's GPU for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def reduce_copy(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """An all-reduced copy of ``t``, reduced on the group's device and returned on ``t``'s."""
+    out = t.to(group_device(group), copy=True)  # a copy: the collective writes in place
+    dist.all_reduce(out, op=op, group=group)
+    return out.to(t.device)
+
 
 class _AllReduceSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, group):
-        ctx.group = group
-        out = t.clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-        return out
+        ctx.group = weak(group)
+        return reduce_copy(t, group)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
-        return grad, None
+        return reduce_copy(grad.contiguous(), strong(ctx.group, "a statistic's backward")), None
 
 
 def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
@@ -36,9 +52,7 @@ def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
         return t
     if t.requires_grad:
         return _AllReduceSum.apply(t, group)
-    out = t.clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-    return out
+    return reduce_copy(t, group)
 
 
 def _active(group) -> bool:
@@ -48,30 +62,31 @@ def _active(group) -> bool:
 def all_reduce_sum_(t: torch.Tensor, group=None) -> None:
     """In-place sum over ``group`` of a tensor outside autograd (GAR's observations)."""
     if _active(group):
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        if t.device == group_device(group):
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        else:
+            t.copy_(reduce_copy(t, group))
 
 
 def all_gather_rows(t: torch.Tensor, group=None) -> torch.Tensor:
     """Concatenate every rank's ``t`` along dim 0 in rank order; row counts may differ."""
     if not _active(group):
         return t
-    world = dist.get_world_size(group)
-    n = torch.tensor([t.shape[0]], device=t.device)
+    world, device = dist.get_world_size(group), group_device(group)
+    n = torch.tensor([t.shape[0]], device=device)
     counts = [torch.empty_like(n) for _ in range(world)]
     dist.all_gather(counts, n, group=group)
-    counts = [int(c) for c in counts]
+    counts = torch.cat(counts).tolist()
     most = max(counts)
-    padded = t.new_zeros((most,) + tuple(t.shape[1:]))
+    padded = t.new_zeros((most,) + tuple(t.shape[1:]), device=device)
     padded[: t.shape[0]] = t
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded.contiguous(), group=group)
-    return torch.cat([p[:c] for p, c in zip(parts, counts)])
+    return torch.cat([p[:c] for p, c in zip(parts, counts)]).to(t.device)
 
 
 def all_reduce_max(value: int, group=None) -> int:
     """Largest ``value`` over ``group`` (e.g. one expert capacity every EP rank agrees on)."""
     if not _active(group):
         return int(value)
-    t = torch.tensor([int(value)], dtype=torch.long)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return int(t)
+    return int(reduce_copy(torch.tensor([int(value)], dtype=torch.long), group, dist.ReduceOp.MAX))

@@ -38,14 +38,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.dispatch.agree import agree, agreed_routing, input_problem
+from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.experts import SingleExpert
 from dist_moe.integrations import deepspeed_patches
 from dist_moe.integrations.context import routing_extras
 from dist_moe.integrations.hosted import HostedMoE
 from dist_moe.routing import Router, build_router
 from dist_moe.routing.capacity import apply_capacity, capacity_for, slot_positions
+from dist_moe.seeding import fork_rng
 from placement import Placement
 
 
@@ -190,16 +191,21 @@ def deepspeed_moe_layer(hidden_size: int, ffn_hidden_size: int | None, router: R
     return moe
 
 
-def init_distributed(timeout_s: float | None = None) -> None:
-    """``deepspeed.init_distributed`` on gloo for CPU (nccl with CUDA), with the CPU patches;
-    ``timeout_s`` bounds every collective of the group (DeepSpeed's default: 30 min)."""
+def init_distributed(timeout_s: float | None = None, device: torch.device | None = None) -> None:
+    """``deepspeed.init_distributed`` on NCCL for a GPU ``device`` (set as the current device first),
+    gloo with the CPU patches otherwise (default: a GPU when one is visible); ``timeout_s`` bounds
+    every collective of the group (DeepSpeed's default: 30 min)."""
     import datetime
 
-    deepspeed_patches.apply()
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    deepspeed_patches.apply(cpu=device.type == "cpu")
     import deepspeed
 
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", **kwargs)
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", **kwargs)
 
 
 class DeepSpeedHostedMoE(HostedMoE):
@@ -224,7 +230,7 @@ class DeepSpeedHostedMoE(HostedMoE):
             # DeepSpeed deep-copies one expert module into every slot of every rank: give each of
             # dist-moe's experts its own draw, off the global stream (replicated modules stay identical).
             # A user's own expert module keeps DeepSpeed's behaviour: identical copies.
-            with torch.random.fork_rng(devices=[]):
+            with fork_rng():
                 torch.manual_seed(torch.initial_seed() + 1 + rank)
                 for copy in self._local():
                     copy.load_state_dict(SingleExpert(hidden_size, ffn_hidden_size, expert_type,

@@ -12,11 +12,12 @@ import torch
 _APPLIED = False
 
 
-def apply() -> None:
+def apply(cpu: bool | None = None) -> None:
+    """``cpu``: the run's device choice (None: the CPU when no GPU is visible)."""
     global _APPLIED
     if _APPLIED:
         return
-    if not torch.cuda.is_available():
+    if cpu if cpu is not None else not torch.cuda.is_available():
         # 0.19.8: TorchBackend.__init__ JIT-builds a shared-memory comm op (about 100 s on a
         # 2-core CPU, on every start) that only inference all-reduce uses. The module must
         # be reached through importlib: `import deepspeed.comm.torch as m` resolves to the

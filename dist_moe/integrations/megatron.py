@@ -36,6 +36,7 @@ from dist_moe.integrations.context import routing_extras
 from dist_moe.integrations.hosted import HostedMoE
 from dist_moe.routing import ROUTERS as ROUTER_TYPES
 from dist_moe.routing import Router, build_router
+from dist_moe.seeding import fork_rng
 from placement import Placement
 
 DISPATCHERS = ("alltoall", "allgather")
@@ -162,7 +163,8 @@ def _with_config_coefficient(router: dict, config) -> dict:
 
 
 def megatron_config(hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, ep_size: int = 1,
-                    dispatcher: str = "alltoall", expert_type: str = "swiglu", **overrides):
+                    dispatcher: str = "alltoall", expert_type: str = "swiglu", device: torch.device | None = None,
+                    **overrides):
     """A TransformerConfig for one MoE layer whose experts compute dist-moe's expert math
     (``top_k`` is the strategy's: Megatron sizes its dropless buffers with it)."""
     if dispatcher not in DISPATCHERS:
@@ -172,7 +174,7 @@ def megatron_config(hidden_size: int, ffn_hidden_size: int, num_experts: int, to
     megatron_patches.apply()
     from megatron.core.transformer import TransformerConfig
 
-    cpu = not torch.cuda.is_available()
+    cpu = device.type == "cpu" if device is not None else not torch.cuda.is_available()
     fields = dict(
         num_layers=1, hidden_size=hidden_size, num_attention_heads=1, ffn_hidden_size=ffn_hidden_size,
         moe_ffn_hidden_size=ffn_hidden_size, num_moe_experts=num_experts, moe_router_topk=top_k,
@@ -248,12 +250,13 @@ class MegatronHostedMoE(HostedMoE):
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, router: dict, ep_size: int = 1,
-                 placement: Placement | None = None, dispatcher: str = "alltoall", expert_type: str = "swiglu"):
+                 placement: Placement | None = None, dispatcher: str = "alltoall", expert_type: str = "swiglu",
+                 device: torch.device | None = None):
         super().__init__()
-        with torch.random.fork_rng(devices=[]):  # a probe for top_k and the expert count; no RNG drawn
+        with fork_rng():  # a probe for top_k and the expert count; no RNG drawn
             probe = build_router({"hidden_size": hidden_size, **router})
         config = megatron_config(hidden_size, ffn_hidden_size, probe.num_experts, probe.top_k, ep_size,
-                                 dispatcher, expert_type,
+                                 dispatcher, expert_type, device,
                                  moe_aux_loss_coeff=getattr(probe, "aux_loss_coeff", 0.0))  # Megatron's place
         self.hidden_size = hidden_size
         self.moe = megatron_moe_layer(config, router, placement)

@@ -13,9 +13,11 @@ import torch
 _APPLIED = False
 
 
-def apply() -> None:
+def apply(cpu: bool | None = None) -> None:
+    """``cpu``: the run's device choice (None: the CPU when no GPU is visible); on a GPU run
+    Megatron's stock code runs unpatched."""
     global _APPLIED
-    if _APPLIED or torch.cuda.is_available():
+    if _APPLIED or not (cpu if cpu is not None else not torch.cuda.is_available()):
         return
     # 0.16.1: model-parallel set-up and the stock router call torch.cuda.current_device()
     # (Router.gating moves its weights there); on CPU that raises. Point it at the CPU.

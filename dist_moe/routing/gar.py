@@ -180,8 +180,8 @@ def clip_global(params, local_ids: set[int], group, max_norm: float) -> float:
     with_grad = [p for p in params if p.grad is not None]
     if group is None:
         return float(torch.nn.utils.clip_grad_norm_(with_grad, max_norm))
-    squares = torch.zeros(2, dtype=torch.float64)  # [replicated, rank-local]
-    for p in with_grad:
+    squares = torch.zeros(2, dtype=torch.float64, device=with_grad[0].grad.device if with_grad else None)
+    for p in with_grad:  # [replicated, rank-local], summed on the gradients' device (no host read per tensor)
         squares[int(id(p) in local_ids)] += (p.grad.double() ** 2).sum()
     total = float(squares[0] + all_reduce_sum(squares[1:], group)[0]) ** 0.5
     coef = max_norm / (total + 1e-6)

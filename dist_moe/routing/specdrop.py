@@ -165,7 +165,7 @@ class SpecDropRouter(Router):
         gap = (p_a - p_i) * self.gap_scale.double()
         p_a_c, p_i_c = s / k + gap * (k - 1) / k, s / k - gap / k
         table = p_i_c.unsqueeze(1).repeat(1, k)
-        table[torch.arange(self.num_categories), self.assigned_expert] = p_a_c
+        table[torch.arange(self.num_categories, device=table.device), self.assigned_expert] = p_a_c
         return table.float()
 
     def coefficients(self, c: int) -> Tensor:

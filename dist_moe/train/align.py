@@ -52,7 +52,7 @@ def specdrop_align(model: nn.Module, evaluate: Callable[[nn.Module], tuple[Tenso
         return total / count.clamp_min(1), count
 
     base, count = losses()
-    delta = torch.empty(num_experts, base.numel(), dtype=torch.float64)
+    delta = torch.empty(num_experts, base.numel(), dtype=torch.float64, device=base.device)
     for e in range(num_experts):
         with ablate(model, [e]):
             delta[e] = losses()[0] - base

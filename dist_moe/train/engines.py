@@ -23,9 +23,10 @@ import torch
 from torch import nn
 
 from dist_moe.dispatch.groups import WeakGroup
-from dist_moe.dispatch.process_group import init_from_env, launched_world_size
+from dist_moe.dispatch.process_group import init_from_env, launched_world_size, resolve_device
 from dist_moe.dispatch.stats import all_reduce_sum
 from dist_moe.routing.gar import clip_global, moe_layers, rank_local_param_ids, sum_replicated_grads
+from dist_moe.seeding import fork_rng
 from placement import Placement, Topology
 
 ENGINES = ("torch", "deepspeed", "megatron")
@@ -61,18 +62,22 @@ class Runtime:
         self.engine, self.parallel = engine, parallel
         self.timeout_s = float(parallel.get("timeout_s", 300.0))
         self._owns_group = not torch.distributed.is_initialized()  # a caller's group is left to the caller
+        # first of all: the device (LOCAL_RANK's GPU, or the CPU); the backend follows from it
+        self.device = resolve_device(parallel.get("device", "auto"))
+        cpu = self.device.type == "cpu"
         if engine != "torch":
             _one_rank_defaults()
         if engine == "deepspeed":
             from dist_moe.integrations.deepspeed import init_distributed
 
-            init_distributed(self.timeout_s)
-        self.rank, self.world, self.group = init_from_env(self.timeout_s, always=engine != "torch")
+            init_distributed(self.timeout_s, self.device)
+        self.rank, self.world, self.group = init_from_env(self.timeout_s, always=engine != "torch",
+                                                          device=self.device)
         self.topology()  # a topology that disagrees with the launch fails here, on every rank, before training
         if engine == "megatron":
             from dist_moe.integrations import megatron_patches
 
-            megatron_patches.apply()
+            megatron_patches.apply(cpu=cpu)
             from megatron.core import parallel_state
 
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
@@ -101,7 +106,7 @@ class Runtime:
     def build_moe(self, hidden: int, ffn: int, router: dict, capacity_factor, expert_type: str) -> nn.Module:
         from dist_moe.routing import build_router
 
-        with torch.random.fork_rng(devices=[]):  # a probe for the expert count: leave the seed's stream alone
+        with fork_rng():  # a probe for the expert count: leave the seed's stream alone
             num_experts = build_router({"hidden_size": hidden, **router}).num_experts
         placement = self.placement(num_experts)
         if self.engine == "torch":
@@ -114,14 +119,15 @@ class Runtime:
         if self.engine == "deepspeed":
             from dist_moe.integrations.deepspeed import DeepSpeedHostedMoE
 
-            return DeepSpeedHostedMoE(hidden, ffn, router, self.world, placement, capacity_factor, expert_type)
+            return DeepSpeedHostedMoE(hidden, ffn, router, self.world, placement, capacity_factor, expert_type,
+                                      min_capacity=4)  # deepspeed.moe.layer.MoE's default
         if capacity_factor is not None:
             raise ValueError("engine megatron runs dropless: set model.capacity_factor: null "
                              f"(got {capacity_factor})")
         from dist_moe.integrations.megatron import MegatronHostedMoE
 
         return MegatronHostedMoE(hidden, ffn, router, self.world, placement, self.parallel["megatron_dispatcher"],
-                                 expert_type)
+                                 expert_type, device=self.device)
 
     def stepper(self, model: nn.Module, lr: float, max_grad_norm, micro_batch: int):
         if self.engine == "deepspeed":
@@ -141,7 +147,7 @@ class Runtime:
         if self._owns_group:
             from dist_moe.dispatch.process_group import shutdown
 
-            shutdown(barrier=not failed)
+            shutdown(wait=not failed)
 
 
 def _one_rank_defaults() -> None:

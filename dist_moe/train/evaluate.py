@@ -22,10 +22,11 @@ def evaluate(model, x: torch.Tensor, y: torch.Tensor, c: torch.Tensor | None = N
     """Validation metrics; under a multi-rank runtime each rank takes its share of the rows
     and every sum is reduced (every rank runs the same number of forwards)."""
     world, rank = (runtime.world, runtime.rank) if runtime is not None else (1, 0)
+    device = next(model.parameters()).device
     total = len(x)
     mine = torch.tensor_split(torch.arange(total), world)[rank]
-    x, y = x[mine], y[mine]
-    c = None if c is None else c[mine]
+    x, y = x[mine].to(device), y[mine].to(device)
+    c = None if c is None else c[mine].to(device)
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64)  # loss, correct, rows
     routings = []
@@ -56,9 +57,10 @@ def _align(model, x, y, c, group=None) -> float:
     def per_category_loss(m):
         logits, _ = m(x, c)
         losses = loss_of(logits, y, "none").double().reshape(len(y), -1).mean(1)  # per row (sequence)
-        return (torch.zeros(num_categories, dtype=torch.float64).index_add_(0, c, losses),
+        return (torch.zeros(num_categories, dtype=torch.float64, device=c.device).index_add_(0, c, losses),
                 torch.bincount(c, minlength=num_categories).double())
 
-    return specdrop_align(model, per_category_loss, torch.arange(num_categories) % e, e, group)["align"]
+    return specdrop_align(model, per_category_loss, torch.arange(num_categories, device=c.device) % e, e,
+                          group)["align"]
 
 

@@ -44,7 +44,9 @@ def record_routing(out_dir: Path, model, data, rt) -> None:
     for m in layers if measured else ():
         m.reset_traffic()
     model.eval()
-    model(data.x_val[rows], data.val_categories(rows))
+    device = next(model.parameters()).device
+    cats = data.val_categories(rows)
+    model(data.x_val[rows].to(device), None if cats is None else cats.to(device))
     model.train()
     group = rt.group if rt.world > 1 else None
     for i, (layer, site) in enumerate(zip(layers, moe_layers(model))):
@@ -55,7 +57,7 @@ def record_routing(out_dir: Path, model, data, rt) -> None:
             dispatch = {"topology": layer.topology.describe(), "expert_to_rank": layer.placement.expert_to_rank,
                         "dedup": layer.dedup, "measured_bytes_by_level": dict(zip(levels, map(int, total)))}
             layer.reset_traffic()
-        idx = layer.last_routing.expert_idx
+        idx = layer.last_routing.expert_idx.cpu()
         idx_all = all_gather_rows(idx, group)
         src = all_gather_rows(torch.full((idx.shape[0],), rt.rank, dtype=torch.long), group)
         if rt.is_main:
@@ -122,8 +124,12 @@ class DataCursor:
 
 
 def position(step: int, cursor: DataCursor, rt) -> dict:
-    """Where training stands, as tensors: the step, the data position, this rank's RNG."""
-    return {"step": torch.tensor(step), **cursor.state(), f"rng.world{rt.world}.rank{rt.rank}": torch.get_rng_state()}
+    """Where training stands, as tensors: the step, the data position, this rank's RNG streams (the
+    CPU's, and its GPU's on a CUDA run: Switch's jitter draws there)."""
+    out = {"step": torch.tensor(step), **cursor.state(), f"rng.world{rt.world}.rank{rt.rank}": torch.get_rng_state()}
+    if rt.device.type == "cuda":
+        out[f"cuda_rng.world{rt.world}.rank{rt.rank}"] = torch.cuda.get_rng_state(rt.device)
+    return out
 
 
 def resume(path: Path, model, opt, cursor: DataCursor, rt) -> int:
@@ -140,6 +146,8 @@ def resume(path: Path, model, opt, cursor: DataCursor, rt) -> int:
     rng = f"rng.world{rt.world}.rank{rt.rank}"
     if rng in loaded:  # the same world size: every rank continues its own random stream
         torch.set_rng_state(loaded[rng])
+    if f"cuda_{rng}" in loaded:
+        torch.cuda.set_rng_state(loaded[f"cuda_{rng}"], rt.device)
     return int(loaded["step"])
 
 

@@ -136,6 +136,7 @@ def _train_in(cfg: dict, rt: Runtime, quiet: bool, after, out_dir: Path, resume_
     tcfg = cfg["train"]
     torch.manual_seed(cfg["seed"])  # the same on every rank: replicated modules start identical
     data, model = data_and_model(cfg, rt)
+    model.to(rt.device)  # every batch follows it there (data stays on the CPU until its step)
     router = model.moe.router
     routers = [site.router for site in moe_layers(model)]  # every MoE layer's, for schedules
     gar = getattr(router, "gar_config", None)
@@ -190,8 +191,9 @@ def _train_in(cfg: dict, rt: Runtime, quiet: bool, after, out_dir: Path, resume_
                         r.set_progress(progress())  # SpecDrop's schedule, per step
                 step_start = time.perf_counter()
                 rows = torch.tensor_split(cursor.next_batch(), rt.world)[rt.rank]
-                xb, yb = data.x_train[rows], data.y_train[rows]
+                xb, yb = data.x_train[rows].to(rt.device), data.y_train[rows].to(rt.device)
                 cb = data.train_categories(rows)
+                cb = None if cb is None else cb.to(rt.device)
                 if _bad_inputs(xb, rt):  # agreed before any forward: no rank enters a collective alone
                     record = {"loss": math.nan, "skipped": 1.0}
                 else:
