@@ -143,3 +143,44 @@ def test_numpy_ints_and_layer_arguments():
         MoELayer(H, 0, CONFIGS["switch"])
     with pytest.raises(ValueError, match="token_ids"):
         build_router(CONFIGS["hash"])(torch.randn(3, H), token_ids=torch.tensor([0.5, 1.0, 2.0]))
+
+
+LEARNED = {"switch": {"type": "switch", "hidden_size": 16, "num_experts": 8, "top_k": 2, "jitter_eps": 0.0},
+           "deepseek_v3": {"type": "deepseek_v3", "hidden_size": 16, "num_experts": 8, "top_k": 2},
+           "skywork": {"type": "skywork", "hidden_size": 16, "num_experts": 8, "top_k": 2},
+           "branch": {"type": "branch", "hidden_size": 16, "num_experts": 8, "top_k": 2},
+           "branch_mlp": {"type": "branch", "hidden_size": 16, "num_experts": 8, "top_k": 2, "node_map": "mlp",
+                          "mlp_hidden": 4}}
+
+
+@pytest.mark.parametrize("kind", sorted(LEARNED))
+def test_routing_under_bf16_autocast_selects_the_fp32_experts(kind):
+    torch.manual_seed(0)
+    router = build_router(LEARNED[kind]).eval()
+    x = torch.randn(512, 16)
+    want = router(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = router(x)
+    assert torch.equal(got.expert_idx, want.expert_idx)
+    assert got.gates.dtype == torch.float32 and torch.allclose(got.gates, want.gates)
+
+
+def test_a_bf16_cast_keeps_router_state_in_its_own_precision():
+    """.bfloat16() casts weights, never the state buffers: after 300 training forwards a cast BRANCH
+    router's anchors and a cast DeepSeek-V3 router's biases equal an fp32 twin's with the same
+    (bf16-rounded) weights, and SpecDrop's float64 progress stays float64."""
+    torch.manual_seed(0)
+    for cfg, state in ((LEARNED["branch"], "anchors"), (LEARNED["deepseek_v3"], "expert_bias")):
+        cast = build_router(cfg).bfloat16()
+        twin = build_router(cfg)
+        twin.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in cast.state_dict().items()})
+        assert getattr(cast, state).dtype == torch.float32
+        for step in range(300):
+            x = torch.randn(64, 16) * 3 + step % 7
+            cast(x.bfloat16())
+            twin(x.bfloat16().float())
+        assert torch.equal(getattr(cast, state), getattr(twin, state)), state
+    spec = build_router({"type": "specdrop", "num_experts": 4, "num_categories": 4, "warmup_fraction": 0.5})
+    spec.set_progress(0.123456789)
+    spec.bfloat16()
+    assert spec.progress.dtype == torch.float64 and float(spec.progress) == 0.123456789

@@ -76,6 +76,27 @@ class Router(nn.Module):
         self._update_state = True
         self._caller_checks = False
 
+    # --- precision ---------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        """Routing math in fp32 under any autocast: a bf16 matmul changes which experts win
+        (2-3% of top-2 choices moved in a CPU-autocast probe)."""
+        x = args[0] if args else kwargs.get("x")
+        with torch.autocast(x.device.type if isinstance(x, Tensor) else "cpu", enabled=False):
+            return super().__call__(*args, **kwargs)
+
+    def _apply(self, fn, recurse=True):
+        """``.to(device)`` moves the router's state buffers, but ``.half()`` / ``.bfloat16()``
+        (DeepSpeed's bf16, Megatron's Float16Module) must not round them: BRANCH anchors drift
+        and a 1e-3 DeepSeek-V3 bias step is lost once |bias| >= 0.5 in bf16. They keep their
+        dtype, as Megatron's ``_maintain_float32_expert_bias`` keeps its expert bias."""
+        kept = {n: b for n, b in self._buffers.items() if b is not None and b.is_floating_point()}
+        out = super()._apply(fn, recurse)
+        for name, old in kept.items():
+            moved = self._buffers[name]
+            if moved is not None and moved.dtype != old.dtype:
+                self._buffers[name] = old.to(moved.device)
+        return out
+
     # --- state updates -------------------------------------------------
     @property
     def updates_state(self) -> bool:
