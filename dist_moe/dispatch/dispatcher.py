@@ -105,12 +105,17 @@ class ExpertParallelDispatcher:
         self.traffic = torch.zeros(self.world, self.world, dtype=torch.long)
         self.metadata_bytes = 0
 
-    def _record(self, copies: list[int], pairs: list[int], peer_base: int, row_bytes: int, copy_meta_bytes: int) -> None:
-        for i, (n_copies, n_pairs) in enumerate(zip(copies, pairs)):
-            peer = peer_base + i
-            if peer != self.rank:
-                self.traffic[self.rank, peer] += n_copies * row_bytes
-                self.metadata_bytes += n_copies * copy_meta_bytes + n_pairs * 16  # copy id; expert + gate
+    def _record(self, copies: list[int], pairs: list[int], peer_base: int, row_bytes: int,
+                copy_meta_bytes: int) -> None:
+        """Add what one exchange sent to peers ``peer_base + i`` (host counts; this rank's own chunk stays)."""
+        mine = self.rank - peer_base
+        sent = torch.tensor(copies)
+        if 0 <= mine < len(copies):
+            sent[mine] = 0
+        self.traffic[self.rank, peer_base : peer_base + len(copies)] += sent * row_bytes
+        own_pairs = pairs[mine] if 0 <= mine < len(pairs) else 0
+        # per pair 16 B: its copy id; its expert id and gate in one int64
+        self.metadata_bytes += int(sent.sum()) * copy_meta_bytes + (sum(pairs) - own_pairs) * 16
 
     def _index_tensors(self, device):
         if self.rank_of.device != device:  # moved once, not on every call

@@ -165,14 +165,27 @@ def rank_local_param_ids(sites) -> set[int]:
     return {id(p) for site in sites for p in site.local_params}
 
 
-def sum_replicated_grads(params, local_ids: set[int], group) -> None:
-    """Data-parallel gradient sum of the parameters every rank holds (not those in ``local_ids``)."""
-    for p in params:
-        if id(p) in local_ids:
-            continue
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
+
+
+def sum_replicated_grads(params, local_ids: set[int], group, bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Data-parallel gradient sum of the parameters every rank holds (not those in ``local_ids``),
+    flattened into buckets of about ``bucket_bytes``: one all-reduce per bucket, not per parameter."""
+    replicated = [p for p in params if id(p) not in local_ids]
+    for p in replicated:
         if p.grad is None:  # still take part: every rank reduces every replicated parameter
             p.grad = torch.zeros_like(p)
-        p.grad = all_reduce_sum(p.grad, group)
+    bucket, size = [], 0
+    for i, p in enumerate(replicated):
+        bucket.append(p)
+        size += p.grad.numel() * p.grad.element_size()
+        last = i + 1 == len(replicated)
+        if last or size >= bucket_bytes or (replicated[i + 1].grad.dtype, replicated[i + 1].grad.device) != (
+                p.grad.dtype, p.grad.device):
+            flat = all_reduce_sum(torch.cat([q.grad.reshape(-1) for q in bucket]), group)
+            for q, part in zip(bucket, flat.split([q.grad.numel() for q in bucket])):
+                q.grad.copy_(part.view_as(q.grad))
+            bucket, size = [], 0
 
 
 def clip_global(params, local_ids: set[int], group, max_norm: float) -> float:
