@@ -40,7 +40,7 @@ class FactorCapture:
     """Block inputs x and output gradients delta, per template slot, for the Gram form.
 
     A capture that needs to know whose rows it saw (GAR's example and token units)
-    gets ``source_tags(layout) -> [T]`` from its owner: the MoE layer tags each of
+    gets ``source_tags(shape, padding, device) -> [T]`` from its owner: the MoE layer tags each of
     its tokens with it, the tags travel with the token copies, and every recorded
     chunk keeps its rows' tags in ``tags``.
     """

@@ -123,7 +123,8 @@ class MoELayer(nn.Module):
             off = torch.isin(routing.expert_idx, torch.tensor(sorted(self.ablated_experts), device=h.device))
             routing.gates = torch.where(off, torch.zeros_like(routing.gates), routing.gates)
         capture = self.experts.capture
-        tags = None if capture is None or capture.source_tags is None else capture.source_tags(shape[:-1], padding_mask)
+        tags = None if capture is None or capture.source_tags is None else capture.source_tags(shape[:-1], padding_mask,
+                                                                                              h.device)
         if self.dispatcher is None:
             token, expert, gate = routing_pairs(routing.expert_idx, routing.gates)
             y = apply_experts(self.experts, h, token, expert, gate, tags).to(h.dtype)  # accumulated in fp32

@@ -55,7 +55,7 @@ class RoutingRecord:
         """``routing.npz`` for the first MoE layer, ``routing.layer<i>.npz`` for the others."""
         path = Path(run_dir) / routing_file(layer)
         tmp = path.with_name(path.name + ".tmp.npz")
-        np.savez(tmp, expert_idx=self.expert_idx.numpy(), src_rank=self.src_rank.numpy(),
+        np.savez(tmp, expert_idx=self.expert_idx.cpu().numpy(), src_rank=self.src_rank.cpu().numpy(),
                  meta=np.array([self.num_experts, self.world_size, self.token_bytes]))
         tmp.replace(path)
         side = path.with_suffix(".json")

@@ -127,6 +127,8 @@ def local_unit_ids(layout, unit: str, device=None) -> tuple[Tensor, int]:
     t = 1
     for s in shape:
         t *= s
+    if padding is not None:
+        device = padding.device if device is None else device
     valid = torch.ones(t, dtype=torch.bool, device=device) if padding is None else ~padding.reshape(-1).to(device)
     if unit == "token" or len(shape) <= 1:
         return torch.where(valid, torch.cumsum(valid, 0) - 1, -1), int(valid.sum())
@@ -138,8 +140,8 @@ def local_unit_ids(layout, unit: str, device=None) -> tuple[Tensor, int]:
 
 
 def _source_tagger(rank: int, unit: str):
-    def tags(shape, padding):
-        ids, _ = local_unit_ids((tuple(shape), padding), unit)
+    def tags(shape, padding, device=None):
+        ids, _ = local_unit_ids((tuple(shape), padding), unit, device)
         return torch.where(ids >= 0, (rank << _TAG_BITS) | ids, -1)
 
     return tags
