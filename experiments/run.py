@@ -85,7 +85,8 @@ def run_forwarding(cmd: list[str], env: dict, cwd, grace_s: float = 30.0) -> int
         for s, handler in previous.items():
             signal.signal(s, handler)
     if stopped:
-        raise SystemExit(f"stopped by signal {stopped[0][0]}; the launched ranks have exited")
+        print(f"stopped by signal {stopped[0][0]}; the launched ranks have exited", file=sys.stderr)
+        raise SystemExit(128 + stopped[0][0])  # the shell's convention: 130 after Ctrl-C
     return code
 
 

@@ -109,13 +109,12 @@ class ExpertParallelDispatcher:
                 copy_meta_bytes: int) -> None:
         """Add what one exchange sent to peers ``peer_base + i`` (host counts; this rank's own chunk stays)."""
         mine = self.rank - peer_base
-        sent = torch.tensor(copies)
-        if 0 <= mine < len(copies):
-            sent[mine] = 0
-        self.traffic[self.rank, peer_base : peer_base + len(copies)] += sent * row_bytes
+        sent = [0 if i == mine else c for i, c in enumerate(copies)]
+        # host-side bookkeeping: the counts are host ints already, the matrix lives on the CPU
+        self.traffic[self.rank, peer_base : peer_base + len(sent)] += torch.tensor(sent, device="cpu") * row_bytes
         own_pairs = pairs[mine] if 0 <= mine < len(pairs) else 0
         # per pair 16 B: its copy id; its expert id and gate in one int64
-        self.metadata_bytes += int(sent.sum()) * copy_meta_bytes + (sum(pairs) - own_pairs) * 16
+        self.metadata_bytes += sum(sent) * copy_meta_bytes + (sum(pairs) - own_pairs) * 16
 
     def _index_tensors(self, device):
         if self.rank_of.device != device:  # moved once, not on every call

@@ -95,7 +95,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         if (module, name) in SAFE_GLOBALS:
             return super().find_class(module, name)
         raise CheckpointError(f"refusing to unpickle {module}.{name} (module {module!r}, name {name!r}) from a "
-                              "checkpoint's .metadata: DCP metadata holds only its own classes, dtypes, sizes and paths")
+                              "checkpoint's .metadata: DCP metadata holds only its own classes, dtypes, sizes and "
+                              "paths")
 
     def persistent_load(self, pid):
         raise CheckpointError(f"refusing a persistent id in a checkpoint's .metadata ({str(pid)[:80]!r})")

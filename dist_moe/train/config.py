@@ -213,13 +213,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> di
 
 
 def run_name(name: str, overrides) -> str:
-    """``name`` plus the overrides that change the model or its data (``+router.variant=uniform``), so
+    """``name`` plus the overrides that change the model, its data or its engine (``+router.variant=uniform``), so
     that a control run gets an output directory of its own instead of overwriting the config's run;
     unchanged when the overrides set ``name`` or ``output.dir`` themselves."""
     keys = [item.split("=", 1)[0].strip() for item in overrides]
     if any(k == "name" or k.startswith("output.") for k in keys):
         return name
-    tags = [item.strip() for item, k in zip(overrides, keys) if k.split(".")[0] in (*MODEL_SECTIONS, "seed")]
+    named = (*MODEL_SECTIONS, "seed", "engine")
+    tags = [item.strip() for item, k in zip(overrides, keys) if k.split(".")[0] in named]
     return name + "".join("+" + t.replace("/", "_").replace(" ", "") for t in tags)
 
 

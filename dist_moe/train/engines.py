@@ -73,6 +73,7 @@ class Runtime:
             init_distributed(self.timeout_s, self.device)
         self.rank, self.world, self.group = init_from_env(self.timeout_s, always=engine != "torch",
                                                           device=self.device)
+        _share_cpu_threads()
         self.topology()  # a topology that disagrees with the launch fails here, on every rank, before training
         if engine == "megatron":
             from dist_moe.integrations import megatron_patches
@@ -148,6 +149,15 @@ class Runtime:
             from dist_moe.dispatch.process_group import shutdown
 
             shutdown(wait=not failed)
+
+
+def _share_cpu_threads() -> None:
+    """Ranks that share a node share its cores: unless OMP_NUM_THREADS says otherwise, each takes
+    its share (torchrun sets 1; the deepspeed launcher sets nothing, and 2 ranks x 2 threads on 2
+    cores ran 5x slower than 1 thread each)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+    if local > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
 
 
 def _one_rank_defaults() -> None:

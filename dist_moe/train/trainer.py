@@ -167,10 +167,10 @@ def _train_in(cfg: dict, rt: Runtime, quiet: bool, after, out_dir: Path, resume_
     def finished() -> bool:
         return step >= max_steps if max_steps else cursor.consumed >= total_samples
 
-    def progress() -> float:  # step / total for an uninterrupted run; samples when the world changed
+    def progress() -> float:  # step / total, bit for bit, for an uninterrupted run; samples when the world changed
         if max_steps:
             return step / max_steps
-        return (cursor.epoch + cursor.offset / (steps_per_epoch * global_bs)) / epochs
+        return (cursor.epoch * steps_per_epoch + cursor.offset / global_bs) / (epochs * steps_per_epoch)
 
     # Redrawn 10x a second on a terminal; in a log file (CI, nohup) every 10 s is enough.
     bar = tqdm(total=total, initial=step, desc=cfg["name"], disable=quiet or not rt.is_main, dynamic_ncols=True,
@@ -236,7 +236,8 @@ def _train_in(cfg: dict, rt: Runtime, quiet: bool, after, out_dir: Path, resume_
     summary = {
         "name": cfg["name"], "router": cfg["router"]["type"], "engine": rt.engine, "world_size": rt.world,
         "topology": rt.topology().describe(),
-        "steps": step, "already_finished": already_finished, "samples": cursor.consumed, "samples_this_run": cursor.consumed - resumed_at,
+        "steps": step, "already_finished": already_finished, "samples": cursor.consumed,
+        "samples_this_run": cursor.consumed - resumed_at,
         "skipped_steps": int(skipped), "seconds": round(time.time() - start, 2),
         "train_seconds": round(train_seconds, 3),
         **last_eval,

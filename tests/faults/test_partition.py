@@ -64,16 +64,18 @@ def test_link_down_stops_both_sides_and_the_checkpoint_resumes(tmp_path):
 @needs_netns
 def test_throttled_link_slows_training_but_loses_nothing(tmp_path):
     reference, throttled = tmp_path / "reference", tmp_path / "throttled"
-    assert _cluster(reference, ["train.max_steps=60"], tmp_path).wait(timeout=240) == 0, _logs(tmp_path)[-3000:]
-    proc = _cluster(throttled, ["train.max_steps=60"], tmp_path)
+    # 32-wide tokens: enough bytes per step that 1 mbit costs seconds, well above the noise of shared cores
+    run = ["train.max_steps=60", "model.d_model=32"]
+    assert _cluster(reference, run, tmp_path).wait(timeout=240) == 0, _logs(tmp_path)[-3000:]
+    proc = _cluster(throttled, run, tmp_path)
     wait_for_checkpoint(throttled / "checkpoints", 10, [proc], timeout=180)
     ns = f"dm{proc.pid}"
-    for i in (0, 1):  # both directions, 400 mbit -> 4 mbit
-        subprocess.run(["tc", "-n", f"{ns}n{i}", "qdisc", "change", "dev", f"{ns}h{i}", "root", "tbf", "rate", "4mbit",
-                        "burst", "32kb", "latency", "1s"], check=True)
+    for i in (0, 1):  # both directions, 400 mbit -> 1 mbit, a small bucket: no burst carries a step
+        subprocess.run(["tc", "-n", f"{ns}n{i}", "qdisc", "change", "dev", f"{ns}h{i}", "root", "tbf", "rate", "1mbit",
+                        "burst", "8kb", "latency", "1s"], check=True)
     assert proc.wait(timeout=300) == 0, _logs(tmp_path)[-3000:]
     ref, got = (json.loads((d / "summary.json").read_text()) for d in (reference, throttled))
-    print(f"\n60 steps: {ref['train_seconds']:.1f} s at 400 mbit, {got['train_seconds']:.1f} s throttled to 4 mbit")
+    print(f"\n60 steps: {ref['train_seconds']:.1f} s at 400 mbit, {got['train_seconds']:.1f} s throttled to 1 mbit")
     assert got["steps"] == ref["steps"] == 60 and got["skipped_steps"] == 0
     assert got["val_loss"] == ref["val_loss"] and got["val_acc"] == ref["val_acc"]  # the same run, only slower
     assert got["train_seconds"] > ref["train_seconds"]

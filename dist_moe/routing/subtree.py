@@ -1,0 +1,84 @@
+"""Subtree-limited selection for BRANCH-MoE: a token's K experts from at most M subtrees at depth d.
+
+A BRANCH tree's subtree at depth d holds the E / 2^d experts that share a d-bit index prefix;
+under tree-prefix placement on power-of-two levels the subtrees at a level's depth are exactly
+that level's units (racks, nodes), so a limit on subtrees is a limit on the nodes a token's
+copies cross to, told to the router for free. Subtrees are ranked by the token's path mass, the
+product of its branch probabilities down to the subtree's root (the sum of its leaf
+probabilities); the best M are kept and the top-K leaves are chosen inside them. Several
+limits nest, outermost first (``[(1, 1), (2, 2)]``: one rack, then two of its nodes). Pure
+tensor math with fixed shapes: no host reads.
+"""
+from __future__ import annotations
+
+import numbers
+
+import torch
+from torch import Tensor
+
+
+def check_limits(limits, num_experts: int, top_k: int) -> list[tuple[int, int]]:
+    """Validated (depth, M) pairs, sorted outermost first; a ValueError names the bad value."""
+    depth_max = num_experts.bit_length() - 1
+    out = []
+    for depth, m in sorted(limits):
+        if isinstance(depth, bool) or not isinstance(depth, numbers.Integral) or not 0 <= depth <= depth_max:
+            raise ValueError(f"router key 'subtree_depth' must be an int in [0, log2(num_experts)={depth_max}], "
+                             f"got {depth!r}")
+        if isinstance(m, bool) or not isinstance(m, numbers.Integral) or not 1 <= m <= 1 << depth:
+            raise ValueError(f"router key 'subtree_limit' must be an int in [1, 2^subtree_depth={1 << depth}], "
+                             f"got {m!r}")
+        leaves = num_experts >> depth
+        if top_k > m * leaves:
+            raise ValueError(f"router key 'subtree_limit': top_k={top_k} experts do not fit in {m} subtree(s) of "
+                             f"{leaves} experts at depth {depth}")
+        out.append((int(depth), int(m)))
+    if len({d for d, _ in out}) != len(out):
+        raise ValueError(f"router key 'subtree_limit' names depth {out} more than once")
+    return out
+
+
+def subtree_mask(probs: Tensor, limits: list[tuple[int, int]]) -> Tensor:
+    """[T, E] bool: the leaves inside each token's kept subtrees (ranked by path mass, ties to the
+    lower index), every limit applied inside the subtrees the one before it kept."""
+    t, e = probs.shape
+    mass_all = probs.detach()
+    allowed = torch.ones(t, e, dtype=torch.bool, device=probs.device)
+    for depth, m in limits:
+        n = 1 << depth
+        inside = allowed.reshape(t, n, e // n).any(-1)
+        mass = torch.where(inside, mass_all.reshape(t, n, e // n).sum(-1), float("-inf"))
+        if m < n:
+            keep = torch.sort(mass, dim=1, descending=True, stable=True).indices[:, :m]
+            chosen = torch.zeros(t, n, dtype=torch.bool, device=probs.device).scatter(1, keep, True) & inside
+        else:
+            chosen = inside
+        allowed = chosen.repeat_interleave(e // n, dim=1)
+    return allowed
+
+
+def limited_top_k(probs: Tensor, top_k: int, limits: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
+    """Top-K leaves inside the kept subtrees: (values, indices), highest first, ties to the lower index.
+    The values are the leaves' own probabilities, so gradients flow through the kept path masses."""
+    allowed = subtree_mask(probs, limits)
+    order = torch.sort(torch.where(allowed, probs.detach(), -1.0), dim=1, descending=True, stable=True).indices
+    idx = order[:, :top_k]
+    return probs.gather(1, idx), idx
+
+
+def level_depths(levels: dict, topology_levels: tuple, sizes: tuple, num_experts: int) -> list[tuple[int, int]]:
+    """{level name: M} -> [(depth, M)]: a level's units are the subtrees at depth log2(units so far)
+    when the level sizes are powers of two and tree-prefix placement put them there."""
+    out = []
+    for name, m in levels.items():
+        if name not in topology_levels:
+            raise ValueError(f"router key 'subtree_limit' names level {name!r}; the topology's levels are "
+                             f"{list(topology_levels)}")
+        units = 1
+        for size in sizes[: topology_levels.index(name) + 1]:
+            units *= size
+        if units & (units - 1) or units > num_experts:
+            raise ValueError(f"router key 'subtree_limit': the {units} {name}s of the topology are not subtrees "
+                             f"of a {num_experts}-expert tree (their count must be a power of two <= num_experts)")
+        out.append((units.bit_length() - 1, m))
+    return out
