@@ -27,6 +27,9 @@ def _print_summary(s: dict) -> None:
         closer = 100 * (1 - td / rp)
         side = f"{closer:.1f}% closer than random pairs" if closer >= 0 else f"{-closer:.1f}% farther than random pairs"
         print(f"  tree distance {td:.3f} (random pairs {rp:.3f}: co-selected experts {side})")
+    if s.get("val_node_share"):
+        print(f"  node share {' / '.join(f'{v:.3f}' for v in s['val_node_share'])} "
+              f"(CV {num('val_node_share_cv', 1, 3)}) of the routed slots")
     if s.get("val_align") is not None:
         print(f"  Align {s['val_align']:.3f} (share of categories hurt most by ablating their own expert)")
     print(f"  metrics: {s['output_dir']}/metrics.jsonl")

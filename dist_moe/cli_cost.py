@@ -21,12 +21,30 @@ def add_parsers(sub, debug) -> None:
     pl.add_argument("--stats", required=True, help="a run directory (its routing.npz)")
     pl.add_argument("--out", default="placement.yaml")
     sm = sub.add_parser("simulate", parents=[debug], help="replay a run's routing on a simulated cluster")
-    sm.add_argument("--nodes", type=int, required=True)
+    sm.add_argument("--nodes", type=int, required=True, help="nodes (per rack with --racks)")
     sm.add_argument("--gpus-per-node", type=int, required=True)
+    sm.add_argument("--racks", type=int, help="racks of --nodes nodes each (a rack x node x gpu topology)")
+    sm.add_argument("--subtree-limit", help="replay the recorded probabilities with BRANCH's subtree limit too: "
+                                            "M (the node level) or level=M[,level=M], e.g. rack=1,node=2")
     sm.add_argument("--stats", required=True, help="a run directory (its routing.npz)")
     sm.add_argument("--placement", default="tree_prefix", choices=("tree_prefix", "contiguous", "round_robin"))
     sm.add_argument("--tokens-per-rank", type=int, default=256)
     sm.add_argument("--json", action="store_true")
+
+
+def _limit(spec: str | None):
+    """``--subtree-limit``: None, an int (the node level), or level=M[,level=M]."""
+    if spec is None:
+        return None
+    if spec.isdigit():
+        return int(spec)
+    out = {}
+    for part in spec.split(","):
+        name, _, m = part.partition("=")
+        if not name.strip() or not m.strip().isdigit() or int(m) < 1:
+            raise ValueError(f"--subtree-limit {spec!r}: give M or level=M[,level=M] with M >= 1")
+        out[name.strip()] = int(m)
+    return out
 
 
 def topology_of(spec: str | None, record: RoutingRecord | None = None) -> Topology:
@@ -94,20 +112,28 @@ def _place(args) -> int:
 def _simulate(args) -> int:
     start = time.time()
     for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node),
-                        ("--tokens-per-rank", args.tokens_per_rank)):
+                        ("--tokens-per-rank", args.tokens_per_rank), ("--racks", args.racks or 1)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     record = RoutingRecord.load(args.stats)
-    topo = Topology(("node", "gpu"), (args.nodes, args.gpus_per_node))
-    out = simulate(record, topo, args.placement, args.tokens_per_rank)
+    topo = (Topology(("rack", "node", "gpu"), (args.racks, args.nodes, args.gpus_per_node)) if args.racks
+            else Topology(("node", "gpu"), (args.nodes, args.gpus_per_node)))
+    out = simulate(record, topo, args.placement, args.tokens_per_rank, subtree_limit=_limit(args.subtree_limit))
     out["seconds_to_simulate"] = round(time.time() - start, 2)
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
     print(f"{topo.describe()} ({out['world_size']} ranks), {out['experts_simulated']} experts "
           f"({out['replicas']} x {record.num_experts} recorded), {out['tokens']} tokens, {args.placement} placement:")
-    for dedup, m in out["modes"].items():
-        levels = ", ".join(f"{k} {v:.1f}" for k, v in m["bytes_per_token_by_level"].items())
-        print(f"  dedup={dedup:<5} B/token: {levels}; est. all-to-all {1e3 * m['estimated_seconds']:.3f} ms")
+    for key, title in (("modes", "unlimited (recorded probabilities)" if "limited" in out else None),
+                       ("limited", f"subtree limit {args.subtree_limit} (depth, M inside a block: "
+                                   f"{out.get('subtree_levels')})")):
+        if key not in out:
+            continue
+        if title:
+            print(f" {title}:")
+        for dedup, m in out[key].items():
+            levels = ", ".join(f"{k} {v:.1f}" for k, v in m["bytes_per_token_by_level"].items())
+            print(f"  dedup={dedup:<5} B/token: {levels}; est. all-to-all {1e3 * m['estimated_seconds']:.3f} ms")
     print(f"simulated in {out['seconds_to_simulate']} s")
     return 0

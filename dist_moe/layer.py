@@ -71,8 +71,7 @@ class MoELayer(nn.Module):
         self.router = router
         self.num_experts = e
         self.placement, self.topology, self.group, self.dedup = placement, topology, group, dedup
-        if getattr(router, "node_limit", None):  # may raise: before the dispatcher creates any group
-            router.set_expert_groups(placement.expert_nodes(topology))
+        bind_to_topology(router, placement, topology)  # may raise: before the dispatcher creates any group
         rank = dist.get_rank(group) if world > 1 else 0
         self.local_expert_ids = placement.local_experts(rank)
         self.dispatcher = ExpertParallelDispatcher(group, placement, topology, dedup, timeout) if world > 1 else None
@@ -149,6 +148,11 @@ class MoELayer(nn.Module):
                        lambda: (self.last_router_input, self.last_router_extras, self.last_token_layout),
                        self.group if ep else None, self.dispatcher.rank if ep else 0, self.experts)
 
+    @property
+    def expert_node(self) -> Tensor | None:
+        """[E] the node of each expert, on a topology of more than one node (else None)."""
+        return self.placement.expert_nodes(self.topology) if self.topology.num_nodes > 1 else None
+
     def expert_state_keys(self, prefix: str = "") -> dict:
         """state-dict key of each expert tensor -> (global expert ids of its rows, checkpoint stem, stacked)."""
         return {f"{prefix}experts.{slot}": (self.local_expert_ids, f"{prefix}experts.{slot}", True)
@@ -169,6 +173,17 @@ class MoELayer(nn.Module):
     def reset_traffic(self) -> None:
         if self.dispatcher is not None:
             self.dispatcher.reset_traffic()
+
+
+def bind_to_topology(router: Router, placement: Placement, topology: Topology) -> None:
+    """Tell a router the cluster's node boundary, where its config asks for it: DeepSeek-V3's
+    ``node_limit`` groups (the experts of each node), BRANCH's ``subtree_limit`` by level (the
+    tree depth of each level's units under tree-prefix placement). The engine hosts call it too."""
+    if getattr(router, "node_limit", None):
+        router.set_expert_groups(placement.expert_nodes(topology))
+    if getattr(router, "needs_topology", False):
+        tree = placement == Placement.tree_prefix(router.num_experts, topology)
+        router.resolve_subtree_levels(topology.levels, topology.sizes, tree)
 
 
 def _local_experts(world: int, rank: int, *args, **kwargs) -> Experts:

@@ -16,6 +16,12 @@ ROUTER_ARMS = {  # arm: router overrides
     "deepseek_v3": ["router.type=deepseek_v3"],
     "skywork": ["router.type=skywork"],
     "hash": ["router.type=hash"],
+    # told the node boundary: BRANCH's subtree limit (its top-level decision is the node, under
+    # tree-prefix placement) and DeepSeek-V3's node-limited routing, M=1
+    "branch_linear_limit1": ["router.type=branch", "router.node_map=linear", "router.subtree_limit=1"],
+    "branch_mlp4_limit1": ["router.type=branch", "router.node_map=mlp", "router.mlp_hidden=4",
+                           "router.subtree_limit=1"],
+    "deepseek_v3_node1": ["router.type=deepseek_v3", "router.node_limit=1"],
 }
 
 
@@ -35,12 +41,18 @@ class Plan:
                                         *overrides]})
 
 
+def run_placement(arm: str) -> str:
+    """BRANCH trains on tree-prefix placement (its subtrees are the nodes), flat routers on contiguous."""
+    return "tree_prefix" if arm.startswith("branch") else "contiguous"
+
+
 def routers(seeds=range(5), steps: int = 240) -> Plan:
-    """BRANCH-MoE (linear, MLP h=4, h=8 node maps) against the flat routers; E=16, top-4, cf 1.25."""
+    """BRANCH-MoE (linear, MLP h=4, h=8 node maps; unlimited and subtree-limited) against the flat
+    routers (unlimited, and DeepSeek-V3 node-limited); E=16, top-4, cf 1.25."""
     plan = Plan("routers", "ranks4", post="post_routing_bytes")
     for data in DATASETS:
         for arm, router in ROUTER_ARMS.items():
-            placement = "tree_prefix" if arm.startswith("branch") else "contiguous"
+            placement = run_placement(arm)
             for seed in seeds:
                 plan.add(f"{data}-{arm}-s{seed}", {"dataset": data, "arm": arm, "seed": seed},
                          [f"seed={seed}", f"data.name={data}", *router, "router.num_experts=16", "router.top_k=4",
@@ -126,4 +138,20 @@ def throughput(seeds=(0,), steps: int = 100) -> Plan:
     return plan
 
 
-PLANS = {"routers": routers, "specdrop": specdrop, "gar": gar, "throughput": throughput}
+LM_ROUTER_ARMS = ("branch_linear", "branch_linear_limit1", "switch", "deepseek_v3", "deepseek_v3_node1")
+
+
+def lm_routers(seeds=range(3), steps: int = 200) -> Plan:
+    """The routers comparison on the tiny MoE LM (configs/lm_branch.yaml: E=8 top-2 in both layers,
+    no capacity limit), validation nats per byte; 4 ranks as 2 x 2, node dedup."""
+    plan = Plan("lm_routers", "ranks4", post="post_routing_bytes")
+    for arm in LM_ROUTER_ARMS:
+        for seed in seeds:
+            plan.add(f"lm-{arm}-s{seed}", {"dataset": "lm_domains", "arm": arm, "seed": seed},
+                     [f"seed={seed}", *ROUTER_ARMS[arm], f"parallel.placement={run_placement(arm)}",
+                      "parallel.dedup=node", f"train.max_steps={steps}", "data.per_domain=500",
+                      "train.log_every=50"], "configs/lm_branch.yaml")
+    return plan
+
+
+PLANS = {"routers": routers, "specdrop": specdrop, "gar": gar, "throughput": throughput, "lm_routers": lm_routers}

@@ -77,7 +77,8 @@ def write(name: str, results: Path, docs: Path) -> str:
     from experiments import table_gar, table_routers, table_specdrop, table_throughput
 
     makers = {"routers": table_routers.make, "specdrop": table_specdrop.make, "gar": table_gar.make,
-              "throughput": table_throughput.make}
+              "throughput": table_throughput.make,
+              "lm_routers": table_routers.make_lm}
     rows = load_rows(results)
     if not rows:
         raise SystemExit(f"no results in {results}: run the experiment first")

@@ -63,9 +63,10 @@ def analyze(record: RoutingRecord, topology: Topology, run_placement: str = "con
             modes[dedup] = {"bytes_per_token_by_level": {k: v / t for k, v in levels.items()},
                             "estimated_seconds": topology.cost.estimate(traffic, dedup),
                             "matrix": traffic.matrix.tolist() if dedup == heat else None}
+        nodes = placement.expert_nodes(topology)
         out["placements"][name] = {"expert_to_rank": placement.expert_to_rank, "modes": modes,
-                                   "node_cut_coactivation": cut_weight(record.coactivation(),
-                                                                       placement.expert_nodes(topology).tolist())}
+                                   "node_cut_coactivation": cut_weight(record.coactivation(), nodes.tolist()),
+                                   **_node_share(record.expert_idx, nodes, topology.num_nodes)}
     run = record.dispatch
     if run is not None and run["topology"] == topology.describe():  # the run's own dispatch, as it measured it
         placement = Placement(run["expert_to_rank"], w)
@@ -79,6 +80,16 @@ def analyze(record: RoutingRecord, topology: Topology, run_placement: str = "con
         out["tree_distance"] = tree_distance(record.expert_idx, e)
         out["random_pair_tree_distance"] = random_pair_tree_distance(e)
     return out
+
+
+def _node_share(expert_idx: torch.Tensor, expert_node: torch.Tensor, num_nodes: int) -> dict:
+    """Each node's share of the routed (token, expert) slots and that share's CV: what BRANCH's
+    anchors keep balanced when a subtree limit makes the node the router's top-level choice."""
+    valid = expert_idx[expert_idx >= 0]
+    share = torch.bincount(expert_node[valid], minlength=num_nodes).double()
+    share = share / share.sum().clamp_min(1)
+    cv = float(share.std(unbiased=False) / share.mean()) if num_nodes > 1 else 0.0
+    return {"node_share": [round(v, 5) for v in share.tolist()], "node_share_cv": cv}
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -124,6 +135,10 @@ def _markdown(report: dict, topology: Topology) -> str:
                 lines.append(f"| {li} | {name} | {dedup} | {cells} | {1e6 * m['estimated_seconds']:.1f} us |")
     lines += ["", f"Lower bound across nodes: {report['node_lower_bound_bytes_per_token']:.1f} B/token "
               "(one copy to one other node)."]
+    if topology.num_nodes > 1:
+        lines.append("Per-node share of the routed slots (layer 0): " + "; ".join(
+            f"{name} " + " / ".join(f"{v:.3f}" for v in p["node_share"]) + f" (CV {p['node_share_cv']:.3f})"
+            for name, p in report["placements"].items()) + ".")
     if "tree_distance" in report:
         lines.append(f"Tree distance of co-selected experts: {report['tree_distance']:.3f} "
                      f"(random pairs {report['random_pair_tree_distance']:.3f}).")

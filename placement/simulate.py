@@ -50,13 +50,15 @@ class RoutingRecord:
     # how the run moved these tokens, when it ran expert-parallel: {"topology": "node=2,gpu=2",
     # "expert_to_rank": [...], "dedup": "node", "measured_bytes_by_level": {level: bytes}}
     dispatch: dict | None = None
+    probs: torch.Tensor | None = None  # [T, E] float32, the router's distribution (replays other limits)
 
     def save(self, run_dir: str | Path, layer: int = 0) -> Path:
         """``routing.npz`` for the first MoE layer, ``routing.layer<i>.npz`` for the others."""
         path = Path(run_dir) / routing_file(layer)
         tmp = path.with_name(path.name + ".tmp.npz")
+        extra = {} if self.probs is None else {"probs": self.probs.float().cpu().numpy()}
         np.savez(tmp, expert_idx=self.expert_idx.cpu().numpy(), src_rank=self.src_rank.cpu().numpy(),
-                 meta=np.array([self.num_experts, self.world_size, self.token_bytes]))
+                 meta=np.array([self.num_experts, self.world_size, self.token_bytes]), **extra)
         tmp.replace(path)
         side = path.with_suffix(".json")
         if self.dispatch is not None:
@@ -74,8 +76,9 @@ class RoutingRecord:
         e, w, b = (int(v) for v in z["meta"])
         side = path.with_suffix(".json")
         dispatch = json.loads(side.read_text()) if side.exists() else None
+        probs = torch.from_numpy(z["probs"]) if "probs" in z.files else None
         return cls(torch.from_numpy(z["expert_idx"]).long(), torch.from_numpy(z["src_rank"]).long(), e, w, b,
-                   dispatch)
+                   dispatch, probs)
 
     def coactivation(self) -> torch.Tensor:
         """[E, E] counts of tokens that selected both experts (diagonal: selections)."""
@@ -110,9 +113,48 @@ def check_memory(needed: int, what: str) -> None:
                          f"{free / 2**30:.1f} GiB available: simulate fewer ranks or fewer tokens per rank")
 
 
+def replayed_limits(subtree_limit, topology: Topology, num_experts: int, experts_simulated: int) -> list:
+    """A subtree limit (an int: the node level; or {level: M}) as (depth, M) inside one replica block
+    of the recorded E experts: under tree-prefix placement a level's unit holds E_sim / units experts,
+    so a block spans E / that many units, the subtrees at depth log2(span) of the block's own tree."""
+    import math as _math
+
+    by_level = subtree_limit if isinstance(subtree_limit, dict) else {
+        topology.levels[topology.node_depth - 1]: subtree_limit}
+    out = {}
+    for name, m in by_level.items():
+        if name not in topology.levels:
+            raise ValueError(f"--subtree-limit names level {name!r}; the simulated levels are {list(topology.levels)}")
+        units = _math.prod(topology.sizes[: topology.levels.index(name) + 1])
+        per_unit = experts_simulated // units
+        span = max(1, num_experts // per_unit)
+        if span & (span - 1) or experts_simulated % units:
+            raise ValueError(f"the {units} {name}s of {topology.describe()} do not split the {num_experts}-expert "
+                             "tree into subtrees: pick power-of-two level sizes")
+        depth = span.bit_length() - 1
+        out[depth] = min(out.get(depth, m), m, span)
+    return sorted(out.items())
+
+
+def _replay(record: RoutingRecord, rows: torch.Tensor, block: torch.Tensor, limits) -> torch.Tensor:
+    """The sampled tokens re-selected from their recorded probabilities (top-K, within ``limits``)."""
+    from placement.subtree import check_limits, limited_top_k
+
+    if record.probs is None:
+        raise ValueError("this run recorded no routing probabilities (it predates them): train it again to "
+                         "replay another subtree limit")
+    k = record.expert_idx.shape[1]
+    probs = record.probs[rows].float()
+    idx = limited_top_k(probs, k, check_limits(limits, record.num_experts, k))[1] if limits else \
+        torch.sort(probs, dim=1, descending=True, stable=True).indices[:, :k]
+    return idx + block * record.num_experts
+
+
 def simulate(record: RoutingRecord, topology: Topology, placement_kind: str = "tree_prefix",
-             tokens_per_rank: int = 256, seed: int = 0) -> dict:
-    """Bytes per level and estimated all-to-all seconds for every dedup mode."""
+             tokens_per_rank: int = 256, seed: int = 0, subtree_limit=None) -> dict:
+    """Bytes per level and estimated all-to-all seconds for every dedup mode. With ``subtree_limit``
+    the recorded tokens are routed twice from their recorded probabilities, top-K without a limit
+    and top-K inside the kept subtrees, and both are reported (``limited`` beside ``modes``)."""
     w = topology.world_size
     check_memory(memory_needed(w, w * tokens_per_rank, record.expert_idx.shape[1], len(topology.sizes)),
                  f"simulating {topology.describe()} ({w} ranks) with {tokens_per_rank} tokens per rank")
@@ -132,13 +174,20 @@ def simulate(record: RoutingRecord, topology: Topology, placement_kind: str = "t
     else:
         raise ValueError(f"placement must be contiguous, round_robin or tree_prefix, got {placement_kind!r}")
     out = {"world_size": w, "topology": topology.describe(), "experts_simulated": e_sim, "replicas": r,
-           "tokens": n, "placement": placement_kind, "modes": {}}
-    for dedup in DEDUP_MODES:
-        traffic = dispatch_traffic(idx, src, placement, topology, record.token_bytes, dedup)
-        levels = traffic.by_level()
-        out["modes"][dedup] = {
-            "bytes_by_level": levels,
-            "bytes_per_token_by_level": {k: v / n for k, v in levels.items()},
-            "estimated_seconds": topology.cost.estimate(traffic, dedup),
-        }
+           "tokens": n, "placement": placement_kind}
+    routings = {"modes": idx}
+    if subtree_limit is not None:
+        limits = replayed_limits(subtree_limit, topology, record.num_experts, e_sim)
+        routings = {"modes": _replay(record, rows, block, []), "limited": _replay(record, rows, block, limits)}
+        out["subtree_levels"] = limits
+    for key, routed in routings.items():
+        out[key] = {}
+        for dedup in DEDUP_MODES:
+            traffic = dispatch_traffic(routed, src, placement, topology, record.token_bytes, dedup)
+            levels = traffic.by_level()
+            out[key][dedup] = {
+                "bytes_by_level": levels,
+                "bytes_per_token_by_level": {k: v / n for k, v in levels.items()},
+                "estimated_seconds": topology.cost.estimate(traffic, dedup),
+            }
     return out

@@ -24,6 +24,7 @@ ROUTERS = {
     "hash": {"type": "hash", "num_experts": E, "top_k": 2},
     "uniform": {"type": "uniform", "num_experts": E},
     "branch": {"type": "branch", "num_experts": E, "top_k": 4},
+    "branch_subtree": {"type": "branch", "num_experts": E, "top_k": 2, "subtree_limit": 1, "subtree_depth": 1},
     "switch_node_limited": {"type": "switch", "num_experts": E, "top_k": 2, "jitter_eps": 0.0, "node_limit": 1},
     "deepseek_v3_node_limited": {"type": "deepseek_v3", "num_experts": E, "top_k": 2, "node_limit": 1},
     "specdrop": {"type": "specdrop", "num_experts": E, "num_categories": 5, "p_assigned": 0.6, "p_leak": 0.1},

@@ -62,7 +62,9 @@ class DistMoEGate(nn.Module):
     ep_group = WeakGroup()  # DeepSpeed's EP group, held weakly (dist_moe/dispatch/groups.py)
 
     def __init__(self, router: Router | dict, hidden_size: int, ep_size: int = 1, placement: Placement | None = None,
-                 capacity_factor: float | None = None, min_capacity: int = 8):
+                 capacity_factor: float | None = None, min_capacity: int = 8, topology=None):
+        """``topology`` (a ``placement.Topology`` of the EP ranks) tells a router that asks for it where
+        the node boundary is (``node_limit``, ``subtree_limit`` by level)."""
         super().__init__()
         if isinstance(router, dict):
             router = build_router({"hidden_size": hidden_size, **router})
@@ -83,6 +85,10 @@ class DistMoEGate(nn.Module):
             capacity_for(1, 1, 1, capacity_factor)  # validates
         if isinstance(min_capacity, bool) or not isinstance(min_capacity, int) or min_capacity < 0:
             raise ValueError(f"min_capacity must be an int >= 0, got {min_capacity!r}")
+        if topology is not None:
+            from dist_moe.layer import bind_to_topology
+
+            bind_to_topology(router, placement, topology)
         self.router, self.placement, self.ep_size = router, placement, ep_size
         self.capacity_factor, self.min_capacity = capacity_factor, min_capacity
         self.register_buffer("physical_slot", placement.rank_tensor() * per_rank + placement.local_slot_tensor(),
@@ -164,7 +170,7 @@ class DistMoEGate(nn.Module):
 def deepspeed_moe_layer(hidden_size: int, ffn_hidden_size: int | None, router: Router | dict, ep_size: int = 1,
                         placement: Placement | None = None, capacity_factor: float | None = None,
                         expert_type: str = "swiglu", *, expert: nn.Module | None = None, min_capacity: int = 8,
-                        **expert_kwargs):
+                        topology=None, **expert_kwargs):
     """A ``deepspeed.moe.layer.MoE`` whose gate is ``DistMoEGate``. Its experts are dist-moe's
     (``expert_type``, ``ffn_hidden_size``), or, as ``deepspeed.moe.layer.MoE(expert=...)`` takes it,
     the user's own ``expert`` module, which DeepSpeed copies into every local slot.
@@ -177,7 +183,7 @@ def deepspeed_moe_layer(hidden_size: int, ffn_hidden_size: int | None, router: R
     deepspeed_patches.apply()
     from deepspeed.moe.layer import MoE
 
-    gate = DistMoEGate(router, hidden_size, ep_size, placement, capacity_factor, min_capacity)
+    gate = DistMoEGate(router, hidden_size, ep_size, placement, capacity_factor, min_capacity, topology)
     if expert is None:
         if ffn_hidden_size is None:
             raise ValueError("deepspeed_moe_layer needs ffn_hidden_size for dist-moe's experts, or an expert module")
@@ -217,11 +223,13 @@ class DeepSpeedHostedMoE(HostedMoE):
     def __init__(self, hidden_size: int, ffn_hidden_size: int | None, router: Router | dict, ep_size: int = 1,
                  placement: Placement | None = None, capacity_factor: float | None = None,
                  expert_type: str = "swiglu", *, expert: nn.Module | None = None, min_capacity: int = 8,
-                 **expert_kwargs):
+                 topology=None, **expert_kwargs):
         super().__init__()
         self.hidden_size = hidden_size
         self.moe = deepspeed_moe_layer(hidden_size, ffn_hidden_size, router, ep_size, placement, capacity_factor,
-                                       expert_type, expert=expert, min_capacity=min_capacity, **expert_kwargs)
+                                       expert_type, expert=expert, min_capacity=min_capacity, topology=topology,
+                                       **expert_kwargs)
+        self._know_nodes(self.gate.placement, topology)
         rank = 0
         if torch.distributed.is_initialized():
             self.moe.set_deepspeed_parallelism()

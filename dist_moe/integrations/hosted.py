@@ -17,6 +17,11 @@ from dist_moe.integrations.context import routing_context
 
 class HostedMoE(nn.Module):
     hidden_size: int
+    expert_node = None  # [E] each expert's node, when the host was told a topology of several nodes
+
+    def _know_nodes(self, placement, topology) -> None:
+        if topology is not None and topology.num_nodes > 1 and placement is not None:
+            self.expert_node = placement.expert_nodes(topology)
 
     @property
     def num_experts(self) -> int:

@@ -45,7 +45,8 @@ DISPATCHERS = ("alltoall", "allgather")
 class DistMoERouter(nn.Module):
     agree_group = WeakGroup()  # the ranks that route their own tokens, held weakly (dispatch/groups.py)
 
-    def __init__(self, *, config, pg_collection=None, router: Router | dict, placement: Placement | None = None):
+    def __init__(self, *, config, pg_collection=None, router: Router | dict, placement: Placement | None = None,
+                 topology=None):
         super().__init__()
         megatron_patches.apply()
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
@@ -76,6 +77,10 @@ class DistMoERouter(nn.Module):
         if any(len(placement.local_experts(r)) != per_rank for r in range(ep)):
             raise ValueError(f"Megatron holds {per_rank} experts on every EP rank; placement "
                              f"{placement.expert_to_rank} is uneven")
+        if topology is not None:  # the node boundary for node_limit / subtree_limit by level
+            from dist_moe.layer import bind_to_topology
+
+            bind_to_topology(router, placement, topology)
         physical = placement.rank_tensor() * per_rank + placement.local_slot_tensor()
         # column p of Megatron's view holds logical expert logical_at[p]
         self.register_buffer("logical_at", torch.argsort(physical), persistent=False)
@@ -190,14 +195,15 @@ def megatron_config(hidden_size: int, ffn_hidden_size: int, num_experts: int, to
     return TransformerConfig(**fields)
 
 
-def megatron_moe_layer(config, router: Router | dict, placement: Placement | None = None, pg_collection=None):
+def megatron_moe_layer(config, router: Router | dict, placement: Placement | None = None, pg_collection=None,
+                       topology=None):
     """Megatron's MoELayer (SequentialMLP experts) with a ``DistMoERouter``."""
     megatron_patches.apply()
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts, moe_grouped_gemm=False)
-    spec.submodules.router = functools.partial(DistMoERouter, router=router, placement=placement)
+    spec.submodules.router = functools.partial(DistMoERouter, router=router, placement=placement, topology=topology)
     return MoELayer(config, submodules=spec.submodules, pg_collection=pg_collection)
 
 
@@ -251,7 +257,7 @@ class MegatronHostedMoE(HostedMoE):
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, router: dict, ep_size: int = 1,
                  placement: Placement | None = None, dispatcher: str = "alltoall", expert_type: str = "swiglu",
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, topology=None):
         super().__init__()
         with fork_rng():  # a probe for top_k and the expert count; no RNG drawn
             probe = build_router({"hidden_size": hidden_size, **router})
@@ -259,7 +265,8 @@ class MegatronHostedMoE(HostedMoE):
                                  dispatcher, expert_type, device,
                                  moe_aux_loss_coeff=getattr(probe, "aux_loss_coeff", 0.0))  # Megatron's place
         self.hidden_size = hidden_size
-        self.moe = megatron_moe_layer(config, router, placement)
+        self.moe = megatron_moe_layer(config, router, placement, topology=topology)
+        self._know_nodes(self.moe.router.placement, topology)
 
     @property
     def router(self) -> Router:

@@ -9,11 +9,14 @@ significant bit at the root, so tree prefixes are expert-index prefixes.
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import Tensor
 
 from dist_moe.routing.base import Router, Routing, expert_load, select_top_k, zero_aux
 from dist_moe.routing.node_map import NodeMap
+from placement.subtree import check_limits, level_depths, limited_top_k
 
 
 class BranchRouter(Router):
@@ -26,8 +29,14 @@ class BranchRouter(Router):
         mlp_hidden: int | None = None,
         ema_decay: float = 0.99,
         eta: float | None = None,
+        subtree_limit: int | dict | None = None,
+        subtree_depth: int | None = None,
         stats_group=None,
     ):
+        """``subtree_limit``: at most M subtrees of depth ``subtree_depth`` per token (``routing/subtree.py``);
+        a mapping {topology level: M}, or an int without a depth (the node level), is resolved by the
+        layer from its topology and tree-prefix placement (``resolve_subtree_levels``). None: the paper's
+        router, unchanged."""
         super().__init__(num_experts, top_k, stats_group)
         num_experts = self.num_experts
         if num_experts < 2 or num_experts & (num_experts - 1):
@@ -45,6 +54,29 @@ class BranchRouter(Router):
         self.node_map = NodeMap(hidden_size, num_experts - 1, node_map, mlp_hidden)
         self.register_buffer("anchors", torch.zeros(num_experts - 1))
         self.register_buffer("ema_step", torch.zeros((), dtype=torch.long))
+        self.subtree_limit, self.subtree_depth = _check_subtree_keys(subtree_limit, subtree_depth)
+        self.subtree_levels = None  # [(depth, M)], outermost first, once known
+        if isinstance(subtree_limit, int) and subtree_depth is not None:
+            self.subtree_levels = check_limits([(subtree_depth, subtree_limit)], num_experts, self.top_k)
+
+    @property
+    def needs_topology(self) -> bool:
+        """A limit given by topology level (or an int without a depth) that no layer has resolved yet."""
+        return self.subtree_limit is not None and self.subtree_levels is None
+
+    def resolve_subtree_levels(self, levels: tuple, sizes: tuple, tree_prefix: bool) -> None:
+        """Turn a limit by level ({"node": 1}; an int means the node level) into depths: under
+        tree-prefix placement a level's units are the subtrees at depth log2(its unit count)."""
+        if not self.needs_topology:
+            return
+        if not tree_prefix:
+            raise ValueError("router key 'subtree_limit' by topology level needs parallel.placement=tree_prefix: "
+                             "under another placement the tree's subtrees are not nodes (give subtree_depth to "
+                             "limit subtrees anyway)")
+        limit = self.subtree_limit
+        by_level = limit if isinstance(limit, dict) else {_node_level(levels): limit}
+        self.subtree_levels = check_limits(level_depths(by_level, levels, sizes, self.num_experts), self.num_experts,
+                                           self.top_k)
 
     def node_scores(self, x: Tensor) -> Tensor:
         """f_j(x) for all E-1 nodes, [T, E-1] fp32, one batched computation."""
@@ -81,7 +113,13 @@ class BranchRouter(Router):
         if live and self.updates_state:
             self._update_anchors(torch.cat(batch_stats).detach(), torch.cat(arrival))
 
-        vals, idx = select_top_k(probs, self.top_k)
+        if self.needs_topology:
+            raise ValueError("router key 'subtree_limit' is given by topology level: build the router in an "
+                             "MoELayer (or engine host) that knows the topology, or give subtree_depth")
+        if self.subtree_levels is None:
+            vals, idx = select_top_k(probs, self.top_k)
+        else:  # at most M subtrees per token, ranked by path mass; the eta rule over the kept selection
+            vals, idx = limited_top_k(probs, self.top_k, self.subtree_levels)
         gates = vals
         if self.eta:
             gates = vals / vals.sum(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)  # eq. 21
@@ -104,7 +142,31 @@ class BranchRouter(Router):
         self.anchors.copy_(torch.where(ok, new, self.anchors))
 
     def extra_repr(self) -> str:
+        limit = f", subtree_levels={self.subtree_levels}" if self.subtree_levels else ""
         return (
             f"num_experts={self.num_experts}, top_k={self.top_k}, depth={self.depth}, "
-            f"ema_decay={self.ema_decay}, eta={self.eta:g}"
+            f"ema_decay={self.ema_decay}, eta={self.eta:g}{limit}"
         )
+
+
+def _check_subtree_keys(limit, depth):
+    if limit is None:
+        if depth is not None:
+            raise ValueError("router key 'subtree_depth' needs subtree_limit")
+        return None, None
+    if isinstance(limit, dict):
+        if depth is not None:
+            raise ValueError("router key 'subtree_depth' goes with an int subtree_limit, not a mapping by level")
+        if not limit or any(not isinstance(k, str) for k in limit):
+            raise ValueError(f"router key 'subtree_limit' as a mapping takes topology level names, got {limit!r}")
+        for m in limit.values():
+            if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 1:
+                raise ValueError(f"router key 'subtree_limit' must give each level an int >= 1, got {limit!r}")
+        return dict(limit), None
+    if isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 1:
+        raise ValueError(f"router key 'subtree_limit' must be an int >= 1 or a mapping {{level: M}}, got {limit!r}")
+    return int(limit), depth
+
+
+def _node_level(levels: tuple) -> str:
+    return "node" if "node" in levels else levels[max(len(levels) - 2, 0)]

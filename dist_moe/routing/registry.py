@@ -29,7 +29,7 @@ ROUTERS: dict[str, type[Router]] = {
 DIFFERENTIABLE = {"switch", "deepseek_v3", "skywork", "branch"}
 
 _INT_KEYS = {"hidden_size", "num_experts", "top_k", "mlp_hidden", "num_categories", "total_steps", "seed",
-             "node_limit"}
+             "node_limit", "subtree_depth"}
 _FLOAT_KEYS = {
     "ema_decay", "eta", "aux_loss_coeff", "jitter_eps", "capacity_factor", "norm_scale", "bias_update_rate",
     "p_assigned", "p_leak", "warmup_fraction", "imbalance_beta",

@@ -121,14 +121,14 @@ class Runtime:
             from dist_moe.integrations.deepspeed import DeepSpeedHostedMoE
 
             return DeepSpeedHostedMoE(hidden, ffn, router, self.world, placement, capacity_factor, expert_type,
-                                      min_capacity=4)  # deepspeed.moe.layer.MoE's default
+                                      min_capacity=4, topology=self.topology())  # min: deepspeed MoE's default
         if capacity_factor is not None:
             raise ValueError("engine megatron runs dropless: set model.capacity_factor: null "
                              f"(got {capacity_factor})")
         from dist_moe.integrations.megatron import MegatronHostedMoE
 
         return MegatronHostedMoE(hidden, ffn, router, self.world, placement, self.parallel["megatron_dispatcher"],
-                                 expert_type, device=self.device)
+                                 expert_type, device=self.device, topology=self.topology())
 
     def stepper(self, model: nn.Module, lr: float, max_grad_norm, micro_batch: int):
         if self.engine == "deepspeed":

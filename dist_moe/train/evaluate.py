@@ -40,7 +40,8 @@ def evaluate(model, x: torch.Tensor, y: torch.Tensor, c: torch.Tensor | None = N
     sums = reduce(sums)
     load = reduce(sum(r.stats["load"] for r in routings).double())
     dropped = int(reduce(torch.tensor([float(sum(r.stats.get("dropped", 0) for r in routings))])))
-    metrics = routing_metrics(torch.cat([r.expert_idx for r in routings]), load, dropped, model.moe.num_experts)
+    metrics = routing_metrics(torch.cat([r.expert_idx for r in routings]), load, dropped, model.moe.num_experts,
+                              getattr(model.moe, "expert_node", None))
     out = {"val_loss": float(sums[0] / sums[2]), "val_acc": float(sums[1] / sums[2]),
            **{f"val_{k}": v for k, v in metrics.items()}}
     if c is not None and isinstance(model.moe.router, SpecDropRouter):  # Align asks of SpecDrop's assignment

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import Tensor
 
 from placement import tree_distance
@@ -15,16 +16,34 @@ def load_cv(load: Tensor) -> float:
     return float(load.std(unbiased=False) / mean) if mean > 0 else float("nan")
 
 
-def routing_metrics(expert_idx: Tensor, load: Tensor, dropped: int, num_experts: int) -> dict:
-    """Load CV, normalised tree distance and dropped-slot fraction of one or more routings."""
+def node_share(load: Tensor, expert_node: Tensor) -> Tensor:
+    """Each node's share of the routed (token, expert) slots, from per-expert ``load``."""
+    load = load.double().cpu()
+    nodes = expert_node.cpu()
+    share = torch.zeros(int(nodes.max()) + 1, dtype=torch.float64).scatter_add_(0, nodes, load)
+    return share / share.sum().clamp_min(1e-12)
+
+
+def routing_metrics(expert_idx: Tensor, load: Tensor, dropped: int, num_experts: int,
+                    expert_node: Tensor | None = None) -> dict:
+    """Load CV, normalised tree distance and dropped-slot fraction of one or more routings; with
+    ``expert_node`` ([E]: each expert's node) each node's share of the slots and that share's CV,
+    beside expert load: what BRANCH's anchors keep balanced when a subtree limit makes the
+    top-level decision the node choice."""
     tree = num_experts >= 2 and not num_experts & (num_experts - 1)  # a complete binary tree of experts
     td = tree_distance(expert_idx, num_experts) if tree and expert_idx.shape[1] >= 2 else math.nan
-    return {
+    out = {
         "load_cv": load_cv(load),
         "tree_distance": td,
         "dropped_fraction": float(dropped) / max(expert_idx.numel(), 1),
     }
+    if expert_node is not None:
+        share = node_share(load, expert_node)
+        out["node_share"] = [round(v, 5) for v in share.tolist()]
+        out["node_share_cv"] = load_cv(share)
+    return out
 
 
-def metrics_of(routing, num_experts: int) -> dict:
-    return routing_metrics(routing.expert_idx, routing.stats["load"], routing.stats.get("dropped", 0), num_experts)
+def metrics_of(routing, num_experts: int, expert_node: Tensor | None = None) -> dict:
+    return routing_metrics(routing.expert_idx, routing.stats["load"], routing.stats.get("dropped", 0), num_experts,
+                           expert_node)

@@ -59,9 +59,11 @@ def record_routing(out_dir: Path, model, data, rt) -> None:
             layer.reset_traffic()
         idx = layer.last_routing.expert_idx.cpu()
         idx_all = all_gather_rows(idx, group)
+        probs = all_gather_rows(layer.last_routing.probs.float().cpu(), group)  # replays other limits later
         src = all_gather_rows(torch.full((idx.shape[0],), rt.rank, dtype=torch.long), group)
         if rt.is_main:
-            record = RoutingRecord(idx_all, src, site.router.num_experts, rt.world, layer.hidden_size * 4, dispatch)
+            record = RoutingRecord(idx_all, src, site.router.num_experts, rt.world, layer.hidden_size * 4, dispatch,
+                                   probs)
             record.save(out_dir, i)
     if rt.is_main:  # a previous run in this directory may have had more layers
         for stale in range(len(layers), recorded_layers(out_dir)):

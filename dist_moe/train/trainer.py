@@ -212,7 +212,8 @@ def _train_in(cfg: dict, rt: Runtime, quiet: bool, after, out_dir: Path, resume_
                     record.update(records.measured_bytes(model, rt))  # collective: every rank takes part
                 if logger is not None and (step % tcfg["log_every"] == 0 or last):
                     if model.moe.last_routing is not None:  # None while every step so far was skipped
-                        record.update(metrics_of(model.moe.last_routing, model.moe.num_experts))
+                        record.update(metrics_of(model.moe.last_routing, model.moe.num_experts,
+                                                 getattr(model.moe, "expert_node", None)))
                     if hasattr(router, "progress"):
                         record["schedule_progress"] = float(router.progress)
                     logger.log({"step": step, **record})

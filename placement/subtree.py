@@ -1,4 +1,8 @@
-"""Subtree-limited selection for BRANCH-MoE: a token's K experts from at most M subtrees at depth d.
+"""Subtree-limited selection: a token's K experts from at most M subtrees of the expert tree at depth d.
+
+BRANCH-MoE's router selects this way when given ``subtree_limit`` (``dist_moe.routing.branch``),
+and ``simulate`` replays a run's recorded probabilities this way on a cluster it does not have;
+it lives here, with the other tree arithmetic of expert indices, so both use the one function.
 
 A BRANCH tree's subtree at depth d holds the E / 2^d experts that share a d-bit index prefix;
 under tree-prefix placement on power-of-two levels the subtrees at a level's depth are exactly
@@ -53,7 +57,7 @@ def subtree_mask(probs: Tensor, limits: list[tuple[int, int]]) -> Tensor:
             chosen = torch.zeros(t, n, dtype=torch.bool, device=probs.device).scatter(1, keep, True) & inside
         else:
             chosen = inside
-        allowed = chosen.repeat_interleave(e // n, dim=1)
+        allowed = chosen[:, :, None].expand(t, n, e // n).reshape(t, e)
     return allowed
 
 
@@ -68,8 +72,10 @@ def limited_top_k(probs: Tensor, top_k: int, limits: list[tuple[int, int]]) -> t
 
 def level_depths(levels: dict, topology_levels: tuple, sizes: tuple, num_experts: int) -> list[tuple[int, int]]:
     """{level name: M} -> [(depth, M)]: a level's units are the subtrees at depth log2(units so far)
-    when the level sizes are powers of two and tree-prefix placement put them there."""
-    out = []
+    when the level sizes are powers of two and tree-prefix placement put them there. A limit of
+    more units than the topology has (``node: 2`` on one node) limits nothing: M is capped there,
+    and two levels of one depth keep the tighter limit."""
+    out: dict[int, int] = {}
     for name, m in levels.items():
         if name not in topology_levels:
             raise ValueError(f"router key 'subtree_limit' names level {name!r}; the topology's levels are "
@@ -80,5 +86,6 @@ def level_depths(levels: dict, topology_levels: tuple, sizes: tuple, num_experts
         if units & (units - 1) or units > num_experts:
             raise ValueError(f"router key 'subtree_limit': the {units} {name}s of the topology are not subtrees "
                              f"of a {num_experts}-expert tree (their count must be a power of two <= num_experts)")
-        out.append((units.bit_length() - 1, m))
-    return out
+        depth = units.bit_length() - 1
+        out[depth] = min(out.get(depth, m), m, units)
+    return sorted(out.items())

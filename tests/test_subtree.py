@@ -1,0 +1,148 @@
+"""Subtree-limited BRANCH: a token's K experts from at most M of the 2^d subtrees at depth d,
+ranked by path mass; M = 2^d is the paper's router exactly."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dist_moe import MoELayer
+from dist_moe.routing import build_router
+from placement.subtree import limited_top_k
+from placement import Placement, Topology
+
+
+def _router(e, k, **kw):
+    return build_router({"type": "branch", "hidden_size": 8, "num_experts": e, "top_k": k, **kw})
+
+
+@settings(max_examples=60, deadline=None)
+@given(log_e=st.integers(1, 8), data=st.data())
+def test_limited_routing_never_leaves_the_kept_subtrees(log_e, data):
+    e = 1 << log_e
+    d = data.draw(st.integers(0, log_e))
+    m = data.draw(st.integers(1, 1 << d))
+    k = data.draw(st.integers(1, min(e, m * (e >> d))))
+    seed = data.draw(st.integers(0, 10**6))
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(torch.randn(37, e, generator=g) * 3, dim=1)
+    vals, idx = limited_top_k(probs, k, [(d, m)])
+    size = e >> d
+    mass = probs.reshape(37, 1 << d, size).sum(-1)
+    kept = torch.sort(mass, dim=1, descending=True, stable=True).indices[:, :m]
+    for t in range(37):
+        subtrees = set((idx[t] // size).tolist())
+        assert subtrees <= set(kept[t].tolist()) and len(subtrees) <= m
+        inside = torch.cat([torch.arange(s * size, (s + 1) * size) for s in kept[t].tolist()])
+        best = torch.sort(probs[t, inside], descending=True, stable=True).values[:k]
+        assert torch.equal(vals[t], best)  # the top-K leaves inside the kept subtrees, highest first
+    assert torch.equal(vals, probs.gather(1, idx))
+
+
+@pytest.mark.parametrize("e,k,d", [(16, 4, 2), (64, 8, 3), (8, 1, 1), (256, 8, 4)])
+def test_the_limit_at_its_maximum_is_the_unlimited_router(e, k, d):
+    torch.manual_seed(0)
+    base = _router(e, k)
+    full = _router(e, k, subtree_limit=1 << d, subtree_depth=d)
+    full.load_state_dict(base.state_dict())
+    x = torch.randn(200, 8)
+    a, b = base(x), full(x)
+    assert torch.equal(a.expert_idx, b.expert_idx) and torch.equal(a.gates, b.gates)
+    assert torch.equal(base.anchors, full.anchors) and int(base.ema_step) == int(full.ema_step)
+
+
+def test_gates_follow_the_eta_rule_and_anchors_move_as_before():
+    torch.manual_seed(0)
+    base, lim = _router(16, 4), _router(16, 4, subtree_limit=1, subtree_depth=1)
+    lim.load_state_dict(base.state_dict())
+    for _ in range(5):
+        x = torch.randn(64, 8)
+        a, b = base(x), lim(x)
+        assert torch.equal(a.probs, b.probs)  # the tree and its masks are the paper's
+        kept = b.probs.gather(1, b.expert_idx)
+        assert torch.allclose(b.gates, kept / kept.sum(1, keepdim=True))  # eta = 1 over the kept selection
+    assert torch.equal(base.anchors, lim.anchors)  # the limit only selects: anchors and EMA untouched
+    one = _router(16, 1, subtree_limit=1, subtree_depth=2)  # K=1: eta = 0, the raw leaf mass
+    r = one(torch.randn(10, 8))
+    assert torch.equal(r.gates, r.probs.gather(1, r.expert_idx))
+    r.gates.sum().backward()
+    assert one.node_map.weight.grad.abs().sum() > 0  # gradients flow through the kept path masses
+
+
+@pytest.mark.parametrize("kw,key", [
+    ({"subtree_limit": 0, "subtree_depth": 1}, "subtree_limit"),
+    ({"subtree_limit": 3, "subtree_depth": 1}, "subtree_limit"),
+    ({"subtree_limit": 1, "subtree_depth": 5}, "subtree_depth"),
+    ({"subtree_limit": 1, "subtree_depth": 3}, "subtree_limit"),  # top_k 4 > 1 subtree of 2 experts
+    ({"subtree_depth": 2}, "subtree_depth"),
+    ({"subtree_limit": {"node": 0}}, "subtree_limit"),
+    ({"subtree_limit": "one"}, "subtree_limit"),
+])
+def test_bad_limits_name_the_key(kw, key):
+    with pytest.raises(ValueError, match=f"'{key}'"):
+        _router(16, 4, **kw)
+
+
+def test_a_limit_by_level_is_resolved_from_the_topology_and_tree_prefix_placement():
+    topo = Topology(("rack", "node", "gpu"), (2, 2, 2))
+    layer = MoELayer(8, 12, {"type": "branch", "num_experts": 16, "top_k": 4, "subtree_limit": {"rack": 1, "node": 2}},
+                     topology=Topology(("rack", "node", "gpu"), (1, 1, 1)))
+    router = layer.router
+    router.subtree_levels = None  # resolve for the 8-rank topology, as an EP layer on it would
+    from dist_moe.layer import bind_to_topology
+
+    bind_to_topology(router, Placement.tree_prefix(16, topo), topo)
+    assert router.subtree_levels == [(1, 1), (2, 2)]
+    r = router(torch.randn(300, 8))
+    assert ((r.expert_idx // 8).amin(1) == (r.expert_idx // 8).amax(1)).all()  # one rack (8 experts)
+    assert all(len(set(row)) <= 2 for row in (r.expert_idx // 4).tolist())  # at most 2 of its nodes
+    int_limit = _router(16, 4, subtree_limit=1)  # an int: the node level
+    bind_to_topology(int_limit, Placement.tree_prefix(16, topo), topo)
+    assert int_limit.subtree_levels == [(2, 1)]
+
+
+def test_a_limit_by_level_under_another_placement_is_refused_unless_the_depth_is_given():
+    from dist_moe.layer import bind_to_topology
+
+    topo = Topology(("node", "gpu"), (2, 2))
+    with pytest.raises(ValueError, match="tree_prefix: under another placement the tree's subtrees are not nodes"):
+        bind_to_topology(_router(16, 4, subtree_limit=1), Placement.round_robin(16, 4), topo)
+    explicit = _router(16, 4, subtree_limit=1, subtree_depth=1)
+    bind_to_topology(explicit, Placement.round_robin(16, 4), topo)  # the user's own choice of subtrees
+    assert explicit.subtree_levels == [(1, 1)]
+    with pytest.raises(ValueError, match="needs the topology|knows the topology"):
+        _router(16, 4, subtree_limit=1)(torch.randn(4, 8))
+
+
+def _one_copy_worker(rank, world, out):
+    import json
+
+    import torch.distributed as dist
+
+    topo = Topology(("node", "gpu"), (2, 2))
+    torch.manual_seed(0)
+    layer = MoELayer(8, 12, {"type": "branch", "num_experts": 16, "top_k": 4, "subtree_limit": 1}, topology=topo,
+                     placement=Placement.tree_prefix(16, topo), group=dist.group.WORLD, dedup="node")
+    x = torch.randn(50 + 7 * rank, 8, generator=torch.Generator().manual_seed(rank))
+    layer(x)
+    node_of_token = layer.last_routing.expert_idx[:, 0] // 8  # every selected expert is on this node
+    assert ((layer.last_routing.expert_idx // 8) == node_of_token.unsqueeze(1)).all()
+    off_node = int((node_of_token != rank // 2).sum())
+    totals = torch.tensor([off_node, layer.traffic.by_level()["node"], x.shape[0]])
+    dist.all_reduce(totals)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(totals.tolist(), f)
+
+
+def test_limit_one_on_two_nodes_sends_one_node_copy_per_off_node_token(tmp_path):
+    """2 nodes x 2, tree-prefix placement, node dedup, subtree_limit 1 (the node level): exactly one
+    copy crosses the node boundary for each token routed to the other node, none for the rest."""
+    import json
+
+    from tests.dist_utils import run_workers
+
+    out = tmp_path / "totals.json"
+    run_workers(_one_copy_worker, 4, args=(str(out),), timeout=120)
+    off_node, node_bytes, tokens = json.loads(out.read_text())
+    assert node_bytes == off_node * 8 * 4  # one 8-float copy each
+    assert 0 < off_node < tokens
