@@ -22,6 +22,8 @@ ROUTERS = {
     "deepseek_v3": {"type": "deepseek_v3", "num_experts": E, "top_k": K},
     "deepseek_v3 node-limited M=1": {"type": "deepseek_v3", "num_experts": E, "top_k": K, "node_limit": 1},
     "branch": {"type": "branch", "num_experts": E, "top_k": K},
+    # the node level of 2 nodes: depth 1 given explicitly, so the optimized placement runs it too
+    "branch subtree_limit=1": {"type": "branch", "num_experts": E, "top_k": K, "subtree_limit": 1, "subtree_depth": 1},
 }
 
 

@@ -34,7 +34,7 @@ from placement import CostModel, Placement, Topology, Traffic, fit_level  # noqa
 
 D_MODEL = 512
 REPEATS = 5
-CONFIG_ROUTERS = ("switch", "deepseek_v3 node-limited M=1", "branch")
+CONFIG_ROUTERS = ("switch", "deepseek_v3 node-limited M=1", "branch", "branch subtree_limit=1")
 
 
 def slowest(fn) -> float:

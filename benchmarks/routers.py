@@ -67,6 +67,9 @@ def main() -> None:
         "hash": {"type": "hash", **base},
         "branch (linear)": {"type": "branch", **base},
         "branch (mlp h=8)": {"type": "branch", **base, "node_map": "mlp", "mlp_hidden": 8},
+        # one of the two depth-1 subtrees (the node level of 2 nodes), then top-K inside it
+        "branch limit 1 of 2": {"type": "branch", **base, "subtree_limit": 1, "subtree_depth": 1},
+        "branch limit 2 of 8": {"type": "branch", **base, "subtree_limit": 2, "subtree_depth": 3},
         "specdrop (dense)": {"type": "specdrop", "num_experts": a.experts, "num_categories": a.experts,
                              "p_assigned": 0.7, "hidden_size": a.hidden},
     }

@@ -39,6 +39,18 @@ def tree_distance(expert_idx: Tensor, num_experts: int) -> float:
     return float(bit_length.double().mean()) / d
 
 
+def node_share(load: Tensor, expert_node: Tensor, num_nodes: int | None = None) -> tuple[list[float], float]:
+    """Each node's share of the routed (token, expert) slots, from per-expert ``load``, and the
+    shares' CV (std / mean): what BRANCH's anchors keep balanced when a subtree limit makes the
+    node the router's top-level choice."""
+    nodes = expert_node.cpu().long()
+    n = num_nodes or int(nodes.max()) + 1
+    share = torch.zeros(n, dtype=torch.float64).scatter_add_(0, nodes, load.double().cpu())
+    share = share / share.sum().clamp_min(1e-12)
+    cv = float(share.std(unbiased=False) / share.mean()) if n > 1 else 0.0
+    return [round(v, 5) for v in share.tolist()], cv
+
+
 def random_pair_tree_distance(num_experts: int) -> float:
     """E[L]/D for uniformly random distinct pairs: (D - 1 + 2^-D) / (1 - 2^-D) / D."""
     d = _depth(num_experts)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from placement.locality import random_pair_tree_distance, tree_distance
+from placement.locality import node_share, random_pair_tree_distance, tree_distance
 from placement.placement import Placement, cut_weight
 from placement.simulate import RoutingRecord, recorded_layers
 from placement.topology import Topology
@@ -66,7 +66,7 @@ def analyze(record: RoutingRecord, topology: Topology, run_placement: str = "con
         nodes = placement.expert_nodes(topology)
         out["placements"][name] = {"expert_to_rank": placement.expert_to_rank, "modes": modes,
                                    "node_cut_coactivation": cut_weight(record.coactivation(), nodes.tolist()),
-                                   **_node_share(record.expert_idx, nodes, topology.num_nodes)}
+                                   **_node_share(record, nodes, topology.num_nodes)}
     run = record.dispatch
     if run is not None and run["topology"] == topology.describe():  # the run's own dispatch, as it measured it
         placement = Placement(run["expert_to_rank"], w)
@@ -82,14 +82,10 @@ def analyze(record: RoutingRecord, topology: Topology, run_placement: str = "con
     return out
 
 
-def _node_share(expert_idx: torch.Tensor, expert_node: torch.Tensor, num_nodes: int) -> dict:
-    """Each node's share of the routed (token, expert) slots and that share's CV: what BRANCH's
-    anchors keep balanced when a subtree limit makes the node the router's top-level choice."""
-    valid = expert_idx[expert_idx >= 0]
-    share = torch.bincount(expert_node[valid], minlength=num_nodes).double()
-    share = share / share.sum().clamp_min(1)
-    cv = float(share.std(unbiased=False) / share.mean()) if num_nodes > 1 else 0.0
-    return {"node_share": [round(v, 5) for v in share.tolist()], "node_share_cv": cv}
+def _node_share(record: RoutingRecord, expert_node: torch.Tensor, num_nodes: int) -> dict:
+    idx = record.expert_idx
+    share, cv = node_share(torch.bincount(idx[idx >= 0], minlength=record.num_experts), expert_node, num_nodes)
+    return {"node_share": share, "node_share_cv": cv}
 
 
 def _metrics(run_dir: Path) -> list[dict]:

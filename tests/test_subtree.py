@@ -1,5 +1,7 @@
 """Subtree-limited BRANCH: a token's K experts from at most M of the 2^d subtrees at depth d,
 ranked by path mass; M = 2^d is the paper's router exactly."""
+import json
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -146,3 +148,69 @@ def test_limit_one_on_two_nodes_sends_one_node_copy_per_off_node_token(tmp_path)
     off_node, node_bytes, tokens = json.loads(out.read_text())
     assert node_bytes == off_node * 8 * 4  # one 8-float copy each
     assert 0 < off_node < tokens
+
+
+def _limited_record(e=16, k=4, t=400, seed=0):
+    """A synthetic recorded run: tokens' router probabilities and their unlimited top-K."""
+    from placement.simulate import RoutingRecord
+
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(2 * torch.randn(t, e, generator=g), dim=1)
+    idx = torch.sort(probs, dim=1, descending=True, stable=True).indices[:, :k]
+    return RoutingRecord(idx, torch.zeros(t, dtype=torch.long), e, 1, 32, probs=probs)
+
+
+def test_simulate_replays_the_limit_beside_the_unlimited_routing():
+    """4 nodes x 2 GPUs (E_sim = 16, 4 experts a node): a node limit of 1 sends at most one copy
+    across nodes per token with node dedup, less than unlimited; a limit of every node is unlimited."""
+    from placement.simulate import simulate
+
+    record = _limited_record()
+    topo = Topology(("node", "gpu"), (4, 2))
+    out = simulate(record, topo, "tree_prefix", tokens_per_rank=100, subtree_limit=1)
+    assert out["subtree_levels"] == [(2, 1)]
+    limited = out["limited"]["node"]["bytes_per_token_by_level"]["node"]
+    unlimited = out["modes"]["node"]["bytes_per_token_by_level"]["node"]
+    assert 0 < limited <= 32 < unlimited
+    # copies that cross nodes are exactly the tokens whose one node is not their own (3/4 of them)
+    assert abs(limited / 32 - 0.75) < 0.08
+    full = simulate(record, topo, "tree_prefix", tokens_per_rank=100, subtree_limit={"node": 4})
+    assert full["limited"] == full["modes"]
+
+
+def test_simulate_limits_racks_and_nodes_from_the_cli(tmp_path, capsys):
+    from dist_moe.cli import main
+
+    record = _limited_record(e=32)
+    record.save(tmp_path)
+    args = ["simulate", "--stats", str(tmp_path), "--racks", "2", "--nodes", "2", "--gpus-per-node", "4", "--json"]
+    assert main(args + ["--subtree-limit", "rack=1,node=1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    # 16 simulated ranks hold 32 experts: a rack spans 16 (depth 1 of the 32-tree), a node 8 (depth 2)
+    assert out["topology"] == "rack=2,node=2,gpu=4" and out["subtree_levels"] == [[1, 1], [2, 1]]
+    lim, free = out["limited"]["node"]["bytes_by_level"], out["modes"]["node"]["bytes_by_level"]
+    assert lim["rack"] < free["rack"] and lim["node"] < free["node"]
+    for bad, word in (("node=0", "node=0"), ("pod=1", "pod"), ("x", "x")):
+        assert main(args + ["--subtree-limit", bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert word in err and len(err.splitlines()) == 1, err
+
+
+def test_node_share_in_metrics_and_report(tmp_path):
+    from dist_moe.train.metrics import routing_metrics
+    from placement.report import write_report
+
+    idx = torch.tensor([[0, 1], [0, 2], [3, 1], [3, -1]])  # slots per expert: 2, 2, 1, 2
+    load = torch.tensor([2.0, 2.0, 1.0, 2.0])
+    m = routing_metrics(idx, load, 1, 4, expert_node=torch.tensor([0, 0, 1, 1]))
+    assert m["node_share"] == [round(4 / 7, 5), round(3 / 7, 5)]
+    assert m["node_share_cv"] == pytest.approx(abs(4 / 7 - 3 / 7) / 2 / 0.5)
+    from placement.simulate import RoutingRecord
+
+    record = RoutingRecord(idx, torch.arange(4) % 4, 4, 4, 16)
+    topo = Topology(("node", "gpu"), (2, 2))
+    record.save(tmp_path)
+    report = write_report(tmp_path, topo)
+    assert report["placements"]["contiguous"]["node_share"] == m["node_share"]
+    assert "Per-node share of the routed slots (layer 0): tree_prefix 0.571 / 0.429 (CV 0.143); contiguous 0.571 " \
+        "/ 0.429 (CV 0.143); optimized" in (tmp_path / "report.md").read_text()

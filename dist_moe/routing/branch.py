@@ -33,7 +33,7 @@ class BranchRouter(Router):
         subtree_depth: int | None = None,
         stats_group=None,
     ):
-        """``subtree_limit``: at most M subtrees of depth ``subtree_depth`` per token (``routing/subtree.py``);
+        """``subtree_limit``: at most M subtrees of depth ``subtree_depth`` per token (``placement/subtree.py``);
         a mapping {topology level: M}, or an int without a depth (the node level), is resolved by the
         layer from its topology and tree-prefix placement (``resolve_subtree_levels``). None: the paper's
         router, unchanged."""

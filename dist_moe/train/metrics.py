@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import Tensor
 
-from placement import tree_distance
+from placement import node_share, tree_distance
 
 
 def load_cv(load: Tensor) -> float:
@@ -14,14 +13,6 @@ def load_cv(load: Tensor) -> float:
     load = load.double()
     mean = load.mean()
     return float(load.std(unbiased=False) / mean) if mean > 0 else float("nan")
-
-
-def node_share(load: Tensor, expert_node: Tensor) -> Tensor:
-    """Each node's share of the routed (token, expert) slots, from per-expert ``load``."""
-    load = load.double().cpu()
-    nodes = expert_node.cpu()
-    share = torch.zeros(int(nodes.max()) + 1, dtype=torch.float64).scatter_add_(0, nodes, load)
-    return share / share.sum().clamp_min(1e-12)
 
 
 def routing_metrics(expert_idx: Tensor, load: Tensor, dropped: int, num_experts: int,
@@ -38,9 +29,7 @@ def routing_metrics(expert_idx: Tensor, load: Tensor, dropped: int, num_experts:
         "dropped_fraction": float(dropped) / max(expert_idx.numel(), 1),
     }
     if expert_node is not None:
-        share = node_share(load, expert_node)
-        out["node_share"] = [round(v, 5) for v in share.tolist()]
-        out["node_share_cv"] = load_cv(share)
+        out["node_share"], out["node_share_cv"] = node_share(load, expert_node)
     return out
 
 
