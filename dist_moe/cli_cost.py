@@ -36,12 +36,12 @@ def _limit(spec: str | None):
     """``--subtree-limit``: None, an int (the node level), or level=M[,level=M]."""
     if spec is None:
         return None
-    if spec.isdigit():
+    if spec.isdigit() and int(spec) >= 1:
         return int(spec)
     out = {}
     for part in spec.split(","):
         name, _, m = part.partition("=")
-        if not name.strip() or not m.strip().isdigit() or int(m) < 1:
+        if not name.strip() or name.strip().isdigit() or not m.strip().isdigit() or int(m) < 1:
             raise ValueError(f"--subtree-limit {spec!r}: give M or level=M[,level=M] with M >= 1")
         out[name.strip()] = int(m)
     return out
@@ -112,12 +112,12 @@ def _place(args) -> int:
 def _simulate(args) -> int:
     start = time.time()
     for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node),
-                        ("--tokens-per-rank", args.tokens_per_rank), ("--racks", args.racks or 1)):
+                        ("--tokens-per-rank", args.tokens_per_rank), ("--racks", 1 if args.racks is None else args.racks)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     record = RoutingRecord.load(args.stats)
-    topo = (Topology(("rack", "node", "gpu"), (args.racks, args.nodes, args.gpus_per_node)) if args.racks
-            else Topology(("node", "gpu"), (args.nodes, args.gpus_per_node)))
+    topo = (Topology(("rack", "node", "gpu"), (args.racks, args.nodes, args.gpus_per_node))
+            if args.racks is not None else Topology(("node", "gpu"), (args.nodes, args.gpus_per_node)))
     out = simulate(record, topo, args.placement, args.tokens_per_rank, subtree_limit=_limit(args.subtree_limit))
     out["seconds_to_simulate"] = round(time.time() - start, 2)
     if args.json:

@@ -179,6 +179,10 @@ def bind_to_topology(router: Router, placement: Placement, topology: Topology) -
     """Tell a router the cluster's node boundary, where its config asks for it: DeepSeek-V3's
     ``node_limit`` groups (the experts of each node), BRANCH's ``subtree_limit`` by level (the
     tree depth of each level's units under tree-prefix placement). The engine hosts call it too."""
+    if (getattr(router, "node_limit", None) or getattr(router, "needs_topology", False)) and \
+            topology.world_size != placement.world_size:
+        raise ValueError(f"topology {topology.describe()} has {topology.world_size} ranks but the expert-parallel "
+                         f"group has {placement.world_size}: give the EP group's topology")
     if getattr(router, "node_limit", None):
         router.set_expert_groups(placement.expert_nodes(topology))
     if getattr(router, "needs_topology", False):

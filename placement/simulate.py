@@ -113,39 +113,50 @@ def check_memory(needed: int, what: str) -> None:
                          f"{free / 2**30:.1f} GiB available: simulate fewer ranks or fewer tokens per rank")
 
 
-def replayed_limits(subtree_limit, topology: Topology, num_experts: int, experts_simulated: int) -> list:
+def replayed_limits(subtree_limit, topology: Topology, num_experts: int, top_k: int, placement: Placement) -> list:
     """A subtree limit (an int: the node level; or {level: M}) as (depth, M) inside one replica block
-    of the recorded E experts: under tree-prefix placement a level's unit holds E_sim / units experts,
-    so a block spans E / that many units, the subtrees at depth log2(span) of the block's own tree."""
-    import math as _math
+    of the recorded E experts: a level's units hold E_sim / units experts each, so a block spans
+    E / that many units, the subtrees at depth log2(span) of the block's own tree. Refused unless
+    every such subtree lies inside one unit of ``placement`` (tree-prefix on power-of-two levels):
+    elsewhere the limit would not limit what crosses the level."""
+    from placement.subtree import check_limits
 
     by_level = subtree_limit if isinstance(subtree_limit, dict) else {
         topology.levels[topology.node_depth - 1]: subtree_limit}
+    experts_simulated = placement.num_experts
+    ranks = placement.rank_tensor()
     out = {}
     for name, m in by_level.items():
         if name not in topology.levels:
-            raise ValueError(f"--subtree-limit names level {name!r}; the simulated levels are {list(topology.levels)}")
-        units = _math.prod(topology.sizes[: topology.levels.index(name) + 1])
-        per_unit = experts_simulated // units
-        span = max(1, num_experts // per_unit)
-        if span & (span - 1) or experts_simulated % units:
-            raise ValueError(f"the {units} {name}s of {topology.describe()} do not split the {num_experts}-expert "
-                             "tree into subtrees: pick power-of-two level sizes")
+            raise ValueError(f"subtree limit names level {name!r}; the simulated levels are {list(topology.levels)}")
+        i = topology.levels.index(name)
+        units = math.prod(topology.sizes[: i + 1])
+        size = min(num_experts, experts_simulated // units)  # experts of one subtree inside a block
+        unit = ranks // math.prod(topology.sizes[i + 1 :])
+        if size < 1 or size & (size - 1) or num_experts % size or experts_simulated % units or \
+                not bool((unit.reshape(-1, size) == unit.reshape(-1, size)[:, :1]).all()):
+            raise ValueError(f"subtree limit {name}={m}: the {units} {name}s of {topology.describe()} under this "
+                             f"placement do not hold whole subtrees of the {num_experts}-expert tree (use "
+                             "tree_prefix placement and power-of-two level sizes)")
+        span = num_experts // size
         depth = span.bit_length() - 1
         out[depth] = min(out.get(depth, m), m, span)
-    return sorted(out.items())
+    try:
+        return check_limits(sorted(out.items()), num_experts, top_k)
+    except ValueError as e:
+        raise ValueError(f"subtree limit {subtree_limit!r}: {e}") from None
 
 
 def _replay(record: RoutingRecord, rows: torch.Tensor, block: torch.Tensor, limits) -> torch.Tensor:
     """The sampled tokens re-selected from their recorded probabilities (top-K, within ``limits``)."""
-    from placement.subtree import check_limits, limited_top_k
+    from placement.subtree import limited_top_k
 
     if record.probs is None:
         raise ValueError("this run recorded no routing probabilities (it predates them): train it again to "
                          "replay another subtree limit")
     k = record.expert_idx.shape[1]
     probs = record.probs[rows].float()
-    idx = limited_top_k(probs, k, check_limits(limits, record.num_experts, k))[1] if limits else \
+    idx = limited_top_k(probs, k, limits)[1] if limits else \
         torch.sort(probs, dim=1, descending=True, stable=True).indices[:, :k]
     return idx + block * record.num_experts
 
@@ -177,7 +188,7 @@ def simulate(record: RoutingRecord, topology: Topology, placement_kind: str = "t
            "tokens": n, "placement": placement_kind}
     routings = {"modes": idx}
     if subtree_limit is not None:
-        limits = replayed_limits(subtree_limit, topology, record.num_experts, e_sim)
+        limits = replayed_limits(subtree_limit, topology, record.num_experts, record.expert_idx.shape[1], placement)
         routings = {"modes": _replay(record, rows, block, []), "limited": _replay(record, rows, block, limits)}
         out["subtree_levels"] = limits
     for key, routed in routings.items():

@@ -190,7 +190,7 @@ def test_simulate_limits_racks_and_nodes_from_the_cli(tmp_path, capsys):
     assert out["topology"] == "rack=2,node=2,gpu=4" and out["subtree_levels"] == [[1, 1], [2, 1]]
     lim, free = out["limited"]["node"]["bytes_by_level"], out["modes"]["node"]["bytes_by_level"]
     assert lim["rack"] < free["rack"] and lim["node"] < free["node"]
-    for bad, word in (("node=0", "node=0"), ("pod=1", "pod"), ("x", "x")):
+    for bad, word in (("node=0", "node=0"), ("pod=1", "pod"), ("x", "x"), ("0", "'0'")):
         assert main(args + ["--subtree-limit", bad]) == 2
         err = capsys.readouterr().err.strip()
         assert word in err and len(err.splitlines()) == 1, err
@@ -214,3 +214,79 @@ def test_node_share_in_metrics_and_report(tmp_path):
     assert report["placements"]["contiguous"]["node_share"] == m["node_share"]
     assert "Per-node share of the routed slots (layer 0): tree_prefix 0.571 / 0.429 (CV 0.143); contiguous 0.571 " \
         "/ 0.429 (CV 0.143); optimized" in (tmp_path / "report.md").read_text()
+
+
+def test_simulate_refuses_a_limit_its_placement_does_not_hold():
+    """Subtrees that are not units of the level limit nothing across it: refused, naming the level."""
+    from placement.simulate import simulate
+
+    record = _limited_record()
+    for topo, kind in ((Topology(("node", "gpu"), (8, 3)), "contiguous"),  # 6 experts a node: not a subtree
+                       (Topology(("node", "gpu"), (2, 3)), "contiguous"),  # blocks straddle the nodes
+                       (Topology(("node", "gpu"), (4, 2)), "round_robin")):  # subtrees spread over every node
+        with pytest.raises(ValueError, match="subtree limit node=1: the .* nodes of"):
+            simulate(record, topo, kind, tokens_per_rank=10, subtree_limit={"node": 1})
+
+
+def test_simulate_limits_inside_each_replica_block():
+    """16 nodes x 4 (64 simulated experts, 4 replicas of the recorded 16): a node holds a quarter of
+    a block, so the limit is depth 2 of the block's tree, and each token crosses to one node at most."""
+    from placement.simulate import simulate
+
+    out = simulate(_limited_record(), Topology(("node", "gpu"), (16, 4)), "tree_prefix", tokens_per_rank=20,
+                   subtree_limit=1)
+    assert out["replicas"] == 4 and out["subtree_levels"] == [(2, 1)]
+    assert out["limited"]["node"]["bytes_per_token_by_level"]["node"] <= 32 < \
+        out["modes"]["node"]["bytes_per_token_by_level"]["node"]
+
+
+def test_an_unresolved_limit_refuses_before_the_anchors_move():
+    router = _router(16, 4, subtree_limit=1).train()
+    with pytest.raises(ValueError, match="subtree_limit"):
+        router(torch.randn(5, 8))
+    assert int(router.ema_step) == 0 and not router.anchors.any()
+
+
+def test_the_topology_must_be_the_expert_parallel_groups():
+    from dist_moe.layer import bind_to_topology
+
+    router = _router(16, 4, subtree_limit=1)
+    with pytest.raises(ValueError, match="node=4,gpu=2 has 8 ranks but the expert-parallel group has 4"):
+        bind_to_topology(router, Placement.contiguous(16, 4), Topology(("node", "gpu"), (4, 2)))
+
+
+def test_a_limit_by_level_merges_with_an_override_of_one_level():
+    from dist_moe.train.config import load_config
+
+    cfg = load_config(None, ["router.type=branch", "router.subtree_limit={rack: 1, node: 1}",
+                             "router.subtree_limit.node=2"])
+    assert cfg["router"]["subtree_limit"] == {"rack": 1, "node": 2}
+
+
+def test_simulate_racks_must_be_positive(tmp_path, capsys):
+    from dist_moe.cli import main
+
+    _limited_record().save(tmp_path)
+    assert main(["simulate", "--stats", str(tmp_path), "--racks", "0", "--nodes", "2", "--gpus-per-node", "2"]) == 2
+    assert "--racks must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_the_engine_hosts_resolve_the_limit_from_their_topology():
+    """DeepSpeed's gate and Megatron's router, given the EP group's topology, bind the limit as
+    MoELayer does (the node level: depth 1 on 2 x 2) and refuse a placement whose subtrees are not nodes."""
+    pytest.importorskip("megatron.core")
+    from dist_moe.integrations import megatron_patches
+
+    megatron_patches.apply()
+    from dist_moe.integrations.deepspeed import DistMoEGate
+    from dist_moe.integrations.megatron import DistMoERouter, megatron_config
+
+    topo = Topology(("node", "gpu"), (2, 2))
+    meg = DistMoERouter(config=megatron_config(8, 16, 16, 4, ep_size=4), router={"type": "branch", "subtree_limit": 1},
+                        placement=Placement.tree_prefix(16, topo), topology=topo)
+    ds = DistMoEGate({"type": "branch", "num_experts": 16, "top_k": 4, "subtree_limit": {"node": 1}}, 8, ep_size=4,
+                     topology=topo)
+    assert meg.router.subtree_levels == ds.router.subtree_levels == [(1, 1)]
+    with pytest.raises(ValueError, match="needs parallel.placement=tree_prefix"):
+        DistMoEGate({"type": "branch", "num_experts": 16, "top_k": 4, "subtree_limit": 1}, 8, ep_size=4,
+                    placement=Placement.round_robin(16, 4), topology=topo)

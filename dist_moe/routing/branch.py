@@ -84,6 +84,9 @@ class BranchRouter(Router):
 
     def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None,
                 valid: Tensor | None = None) -> Routing:
+        if self.needs_topology:  # before anything moves the anchors
+            raise ValueError("router key 'subtree_limit' is given by topology level: build the router in an "
+                             "MoELayer (or engine host) that knows the topology, or give subtree_depth")
         x = self.check_input(x, self.hidden_size)
         keep = self.check_valid(valid, x.shape[0])
         f = self.node_scores(x)
@@ -113,9 +116,6 @@ class BranchRouter(Router):
         if live and self.updates_state:
             self._update_anchors(torch.cat(batch_stats).detach(), torch.cat(arrival))
 
-        if self.needs_topology:
-            raise ValueError("router key 'subtree_limit' is given by topology level: build the router in an "
-                             "MoELayer (or engine host) that knows the topology, or give subtree_depth")
         if self.subtree_levels is None:
             vals, idx = select_top_k(probs, self.top_k)
         else:  # at most M subtrees per token, ranked by path mass; the eta rule over the kept selection

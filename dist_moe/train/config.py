@@ -143,7 +143,8 @@ def _merge(base: dict, update: dict, path: str = "") -> dict:
     for key, value in update.items():
         where = f"{path}{key}"
         if path.rstrip(".") in _OPEN_SECTIONS:
-            out[key] = value
+            # router.subtree_limit.node=2 updates one level of a mapping, it does not drop the others
+            out[key] = _merge_open(out.get(key), value)
             continue
         if key not in base:
             raise ValueError(f"unknown config key {where!r}; valid keys here: {sorted(base)}")
@@ -157,6 +158,12 @@ def _merge(base: dict, update: dict, path: str = "") -> dict:
         else:
             out[key] = value
     return out
+
+
+def _merge_open(old, new):
+    if isinstance(old, dict) and isinstance(new, dict):
+        return {**old, **{k: _merge_open(old.get(k), v) for k, v in new.items()}}
+    return copy.deepcopy(new)
 
 
 def _switch_router_type(old: dict, new: dict) -> dict:
