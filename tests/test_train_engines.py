@@ -12,7 +12,7 @@ from tests.dist_utils import free_port, run_workers
 ROOT = Path(__file__).resolve().parents[1]
 GAR = ["router.type=switch", "router.gar.lambda=0.001", "train.gar_group_size=16"]
 # the tiny LM with SpecDrop by domain: per-sequence categories through the hosted layers
-LM = ["--config", "configs/lm_branch.yaml", "data.per_domain=150", "data.seq_len=32", "train.max_steps=40",
+LM = ["--config", "configs/lm_branch.yaml", "data.per_domain=150", "data.seq_len=32", "train.max_steps=25",
       "data.categories=domains", "router.type=specdrop", "router.num_categories=4", "router.p_assigned=0.7",
       "parallel.placement=contiguous"]
 COMMON = ["data.max_rows=3000", "train.epochs=3", "train.batch_size=64", "train.log_every=5", "train.lr=3e-3"]

@@ -1,0 +1,150 @@
+"""`dist-moe plan`: bytes per level and predicted MoE time per step on a cluster that does not exist yet.
+
+    dist-moe plan --topology node=2048,gpu=8 --link gpu=450GB/s --link node=400Gb/s@5us \\
+        --hidden 7168 --ffn 2048 --experts 256 --top-k 8 --tokens-per-rank 8192 --layers 58
+
+The arithmetic is ``placement/forecast.py``'s; this file parses, prints and plots.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import torch
+
+from placement.forecast import PLACEMENTS, ModelShape, forecast
+
+_RATE = re.compile(r"^([0-9.]+(?:e[0-9]+)?)\s*([kMGT]?)(B|b)/s$")
+_TIME = re.compile(r"^([0-9.]+)\s*(s|ms|us|ns)$")
+_PREFIX = {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+_SECONDS = {"s": 1, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+
+
+def add_parser(sub, debug) -> None:
+    pp = sub.add_parser("plan", parents=[debug], help="bytes per level and predicted step time on a planned cluster")
+    pp.add_argument("--topology", required=True, help="node=2048,gpu=8 (rack=...,node=...,gpu=...) or a topology YAML")
+    pp.add_argument("--link", action="append", default=[], metavar="LEVEL=RATE[@LATENCY]",
+                    help="a level's link per rank, e.g. gpu=450GB/s, node=400Gb/s@5us (default: the cost model's)")
+    pp.add_argument("--shared", action="append", default=[], metavar="LEVEL",
+                    help="that level's link is shared by the ranks of a unit inside it (one NIC per node)")
+    for name, default in (("hidden", None), ("ffn", None), ("experts", None), ("top-k", None),
+                          ("tokens-per-rank", None), ("layers", 1)):
+        pp.add_argument(f"--{name}", type=int, default=default, required=default is None)
+    pp.add_argument("--dtype", default="bf16", help="bf16 (default), fp16, fp32 or fp8: bytes per hidden value")
+    pp.add_argument("--routing", default="uniform",
+                    help="uniform (default) or a run directory whose recorded routing (routing.npz) is tiled "
+                         "over the experts")
+    pp.add_argument("--ep", type=int, help="expert-parallel group size (default: gcd(ranks, experts))")
+    pp.add_argument("--tflops", type=float, default=400.0,
+                    help="achieved TFLOP/s of the expert matmuls per rank (default 400)")
+    pp.add_argument("--placement", action="append", choices=PLACEMENTS,
+                    help="placements to compare (default: all that apply)")
+    pp.add_argument("--sample", type=int, help="tokens routed per rank to count copies (default: 8,192 in all)")
+    pp.add_argument("--plot", help="write a PNG of the predicted step time per placement and dedup here")
+    pp.add_argument("--json", action="store_true")
+
+
+def _rate(text: str) -> float:
+    m = _RATE.match(text.strip())
+    if not m:
+        raise ValueError(f"--link rate {text!r}: give a number and a unit such as 450GB/s or 400Gb/s")
+    value = float(m.group(1)) * _PREFIX[m.group(2)]
+    return value if m.group(3) == "B" else value / 8
+
+
+def _seconds(text: str) -> float:
+    m = _TIME.match(text.strip())
+    if not m:
+        raise ValueError(f"--link latency {text!r}: give a number and a unit such as 5us")
+    return float(m.group(1)) * _SECONDS[m.group(2)]
+
+
+def topology_with_links(spec: str, links: list[str], shared: list[str]):
+    from dist_moe.cli_cost import topology_of
+
+    topo = topology_of(spec)
+    overrides: dict = {}
+    for item in links:
+        name, _, rest = item.partition("=")
+        rate, _, latency = rest.partition("@")
+        if not name or not rate:
+            raise ValueError(f"--link {item!r} must look like level=RATE[@LATENCY], e.g. node=400Gb/s@5us")
+        overrides[name] = {"bandwidth_Bps": _rate(rate), **({"alpha_s": _seconds(latency)} if latency else {})}
+    for name in shared:
+        overrides.setdefault(name, {})["shared"] = True
+    for name in overrides:
+        if name not in topo.levels:
+            raise ValueError(f"--link/--shared names level {name!r}; the topology's levels are {list(topo.levels)}")
+    return type(topo)(topo.levels, topo.sizes, topo.cost.updated(overrides)) if overrides else topo
+
+
+def recorded_routing(run_dir: str, experts: int, top_k: int):
+    """Tokens drawn from a recorded run, each in a uniform replica block of its experts (as simulate)."""
+    from placement.simulate import RoutingRecord
+
+    record = RoutingRecord.load(run_dir)
+    e, k = record.num_experts, record.expert_idx.shape[1]
+    if experts % e or k != top_k:
+        raise ValueError(f"--routing {run_dir}: the run routed top-{k} of {e} experts; plan a multiple of {e} "
+                         f"experts with --top-k {k}")
+
+    def draw(tokens: int, g: torch.Generator) -> torch.Tensor:
+        rows = torch.randint(0, record.expert_idx.shape[0], (tokens,), generator=g)
+        block = torch.randint(0, experts // e, (tokens, 1), generator=g)
+        chosen = record.expert_idx[rows]
+        return torch.where(chosen >= 0, chosen + block * e, -1)
+
+    return draw
+
+
+def run(args) -> int:
+    start = time.time()
+    topo = topology_with_links(args.topology, args.link, args.shared)
+    shape = ModelShape(args.hidden, args.ffn, args.experts, args.top_k, args.tokens_per_rank, args.layers, args.dtype)
+    routing = None if args.routing == "uniform" else recorded_routing(args.routing, args.experts, args.top_k)
+    out = forecast(shape, topo, routing, args.ep, args.tflops, args.sample, tuple(args.placement or PLACEMENTS))
+    out["seconds_to_plan"] = round(time.time() - start, 2)
+    if args.plot:
+        _plot(out, Path(args.plot))
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    levels = list(out["rows"][0]["bytes_per_token_by_level"])
+    print(f"{out['topology']}: EP groups of {out['ep']} ranks ({out['ep_group']}) x {out['replicas']}; "
+          f"{shape.experts} experts top-{shape.top_k}, {shape.tokens_per_rank} tokens per rank, "
+          f"{out['token_bytes']} B per copy, {args.routing} routing ({out['sample_per_rank']} sampled per rank)")
+    print(f"experts' matmuls {1e3 * out['expert_seconds']:.2f} ms per layer (fwd+bwd at {args.tflops:g} TFLOP/s); "
+          "4 blocking exchanges per layer (dispatch, combine; forward, backward)")
+    print(f"{'placement':<12}{'dedup':<6}" + "".join(f"{lv + ' B/token':>15}" for lv in levels)
+          + f"{'exchange ms':>13}{'step ms':>11}{'comm':>7}")
+    for r in out["rows"]:
+        cells = "".join(f"{r['bytes_per_token_by_level'][lv]:>15.1f}" for lv in levels)
+        print(f"{r['placement']:<12}{r['dedup']:<6}{cells}{1e3 * r['exchange_seconds']:>13.3f}"
+              f"{1e3 * r['step_seconds']:>11.2f}{100 * r['comm_share']:>6.0f}%")
+    print(f"step = {shape.layers} MoE layer(s) x (4 exchanges + experts); planned in {out['seconds_to_plan']} s"
+          + (f"; plot: {args.plot}" if args.plot else ""))
+    return 0
+
+
+def _plot(out: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = out["rows"]
+    labels = [f"{r['placement']} / {r['dedup']}" for r in rows]
+    comm = [1e3 * r["step_seconds"] * r["comm_share"] for r in rows]
+    comp = [1e3 * r["step_seconds"] * (1 - r["comm_share"]) for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.5))
+    ax.barh(labels, comm, label="exchanges")
+    ax.barh(labels, comp, left=comm, label="experts' matmuls")
+    ax.invert_yaxis()
+    ax.set_xlabel("predicted MoE time per step (ms)")
+    ax.set_title(f"{out['topology']}, EP {out['ep']}")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, frameon=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)

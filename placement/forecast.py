@@ -1,0 +1,193 @@
+"""Cost before a cluster exists: bytes per topology level and predicted MoE time per step from a
+model's shape, a routing assumption and a topology with link rates (``dist-moe plan``).
+
+No [W, W] matrix is built, so 16,384 GPUs plan in seconds: ``sample`` tokens per rank are
+routed by the assumption, grouped into copies by the one dispatch plan (``DispatchPlan``, the
+rules the dispatcher executes), and every copy is counted at the level it crosses, read from
+its two ranks' coordinates. Scaled by tokens_per_rank / sample, the counts are one exchange's
+bytes. Time per level follows ``placement.cost``'s alpha-beta model on the mean link (every
+placement here treats ranks alike, so a sample's maximum would be its noise, not a slow
+link), with the peers a rank reaches at a level estimated as N (1 - exp(-c / N)) for c
+copies over the level's N candidate ranks. A step of one MoE layer moves four exchanges
+(dispatch and combine, forward and backward: the backward sends the same bytes back) and
+runs its experts' matmuls (SwiGLU: 3 matrices of hidden x ffn, 2 flops a multiply-add,
+backward twice forward) at the given TFLOP/s; the exchanges block, so the two add.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from placement.placement import Placement
+from placement.plan import DEDUP_MODES, DispatchPlan
+from placement.topology import Topology
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+PLACEMENTS = ("contiguous", "round_robin", "tree_prefix")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    ffn: int
+    experts: int
+    top_k: int
+    tokens_per_rank: int
+    layers: int = 1
+    dtype: str = "bf16"
+
+    def __post_init__(self):
+        for name in ("hidden", "ffn", "experts", "top_k", "tokens_per_rank", "layers"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be an int >= 1, got {v!r}")
+        if self.top_k > self.experts:
+            raise ValueError(f"--top-k {self.top_k} is more than --experts {self.experts}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"--dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+
+    @property
+    def token_bytes(self) -> int:
+        return self.hidden * DTYPE_BYTES[self.dtype]
+
+    def expert_seconds(self, tflops: float) -> float:
+        """Forward + backward of one layer's expert matmuls on one rank."""
+        return 3 * 2 * 3 * self.tokens_per_rank * self.top_k * self.hidden * self.ffn / (tflops * 1e12)
+
+
+def ep_topology(topology: Topology, ep: int) -> Topology:
+    """The topology of one expert-parallel group of ``ep`` consecutive ranks, innermost levels
+    first: 256 ranks of node=2048,gpu=8 are node=32,gpu=8. The levels it does not span keep
+    size 1 (and their link rates). The other groups are its copies."""
+    if ep < 1 or topology.world_size % ep:
+        raise ValueError(f"--ep {ep} must divide the {topology.world_size} ranks of {topology.describe()}")
+    sizes, inner = [], 1
+    for name, size in zip(reversed(topology.levels), reversed(topology.sizes)):
+        take = min(size, ep // inner)
+        if (ep // inner) % take or size % take:
+            raise ValueError(f"--ep {ep} does not fill whole {name}s of {topology.describe()}")
+        sizes.insert(0, take)
+        inner *= take
+    return Topology(topology.levels, tuple(sizes), topology.cost)
+
+
+def uniform_routing(tokens: int, experts: int, top_k: int, generator: torch.Generator) -> torch.Tensor:
+    """[T, K] distinct experts per token, uniformly at random, without a [T, E] tensor."""
+    idx = torch.randint(0, experts, (tokens, top_k), generator=generator)
+    for _ in range(100):
+        s, order = idx.sort(dim=1)
+        dup = torch.zeros_like(idx, dtype=torch.bool)
+        dup[:, 1:] = s[:, 1:] == s[:, :-1]
+        if not bool(dup.any()):
+            return idx
+        s[dup] = torch.randint(0, experts, (int(dup.sum()),), generator=generator)
+        idx = s
+    raise ValueError(f"could not draw {top_k} distinct experts of {experts}")
+
+
+def _levels_of(a: torch.Tensor, b: torch.Tensor, topology: Topology) -> torch.Tensor:
+    """Index of the outermost level where ranks a and b differ (-1: the same rank)."""
+    out = torch.full_like(a, -1)
+    for i in reversed(range(len(topology.sizes))):
+        stride = math.prod(topology.sizes[i + 1 :])
+        out = torch.where(a // stride != b // stride, i, out)
+    return out
+
+
+def exchange_counts(expert_idx: torch.Tensor, src: torch.Tensor, placement: Placement, topology: Topology,
+                    dedup: str) -> list[dict]:
+    """Per stage: {level: (copies, [W] copies sent per rank, [W] received)} of one dispatch."""
+    w, n_levels = topology.world_size, len(topology.sizes)
+    plan = DispatchPlan.build(expert_idx, placement, topology, dedup, src_rank=src)
+    stages = []
+    for stage, senders, receivers in zip(plan.stages, plan.senders, plan.receivers):
+        s, r = senders[stage.order], receivers[stage.order]
+        sent = stage.leader & (r < w) & (s < w) & (s != r)
+        s, r = s[sent], r[sent]
+        level = _levels_of(s, r, topology)
+        per = {}
+        for i in range(n_levels):
+            at = level == i
+            per[topology.levels[i]] = (int(at.sum()), torch.bincount(s[at], minlength=w),
+                                       torch.bincount(r[at], minlength=w))
+        stages.append(per)
+    return stages
+
+
+def stage_seconds(per_level: dict, topology: Topology, scale: float, token_bytes: int) -> dict:
+    """Alpha-beta seconds per level for one stage's counts, scaled to the full batch."""
+    w = topology.world_size
+    out = {}
+    for i, name in enumerate(topology.levels):
+        c = topology.cost.levels[name]
+        _, sent, recv = per_level[name]
+        link = torch.maximum(sent, recv).double() * scale * token_bytes
+        if c.shared:  # every rank of a unit just inside the level shares its link
+            link = link.reshape(-1, math.prod(topology.sizes[i + 1 :])).sum(1)
+        candidates = (topology.sizes[i] - 1) * math.prod(topology.sizes[i + 1 :])
+        copies = float(sent.double().mean()) * scale
+        peers = candidates * (1 - math.exp(-copies / candidates)) if candidates else 0.0
+        out[name] = c.alpha_s * peers + float(link.mean()) / c.bandwidth_Bps
+    return out
+
+
+def forecast(shape: ModelShape, topology: Topology, routing=None, ep: int | None = None, tflops: float = 400.0,
+             sample: int | None = None, placements=PLACEMENTS, seed: int = 0) -> dict:
+    """Bytes per token per level and predicted seconds per placement x dedup. ``routing``: None
+    (uniform), or a callable (tokens, generator) -> [T, K] expert ids (e.g. a recorded run's)."""
+    if tflops <= 0:
+        raise ValueError(f"--tflops must be > 0, got {tflops}")
+    ep = ep or math.gcd(topology.world_size, shape.experts)
+    group = ep_topology(topology, ep)
+    sample = sample if sample is not None else min(shape.tokens_per_rank, max(16, -(-8192 // ep)))
+    if sample < 1:
+        raise ValueError(f"--sample must be >= 1, got {sample}")
+    if shape.experts % ep:
+        raise ValueError(f"--experts {shape.experts} do not divide over an EP group of {ep} ranks")
+    check_size(ep, sample, shape.top_k)
+    g = torch.Generator().manual_seed(seed)
+    t = ep * sample
+    idx = routing(t, g) if routing is not None else uniform_routing(t, shape.experts, shape.top_k, g)
+    src = torch.arange(ep).repeat_interleave(sample)
+    scale = shape.tokens_per_rank / sample
+    out = {"topology": topology.describe(), "ep_group": group.describe(), "ep": ep,
+           "replicas": topology.world_size // ep, "token_bytes": shape.token_bytes, "sample_per_rank": sample,
+           "expert_seconds": shape.expert_seconds(tflops), "rows": []}
+    for kind in placements:
+        placement = _placement(kind, shape.experts, group)
+        if placement is None:
+            continue
+        for dedup in DEDUP_MODES:
+            stages = exchange_counts(idx, src, placement, group, dedup)
+            bytes_per_token = {name: sum(st[name][0] for st in stages) * shape.token_bytes / t
+                               for name in group.levels}
+            times = [stage_seconds(st, group, scale, shape.token_bytes) for st in stages]
+            # one stage drives every level at once; node dedup's two stages run one after the other
+            exchange = sum(max(tm.values()) for tm in times)
+            step = shape.layers * (4 * exchange + out["expert_seconds"])
+            out["rows"].append({"placement": kind, "dedup": dedup, "bytes_per_token_by_level": bytes_per_token,
+                                "exchange_seconds": exchange, "step_seconds": step,
+                                "comm_share": 4 * exchange * shape.layers / step})
+    return out
+
+
+def _placement(kind: str, experts: int, topology: Topology) -> Placement | None:
+    if kind == "tree_prefix":
+        if experts & (experts - 1) or any(s & (s - 1) for s in topology.sizes):
+            return None  # the tree's subtrees are units only on power-of-two levels
+        return Placement.tree_prefix(experts, topology)
+    return getattr(Placement, kind)(experts, topology.world_size)
+
+
+def check_size(ep: int, sample: int, top_k: int) -> None:
+    """Refuse, before allocating, a plan that would not fit in half of the memory available now
+    (about 200 B per sampled (token, expert) pair: ids, sort keys, the plan's copies)."""
+    import psutil
+
+    need = ep * sample * top_k * 200
+    free = psutil.virtual_memory().available
+    if need > free // 2:
+        raise ValueError(f"planning {ep} ranks x {sample} sampled tokens x top-{top_k} needs about "
+                         f"{need / 2**30:.1f} GiB, more than half of the {free / 2**30:.1f} GiB free: lower --sample")

@@ -1,0 +1,74 @@
+"""`dist-moe plan` (placement/forecast.py): bytes on a planned cluster from the one dispatch plan,
+counted without a [W, W] matrix, and the alpha-beta time of a step."""
+import json
+
+import pytest
+import torch
+
+from placement import Placement, Topology, dispatch_traffic
+from placement.forecast import ModelShape, ep_topology, exchange_counts, forecast, uniform_routing
+
+
+@pytest.mark.parametrize("spec", ["node=2,gpu=2", "rack=2,node=2,gpu=2", "node=3,gpu=2"])
+@pytest.mark.parametrize("dedup", ["none", "rank", "node"])
+def test_copies_per_level_equal_the_analytic_byte_count(spec, dedup):
+    topo = Topology.parse(spec)
+    w, e = topo.world_size, 4 * topo.world_size
+    g = torch.Generator().manual_seed(0)
+    idx = uniform_routing(50 * w, e, 3, g)
+    idx[::7, 1] = -1  # dropped slots are not sent
+    src = torch.arange(w).repeat_interleave(50)
+    placement = Placement.round_robin(e, w)
+    counts = exchange_counts(idx, src, placement, topo, dedup)
+    ours = {lv: sum(stage[lv][0] for stage in counts) * 12 for lv in topo.levels}
+    assert ours == dispatch_traffic(idx, src, placement, topo, 12, dedup).by_level()
+    for stage in counts:  # per-rank sent and received sum to the level's copies
+        for lv, (n, sent, recv) in stage.items():
+            assert int(sent.sum()) == int(recv.sum()) == n
+
+
+def test_uniform_routing_draws_distinct_experts_evenly():
+    idx = uniform_routing(20000, 64, 8, torch.Generator().manual_seed(1))
+    assert idx.shape == (20000, 8)
+    assert (idx.sort(dim=1).values.diff(dim=1) > 0).all()
+    load = torch.bincount(idx.flatten(), minlength=64).double()
+    assert float(load.std() / load.mean()) < 0.05
+
+
+def test_an_ep_group_spans_the_innermost_levels():
+    assert ep_topology(Topology.parse("node=2048,gpu=8"), 256).sizes == (32, 8)
+    assert ep_topology(Topology.parse("rack=16,node=16,gpu=8"), 4).sizes == (1, 1, 4)
+    with pytest.raises(ValueError, match="--ep 12 does not fill whole gpus"):
+        ep_topology(Topology.parse("node=6,gpu=8"), 12)
+
+
+def test_a_step_is_four_exchanges_and_the_experts_per_layer():
+    """2 nodes x 1, E=2 top-1, uniform: half of each rank's 1,000 tokens cross, 1,000 B each,
+    over a 1 MB/s link without latency: 0.5 s an exchange (to sampling noise)."""
+    topo = Topology.parse("node=2,gpu=1")
+    topo = Topology(topo.levels, topo.sizes, topo.cost.updated({"node": {"alpha_s": 0, "bandwidth_Bps": 1e6}}))
+    shape = ModelShape(hidden=250, ffn=100, experts=2, top_k=1, tokens_per_rank=1000, layers=3, dtype="fp32")
+    out = forecast(shape, topo, tflops=1.0, sample=1000, placements=("contiguous",))
+    row = next(r for r in out["rows"] if r["dedup"] == "rank")
+    assert row["exchange_seconds"] == pytest.approx(0.5, rel=0.1)
+    experts = 3 * 2 * 3 * 1000 * 250 * 100 / 1e12
+    assert out["expert_seconds"] == pytest.approx(experts)
+    assert row["step_seconds"] == pytest.approx(3 * (4 * row["exchange_seconds"] + experts))
+    assert row["bytes_per_token_by_level"]["node"] == pytest.approx(500, rel=0.1)
+
+
+def test_plan_cli_prints_json_and_a_plot_and_names_bad_values(tmp_path, capsys):
+    from dist_moe.cli import main
+
+    args = ["plan", "--topology", "node=4,gpu=4", "--link", "gpu=450GB/s", "--link", "node=400Gb/s@5us",
+            "--hidden", "1024", "--ffn", "512", "--experts", "64", "--top-k", "4", "--tokens-per-rank", "512"]
+    assert main(args + ["--json", "--plot", str(tmp_path / "plan.png")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ep"] == 16 and len(out["rows"]) == 9 and (tmp_path / "plan.png").stat().st_size > 0
+    node = {(r["placement"], r["dedup"]): r["bytes_per_token_by_level"]["node"] for r in out["rows"]}
+    assert node["contiguous", "node"] < node["contiguous", "rank"] <= node["contiguous", "none"]
+    for bad, word in ((["--link", "node=fast"], "'fast'"), (["--link", "pod=1GB/s"], "'pod'"),
+                      (["--top-k", "99"], "--top-k 99"), (["--dtype", "int4"], "'int4'"), (["--ep", "3"], "--ep 3")):
+        assert main(args + bad) == 2
+        err = capsys.readouterr().err.strip()
+        assert word in err and len(err.splitlines()) == 1, err
