@@ -41,7 +41,7 @@ def _budget_worker(rank, world, out):
             json.dump(rows, f)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [4])  # 2 x 2: both node-dedup stages
 def test_one_host_read_per_exchange_in_forward_none_in_backward(tmp_path, world):
     import json
 
