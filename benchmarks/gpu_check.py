@@ -182,22 +182,22 @@ def train_torch():
     return _train("torch", [])
 
 
+def _train_if_installed(engine: str, module: str, package: str, extra: list[str]) -> str:
+    import importlib.util
+
+    if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
+        return f"skip: {package} is not installed on this machine"
+    return _train(engine, extra)
+
+
 @check("train: dist-moe train, engine deepspeed, one NCCL rank")
 def train_deepspeed():
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError:
-        return "skip: deepspeed is not installed on this machine"
-    return _train("deepspeed", [])
+    return _train_if_installed("deepspeed", "deepspeed", "deepspeed", [])
 
 
 @check("train: dist-moe train, engine megatron, one NCCL rank")
 def train_megatron():
-    try:
-        import megatron.core  # noqa: F401
-    except ImportError:
-        return "skip: megatron-core is not installed on this machine"
-    return _train("megatron", ["model.capacity_factor=null"])
+    return _train_if_installed("megatron", "megatron.core", "megatron-core", ["model.capacity_factor=null"])
 
 
 def _tokens_per_s(step, tokens: int, repeats: int = 10) -> float:

@@ -12,8 +12,6 @@ import re
 import time
 from pathlib import Path
 
-import torch
-
 from placement.forecast import PLACEMENTS, ModelShape, forecast
 
 _RATE = re.compile(r"^([0-9.]+(?:e[0-9]+)?)\s*([kMGT]?)(B|b)/s$")
@@ -90,13 +88,7 @@ def recorded_routing(run_dir: str, experts: int, top_k: int):
         raise ValueError(f"--routing {run_dir}: the run routed top-{k} of {e} experts; plan a multiple of {e} "
                          f"experts with --top-k {k}")
 
-    def draw(tokens: int, g: torch.Generator) -> torch.Tensor:
-        rows = torch.randint(0, record.expert_idx.shape[0], (tokens,), generator=g)
-        block = torch.randint(0, experts // e, (tokens, 1), generator=g)
-        chosen = record.expert_idx[rows]
-        return torch.where(chosen >= 0, chosen + block * e, -1)
-
-    return draw
+    return lambda tokens, g: record.sample(tokens, experts // e, g)[2]
 
 
 def run(args) -> int:

@@ -22,6 +22,7 @@ import torch
 
 from placement.placement import Placement
 from placement.plan import DEDUP_MODES, DispatchPlan
+from placement.simulate import check_memory
 from placement.topology import Topology
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -87,15 +88,6 @@ def uniform_routing(tokens: int, experts: int, top_k: int, generator: torch.Gene
     raise ValueError(f"could not draw {top_k} distinct experts of {experts}")
 
 
-def _levels_of(a: torch.Tensor, b: torch.Tensor, topology: Topology) -> torch.Tensor:
-    """Index of the outermost level where ranks a and b differ (-1: the same rank)."""
-    out = torch.full_like(a, -1)
-    for i in reversed(range(len(topology.sizes))):
-        stride = math.prod(topology.sizes[i + 1 :])
-        out = torch.where(a // stride != b // stride, i, out)
-    return out
-
-
 def exchange_counts(expert_idx: torch.Tensor, src: torch.Tensor, placement: Placement, topology: Topology,
                     dedup: str) -> list[dict]:
     """Per stage: {level: (copies, [W] copies sent per rank, [W] received)} of one dispatch."""
@@ -106,7 +98,7 @@ def exchange_counts(expert_idx: torch.Tensor, src: torch.Tensor, placement: Plac
         s, r = senders[stage.order], receivers[stage.order]
         sent = stage.leader & (r < w) & (s < w) & (s != r)
         s, r = s[sent], r[sent]
-        level = _levels_of(s, r, topology)
+        level = topology.crossing_levels(s, r)
         per = {}
         for i in range(n_levels):
             at = level == i
@@ -146,7 +138,9 @@ def forecast(shape: ModelShape, topology: Topology, routing=None, ep: int | None
         raise ValueError(f"--sample must be >= 1, got {sample}")
     if shape.experts % ep:
         raise ValueError(f"--experts {shape.experts} do not divide over an EP group of {ep} ranks")
-    check_size(ep, sample, shape.top_k)
+    # about 200 B per sampled (token, expert) pair: ids, sort keys, the plan's copies
+    check_memory(ep * sample * shape.top_k * 200, f"planning {ep} ranks x {sample} sampled tokens x top-{shape.top_k}",
+                 "lower --sample")
     g = torch.Generator().manual_seed(seed)
     t = ep * sample
     idx = routing(t, g) if routing is not None else uniform_routing(t, shape.experts, shape.top_k, g)
@@ -180,14 +174,3 @@ def _placement(kind: str, experts: int, topology: Topology) -> Placement | None:
         return Placement.tree_prefix(experts, topology)
     return getattr(Placement, kind)(experts, topology.world_size)
 
-
-def check_size(ep: int, sample: int, top_k: int) -> None:
-    """Refuse, before allocating, a plan that would not fit in half of the memory available now
-    (about 200 B per sampled (token, expert) pair: ids, sort keys, the plan's copies)."""
-    import psutil
-
-    need = ep * sample * top_k * 200
-    free = psutil.virtual_memory().available
-    if need > free // 2:
-        raise ValueError(f"planning {ep} ranks x {sample} sampled tokens x top-{top_k} needs about "
-                         f"{need / 2**30:.1f} GiB, more than half of the {free / 2**30:.1f} GiB free: lower --sample")

@@ -80,6 +80,14 @@ class RoutingRecord:
         return cls(torch.from_numpy(z["expert_idx"]).long(), torch.from_numpy(z["src_rank"]).long(), e, w, b,
                    dispatch, probs)
 
+    def sample(self, n: int, replicas: int, generator: torch.Generator):
+        """``n`` recorded tokens drawn with replacement, each in a uniform replica block of the
+        experts tiled ``replicas`` times: (rows drawn, [n, 1] blocks, [n, K] expert ids, -1 dropped)."""
+        rows = torch.randint(0, self.expert_idx.shape[0], (n,), generator=generator)
+        block = torch.randint(0, replicas, (n, 1), generator=generator)
+        chosen = self.expert_idx[rows]
+        return rows, block, torch.where(chosen >= 0, chosen + block * self.num_experts, -1)
+
     def coactivation(self) -> torch.Tensor:
         """[E, E] counts of tokens that selected both experts (diagonal: selections)."""
         e = self.num_experts
@@ -103,14 +111,14 @@ def memory_needed(world: int, tokens: int, top_k: int, levels: int) -> int:
     return world * world * (40 + levels) + tokens * top_k * 80
 
 
-def check_memory(needed: int, what: str) -> None:
+def check_memory(needed: int, what: str, advice: str = "simulate fewer ranks or fewer tokens per rank") -> None:
     """Refuse, before allocating, work that would not fit in half of the memory available now."""
     import psutil
 
     free = psutil.virtual_memory().available
     if needed > free // 2:
         raise ValueError(f"{what} needs about {needed / 2**30:.1f} GiB, more than half of the "
-                         f"{free / 2**30:.1f} GiB available: simulate fewer ranks or fewer tokens per rank")
+                         f"{free / 2**30:.1f} GiB available: {advice}")
 
 
 def replayed_limits(subtree_limit, topology: Topology, num_experts: int, top_k: int, placement: Placement) -> list:
@@ -173,10 +181,7 @@ def simulate(record: RoutingRecord, topology: Topology, placement_kind: str = "t
     e_sim = r * record.num_experts
     g = torch.Generator().manual_seed(seed)
     n = w * tokens_per_rank
-    rows = torch.randint(0, record.expert_idx.shape[0], (n,), generator=g)
-    block = torch.randint(0, r, (n, 1), generator=g)
-    chosen = record.expert_idx[rows]
-    idx = torch.where(chosen >= 0, chosen + block * record.num_experts, -1)
+    rows, block, idx = record.sample(n, r, g)
     src = torch.arange(w).repeat_interleave(tokens_per_rank)
     if placement_kind == "tree_prefix":
         placement = Placement.tree_prefix(e_sim, topology)

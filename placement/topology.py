@@ -101,11 +101,19 @@ class Topology:
     def _build_level_matrix(self):
         import torch
 
-        w = self.world_size
-        coords = torch.tensor([self.coords(r) for r in range(w)])
-        differ = coords.unsqueeze(1) != coords.unsqueeze(0)  # [W, W, L]
-        first = torch.where(differ.any(-1), differ.float().argmax(-1), torch.full((w, w), -1))
-        return first.long()
+        ranks = torch.arange(self.world_size)
+        return self.crossing_levels(ranks.unsqueeze(1), ranks.unsqueeze(0))
+
+    def crossing_levels(self, a, b):
+        """Index into ``levels`` of the outermost level where rank tensors ``a`` and ``b`` differ
+        (-1: the same rank), elementwise and broadcast: no [W, W] matrix unless asked for one."""
+        import torch
+
+        out = torch.full(torch.broadcast_shapes(a.shape, b.shape), -1, dtype=torch.long)
+        for i in reversed(range(len(self.sizes))):
+            stride = math.prod(self.sizes[i + 1 :])
+            out = torch.where(a // stride != b // stride, i, out)
+        return out
 
     # --- construction ----------------------------------------------------------
     @classmethod
