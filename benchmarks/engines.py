@@ -1,5 +1,6 @@
-"""One routing, four hosts: dist-moe's dispatcher (each dedup mode), DeepSpeed's MOELayer,
-Megatron's alltoall and allgather dispatchers, on 2 and 4 gloo ranks, side by side.
+"""One routing, four hosts: dist-moe's dispatcher (each dedup mode, and pipelined in 4 chunks),
+DeepSpeed's MOELayer, Megatron's alltoall and allgather dispatchers, on 2 and 4 gloo ranks, side
+by side.
 
 Every host gets the same router weights (switch, E=8, top-2, no jitter), the same
 expert weights and the same tokens; each step is one forward and backward of
@@ -13,6 +14,11 @@ payload is the routed copies inside them); Megatron's allgather bytes are every
 rank's tokens sent to every other rank (analytic; its splits are not per peer).
 
     .venv/bin/python benchmarks/engines.py [--steps 10] [--tokens 2048] [--hidden 256] [--ffn 512]
+
+Under a launcher it runs once on the launched ranks, with the launcher's topology, e.g. across
+the emulated cluster's slow link:
+
+    launch/emulate_cluster.sh --nodes 2 --procs-per-node 2 --rate 400mbit benchmarks/engines.py
 """
 from __future__ import annotations
 
@@ -30,6 +36,13 @@ from tests.dist_utils import run_workers  # noqa: E402
 
 E, K = 8, 2
 ROUTER = {"type": "switch", "num_experts": E, "top_k": K, "jitter_eps": 0.0}
+PIPELINED = 4  # chunks of the pipelined dist-moe hosts
+
+
+def launched() -> bool:
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def _saved_bytes(fn) -> tuple[object, int]:
@@ -62,13 +75,14 @@ def worker(rank, world, args, out_path):
     init_distributed()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=world)
     H, F, T = args.hidden, args.ffn, args.tokens
-    topo = Topology(("node", "gpu"), (2, world // 2))
+    topo = Topology.from_env() if launched() else Topology(("node", "gpu"), (2, world // 2))
     placement = Placement.contiguous(E, world)
     torch.manual_seed(0)
     hosts = {}
-    for dedup in ("none", "rank", "node"):
-        hosts[f"dist-moe {dedup}"] = MoELayer(H, F, dict(ROUTER), placement=placement, topology=topo,
-                                              group=dist.group.WORLD, dedup=dedup)
+    for dedup, chunks in (("none", 1), ("rank", 1), ("node", 1), ("rank", PIPELINED), ("node", PIPELINED)):
+        name = f"dist-moe {dedup}" + (f" C={chunks}" if chunks > 1 else "")
+        hosts[name] = MoELayer(H, F, dict(ROUTER), placement=placement, topology=topo, group=dist.group.WORLD,
+                               dedup=dedup, pipeline_chunks=chunks)
     ref = hosts["dist-moe rank"]
     for other in hosts.values():
         other.router.load_state_dict(ref.router.state_dict())
@@ -138,7 +152,7 @@ def worker(rank, world, args, out_path):
 
 def report(world: int, totals: dict, args) -> None:
     base = totals["dist-moe rank"]
-    print(f"\n{world} ranks (gloo, CPU), switch E={E} top-{K}, {args.tokens} tokens x hidden {args.hidden} per rank, "
+    print(f"\n{world} ranks (gloo, CPU{', launched' if launched() else ''}), switch E={E} top-{K}, {args.tokens} tokens x hidden {args.hidden} per rank, "
           f"SwiGLU ffn {args.ffn}, fwd+bwd, median of {args.steps} steps:")
     print(f"{'host':<22}{'step ms':>9}{'vs dist-moe rank':>18}{'saved MB':>10}{'memory ratio':>14}"
           f"{'sent MB/rank':>14}{'payload MB':>12}")
@@ -149,6 +163,9 @@ def report(world: int, totals: dict, args) -> None:
     ds, mg = totals["DeepSpeed MOELayer"][0], totals["Megatron alltoall"][0]
     print(f"dist-moe rank dedup / DeepSpeed = {base[0] / ds:.2f}x (target <= 0.8x); "
           f"/ Megatron alltoall = {base[0] / mg:.2f}x (target <= 1.0x)")
+    best = min((n for n in totals if n.startswith("dist-moe")), key=lambda n: totals[n][0])
+    print(f"fastest dist-moe host ({best}) / DeepSpeed = {totals[best][0] / ds:.2f}x; "
+          f"/ Megatron alltoall = {totals[best][0] / mg:.2f}x")
 
 
 def main() -> None:
@@ -159,6 +176,16 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=512)
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     args = ap.parse_args()
+    if launched():  # one run on the launched ranks
+        import os
+
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        out = Path("/tmp") / f"engines_launched_{os.environ.get('MASTER_PORT', '0')}.pt"
+        worker(rank, world, args, str(out))
+        if rank == 0:
+            report(world, torch.load(out, weights_only=True), args)
+            out.unlink()
+        return
     for world in args.worlds:
         out = Path("/tmp") / f"engines_{world}_{torch.randint(0, 10**9, (1,)).item()}.pt"
         run_workers(worker, world, args=(args, str(out)), timeout=900)

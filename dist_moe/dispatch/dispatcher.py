@@ -12,9 +12,11 @@ node   stage 1: one copy per (token, destination node) to the rank on that node
        its node. The combine reduces inside the node before crossing back.
 
 The plan comes from ``placement.plan`` (the same one ``dispatch_traffic`` counts);
-each exchange reads back to the host once, its split sizes (``all_to_all.exchange``),
-so a forward blocks the host once per exchange (twice with node dedup) and the
-backward not at all. Outputs accumulate in fp32 and are cast once.
+each exchange reads back to the host once, its split sizes for every chunk
+(``all_to_all.plan_hops``), so a forward blocks the host once per exchange (twice
+with node dedup) and the backward not at all. The payloads move in ``chunks``
+token chunks, each in flight while the experts run another (``pipeline.py``).
+Outputs accumulate in fp32 and are cast once.
 
 Every exchange records the payload bytes it sends to each peer in ``traffic``
 (this rank's row), so summed over ranks the measured matrix equals
@@ -29,11 +31,12 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
-from dist_moe.dispatch.all_to_all import exchange
+from dist_moe.dispatch.all_to_all import Chunk, plan_hops
 from dist_moe.dispatch.groups import WeakGroup
-from dist_moe.experts import Experts, apply_experts
+from dist_moe.dispatch.pipeline import PipelineRun, chunk_bounds, run_pipeline
+from dist_moe.experts import Experts
 from placement import Placement, Topology
 from placement.plan import DispatchPlan, Exchange, check_dedup
 
@@ -105,9 +108,11 @@ class ExpertParallelDispatcher:
         self.traffic = torch.zeros(self.world, self.world, dtype=torch.long)
         self.metadata_bytes = 0
 
-    def _record(self, copies: list[int], pairs: list[int], peer_base: int, row_bytes: int,
-                copy_meta_bytes: int) -> None:
-        """Add what one exchange sent to peers ``peer_base + i`` (host counts; this rank's own chunk stays)."""
+    def _record(self, hops: list, peer_base: int, row_bytes: int, copy_meta_bytes: int) -> None:
+        """Add what one exchange (all its chunks) sent to peers ``peer_base + i`` (host counts; this
+        rank's own copies stay)."""
+        copies = [sum(c) for c in zip(*(hop.send_c for hop in hops))]
+        pairs = [sum(p) for p in zip(*(hop.send_p for hop in hops))]
         mine = self.rank - peer_base
         sent = [0 if i == mine else c for i, c in enumerate(copies)]
         # host-side bookkeeping: the counts are host ints already, the matrix lives on the CPU
@@ -123,7 +128,7 @@ class ExpertParallelDispatcher:
 
     def __call__(self, h: Tensor, expert_idx: Tensor, gates: Tensor, experts: Experts,
                  copy_meta: Tensor | None = None, row_tags: Tensor | None = None, tag: int | None = None,
-                 problem: Tensor | None = None) -> Tensor:
+                 problem: Tensor | None = None, chunks: int = 1, side: nn.Module | None = None):
         """h [T, H] this rank's tokens -> y [T, H] sum of gated expert outputs per token.
 
         ``copy_meta`` [T] or [T, C] integers travel with each copy (categories);
@@ -131,43 +136,39 @@ class ExpertParallelDispatcher:
         ``tag`` (the caller's forward count; default: this dispatcher's call count) and
         ``problem`` (``agree.input_problem``) ride with the split sizes: a problem on any rank,
         or ranks at different tags, raise on every rank before a token moves (``agree.py``).
+        ``chunks`` > 1 pipelines the exchanges by token (``pipeline.py``; every rank of the group
+        must pass the same number); ``side`` (the shared expert) runs on h while the first chunks
+        are in flight, and is then returned as well: (y, side(h)).
         """
         self.calls += 1
         tag = self.calls if tag is None else tag
         rank_of, slot_of = self._index_tensors(h.device)
-        t = h.shape[0]
-        parts = [m.reshape(t, -1).long() for m in (copy_meta, row_tags) if m is not None]
+        t, k = expert_idx.shape
+        parts = [(m.unsqueeze(1) if m.dim() == 1 else m).long() for m in (copy_meta, row_tags) if m is not None]
         meta = torch.cat(parts, 1) if parts else h.new_zeros((t, 0), dtype=torch.long)
-        plan = DispatchPlan.build(expert_idx, self.placement, self.topology, self.dedup, self.rank, local=True)
-        stage = plan.stages[0]
-        pair_expert = expert_idx.reshape(-1)
-        pair_gate = gates.reshape(-1)
+        pair_expert, pair_gate = expert_idx.reshape(-1), gates.reshape(-1)
+        first = []
+        for a, b in chunk_bounds(t, chunks):
+            plan = DispatchPlan.build(expert_idx[a:b], self.placement, self.topology, self.dedup, self.rank,
+                                      local=True)
+            first.append(Chunk(plan.stages[0], plan.pair_token + a, pair_expert[a * k:b * k],
+                               pair_gate[a * k:b * k], meta, a * k))
         row_bytes = h.shape[1] * h.element_size()
-        tagged = row_tags is not None
-        recv, sent, sent_pairs, copy_row = exchange(self.group, stage, h, plan.pair_token, pair_expert, pair_gate,
-                                                    meta, slot_of, self.num_local, tag, problem)
-        self._record(sent, sent_pairs, 0, row_bytes, 8 * meta.shape[1])
-        y = self._node_stage(recv, experts, tag, row_bytes, tagged) if self.dedup == "node" else \
-            self._run(recv, experts, tagged)
-        back = recv.send_back(y.to(h.dtype))
-        out = torch.zeros(t, h.shape[1], dtype=torch.float32, device=h.device)
-        return out.index_add(0, copy_row, back.float()).to(h.dtype)  # fp32 accumulation, cast once
+        first = plan_hops(self.group, first, slot_of, self.num_local, tag, problem)
+        self._record(first, 0, row_bytes, 8 * meta.shape[1])
+        second = self._second_stage(first, tag, row_bytes) if self.dedup == "node" else None
+        params = [p for p in experts.template().values() if p.requires_grad]
+        side_params = [] if side is None else [p for p in side.parameters() if p.requires_grad]
+        run = PipelineRun(first, second, experts, slot_of, row_tags is not None, side, params, side_params)
+        y, side_y = run_pipeline(run, h, gates)
+        return y if side is None else (y, side_y)
 
-    def _run(self, recv, experts: Experts, tagged: bool) -> Tensor:
-        """This rank's experts on the pairs it received: one fp32 row per received copy."""
-        tags = recv.copy_meta[:, -1] if tagged else None  # the last meta column holds row tags
-        return apply_experts(experts, recv.x, recv.pair_copy, self.slot_of[recv.pair_expert], recv.pair_gate,
-                             tags, counts=recv.expert_counts)
-
-    def _node_stage(self, recv, experts: Experts, tag: int, row_bytes: int, tagged: bool) -> Tensor:
-        """Stage 2 on the gateway: one copy per destination rank inside this node."""
+    def _second_stage(self, first: list, tag: int, row_bytes: int) -> list:
+        """Node dedup's stage 2 on the gateway: one copy per destination rank inside this node."""
         node_base = self.topology.node_of(self.rank) * self.g
-        local_dst = self.rank_of[recv.pair_expert] - node_base
-        stage2 = Exchange.group(recv.pair_copy, local_dst, self.g, recv.x.shape[0])
-        recv2, sent2, sent_pairs2, row2 = exchange(self.node_group, stage2, recv.x, recv.pair_copy, recv.pair_expert,
-                                                   recv.pair_gate, recv.copy_meta, self.slot_of, self.num_local, tag)
-        self._record(sent2, sent_pairs2, node_base, row_bytes, 8 * recv.copy_meta.shape[1])
-        y2 = self._run(recv2, experts, tagged)
-        back = recv2.send_back(y2.to(recv.x.dtype))
-        y = torch.zeros(recv.x.shape[0], recv.x.shape[1], dtype=torch.float32, device=recv.x.device)
-        return y.index_add(0, row2, back.float())
+        chunks = [Chunk(Exchange.group(hop.pair_copy, self.rank_of[hop.pair_expert] - node_base, self.g,
+                                       hop.copy_meta.shape[0]), hop.pair_copy, hop.pair_expert, hop.pair_gate,
+                        hop.copy_meta) for hop in first]
+        second = plan_hops(self.node_group, chunks, self.slot_of, self.num_local, tag)
+        self._record(second, node_base, row_bytes, 8 * first[0].copy_meta.shape[1])
+        return second

@@ -34,8 +34,9 @@ DEFAULT_CONFIG: dict = {
     # expert parallelism over the launched world (torchrun / deepspeed launcher; 1 process: local)
     # timeout_s: how long any collective may wait for a peer before every rank stops with an error
     # device: auto (this process's GPU when one is visible, else the CPU), cpu or cuda; the backend follows
+    # pipeline_chunks: C > 1 cuts each exchange into C token chunks in flight while experts run (engine torch)
     "parallel": {"placement": "contiguous", "dedup": "rank", "megatron_dispatcher": "alltoall", "timeout_s": 300.0,
-                 "device": "auto"},
+                 "device": "auto", "pipeline_chunks": 1},
     # categories: a coarse label per row (data.CATEGORY_SETS), required by specdrop routing
     # name "corpus": the multi-domain byte corpus (train/corpus.py) for model.kind lm, with seq_len and
     # per_domain sequences; categories "domains" makes each sequence's domain its category.
@@ -83,6 +84,7 @@ _RULES = {
     "parallel.megatron_dispatcher": (str, False, ("alltoall or allgather", lambda v: v in ("alltoall", "allgather"))),
     "parallel.timeout_s": (float, False, ("a finite number > 0", lambda v: 0 < v < float("inf"))),
     "parallel.device": (str, False, ("auto, cpu or cuda", lambda v: v in ("auto", "cpu", "cuda"))),
+    "parallel.pipeline_chunks": (int, False, ("an int >= 1", lambda v: v >= 1)),
     "data.name": (str, False, None),  # the loader names the valid datasets
     "data.val_fraction": (float, False, ("a number in (0, 1)", lambda v: 0 < v < 1)),
     "data.max_rows": (int, True, ("an int >= 10", lambda v: v >= 10)),

@@ -110,13 +110,17 @@ class Runtime:
         with fork_rng():  # a probe for the expert count: leave the seed's stream alone
             num_experts = build_router({"hidden_size": hidden, **router}).num_experts
         placement = self.placement(num_experts)
+        chunks = self.parallel.get("pipeline_chunks", 1)
+        if self.engine != "torch" and chunks != 1:
+            raise ValueError(f"parallel.pipeline_chunks={chunks} pipelines dist-moe's own dispatcher (engine torch); "
+                             f"engine {self.engine} exchanges through its own: set it to 1")
         if self.engine == "torch":
             from dist_moe.layer import MoELayer
 
             return MoELayer(hidden, ffn, router, placement=placement, topology=self.topology(),
                             group=self.group if self.world > 1 else None, dedup=self.parallel["dedup"],
                             timeout=datetime.timedelta(seconds=self.timeout_s),
-                            capacity_factor=capacity_factor, expert_type=expert_type)
+                            capacity_factor=capacity_factor, expert_type=expert_type, pipeline_chunks=chunks)
         if self.engine == "deepspeed":
             from dist_moe.integrations.deepspeed import DeepSpeedHostedMoE
 
@@ -165,8 +169,8 @@ def _one_rank_defaults() -> None:
     if launched_world_size() == 1:
         import socket
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+        with socket.socket() as s:  # probe every address: torch's store listens on all of them
+            s.bind(("", 0))
             port = s.getsockname()[1]
         for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
                            ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):

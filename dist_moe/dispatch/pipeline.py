@@ -1,0 +1,172 @@
+"""The payload phase of a dispatch, chunk by chunk, with the link busy while experts compute.
+
+Every chunk's first-stage payload is sent at once (async all-to-alls); the shared expert runs
+while they are in flight; then for each chunk in turn: wait for its copies, (node dedup: forward
+them inside the node, where the next chunks' first stage is still crossing the slow link), run
+the experts, and start its combine without waiting for it. Backward runs the same way in
+reverse: every chunk's output gradients leave at once, the shared expert's backward runs under
+them, and each chunk's expert backward overlaps the later chunks' transfers.
+
+The whole dispatch is one autograd node (``_Pipelined``). Inside it, each chunk's experts run
+under ``enable_grad`` on leaves cut at the exchange, and its backward calls ``autograd.grad`` on
+that small graph, so the exchanges' gradients travel on the same hops, in an order this module
+fixes rather than the autograd engine (two nodes could run their backward collectives in a
+different order on different ranks). The node is always in the graph when grad mode is on (an
+anchor that requires grad): a rank whose inputs need no gradient still enters every backward
+collective its peers do. Every rank runs every chunk, empty or not, so all ranks issue the same
+collectives in the same order. Outputs and gradients accumulate in fp32 and are cast once.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+from dist_moe.dispatch.all_to_all import Hop
+from dist_moe.experts import Experts, apply_experts
+
+
+def chunk_bounds(tokens: int, chunks: int) -> list[tuple[int, int]]:
+    """``chunks`` contiguous token ranges, sizes differing by at most one (some empty if few tokens)."""
+    base, extra = divmod(tokens, chunks)
+    bounds, start = [], 0
+    for i in range(chunks):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+class PipelineRun:
+    """One forward's hops and the per-chunk graphs its backward needs."""
+
+    def __init__(self, first: list[Hop], second: list[Hop] | None, experts: Experts, slot_of: Tensor,
+                 tagged: bool, side: nn.Module | None, params: list[Tensor], side_params: list[Tensor]):
+        self.first, self.second = first, second
+        self.experts, self.slot_of, self.tagged, self.side = experts, slot_of, tagged, side
+        self.params, self.side_params = params, side_params
+        self.train = False
+        self.saved: list[Tensor] = []  # (h, side output) if a side; then per chunk (copies, gates, expert output)
+
+    def forward(self, h: Tensor) -> tuple[Tensor, Tensor | None]:
+        dtype, width = h.dtype, h.shape[1]
+        sent = [hop.out(h[hop.copy_row]) for hop in self.first]
+        side = self._side(h)
+        back = []
+        for hop, pending in zip(self.first, sent):
+            x = pending.wait()
+            if self.second is None:
+                y = self._experts(x, hop)
+            else:
+                inner = self.second[len(back)]
+                y2 = self._experts(inner.out(x[inner.copy_row]).wait(), inner)
+                y = x.new_zeros(x.shape[0], width, dtype=torch.float32)
+                y = y.index_add(0, inner.copy_row, inner.back(y2.to(dtype)).wait().float())
+            back.append(hop.back(y.to(dtype)))
+        out = h.new_zeros(h.shape[0], width, dtype=torch.float32)
+        for hop, pending in zip(self.first, back):
+            out.index_add_(0, hop.copy_row, pending.wait().float())
+        return out.to(dtype), side
+
+    def _experts(self, x: Tensor, hop: Hop) -> Tensor:
+        """This rank's experts on one received chunk: one fp32 row per received copy."""
+        tags = hop.copy_meta[:, -1] if self.tagged else None  # the last meta column holds row tags
+        gate = hop.pair_gate
+        if self.train:
+            x, gate = x.detach().requires_grad_(), gate.detach().requires_grad_()
+        with torch.set_grad_enabled(self.train):
+            y = apply_experts(self.experts, x, hop.pair_copy, self.slot_of[hop.pair_expert], gate, tags,
+                              counts=hop.expert_counts)
+        if self.train:
+            self.saved += [x, gate, y]
+        return y.detach()
+
+    def _side(self, h: Tensor) -> Tensor | None:
+        if self.side is None:
+            return None
+        if not self.train:
+            return self.side(h)
+        with torch.enable_grad():
+            leaf = h.detach().requires_grad_()
+            y = self.side(leaf)
+        self.saved += [leaf, y]
+        return y.detach()
+
+    def backward(self, saved: tuple, grad_out: Tensor, grad_side: Tensor | None, h_shape, dtype,
+                 gates_numel: int) -> tuple:
+        grad_out = grad_out.float()
+        returned = [hop.out(grad_out[hop.copy_row].to(dtype)) for hop in self.first]
+        side_saved, chunks = (saved[:2], saved[2:]) if self.side is not None and self.train else ((), saved)
+        inner = iter(zip(chunks[0::3], chunks[1::3], chunks[2::3]))
+        param_grads = [torch.zeros_like(p) for p in self.params]
+        grad_h = torch.zeros(h_shape, dtype=torch.float32, device=grad_out.device)
+        side_grads = self._side_backward(side_saved, grad_side, grad_h)
+        sent_back = []
+        for hop, pending in zip(self.first, returned):
+            gy = pending.wait()
+            if self.second is None:
+                gx, gg = _expert_grads(next(inner), gy, self.params, param_grads)
+            else:
+                hop2 = self.second[len(sent_back)]
+                gy2 = hop2.out(gy[hop2.copy_row]).wait()
+                gx2, gg2 = _expert_grads(next(inner), gy2, self.params, param_grads)
+                gx_back, gg_back = hop2.back(gx2.to(dtype)), hop2.back_pairs(gg2)
+                gx = gy.new_zeros(gy.shape, dtype=torch.float32).index_add(0, hop2.copy_row, gx_back.wait().float())
+                gg = gg2.new_zeros(hop.pair_gate.shape).index_put_((hop2.sent_pairs,), gg_back.wait())
+            sent_back.append((hop.back(gx.to(dtype)), hop.back_pairs(gg)))
+        grad_gates = torch.zeros(gates_numel, dtype=torch.float32, device=grad_out.device)
+        for hop, (rows, gates) in zip(self.first, sent_back):
+            grad_h.index_add_(0, hop.copy_row, rows.wait().float())
+            grad_gates.index_put_((hop.sent_pairs,), gates.wait())
+        return grad_h.to(dtype), grad_gates, param_grads, side_grads
+
+    def _side_backward(self, saved: tuple, grad_side: Tensor | None, grad_h: Tensor) -> list:
+        if self.side is None:
+            return []
+        if grad_side is None:
+            return [None] * len(self.side_params)
+        leaf, y = saved
+        grads = torch.autograd.grad(y, [leaf, *self.side_params], grad_side, retain_graph=True, allow_unused=True)
+        if grads[0] is not None:
+            grad_h += grads[0].float()
+        return list(grads[1:])
+
+
+def _expert_grads(saved, grad_y: Tensor, params: list[Tensor], param_grads: list[Tensor]):
+    """One chunk's expert backward: gradients of its copies and gates; expert weights' accumulate."""
+    x, gate, y = saved
+    grads = torch.autograd.grad(y, [x, gate, *params], grad_y.float(), retain_graph=True, allow_unused=True)
+    for acc, g in zip(param_grads, grads[2:]):
+        if g is not None:
+            acc += g
+    gx = torch.zeros_like(x) if grads[0] is None else grads[0]
+    return gx, (torch.zeros_like(gate) if grads[1] is None else grads[1])
+
+
+class _Pipelined(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run: PipelineRun, _anchor, h, gates, *params):
+        out, side = run.forward(h)
+        ctx.run, ctx.shape = run, (h.shape, h.dtype, gates.shape, gates.dtype)
+        # saved, not kept on ctx: the per-chunk graphs are freed with the outer graph's buffers
+        ctx.save_for_backward(*run.saved)
+        run.saved = []
+        return (out,) if side is None else (out, side)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, grad_side=None):
+        h_shape, dtype, g_shape, g_dtype = ctx.shape
+        if grad_out is None:  # still take part: every rank runs the same collectives
+            grad_out = torch.zeros(h_shape, dtype=dtype, device=ctx.run.slot_of.device)
+        grad_h, grad_g, param_grads, side_grads = ctx.run.backward(ctx.saved_tensors, grad_out, grad_side, h_shape,
+                                                                   dtype, g_shape.numel())
+        return None, None, grad_h, grad_g.reshape(g_shape).to(g_dtype), *param_grads, *side_grads
+
+
+def run_pipeline(run: PipelineRun, h: Tensor, gates: Tensor) -> tuple[Tensor, Tensor | None]:
+    """(routed output [T, H], shared expert output or None), differentiable in h, gates and weights."""
+    run.train = torch.is_grad_enabled()
+    anchor = torch.zeros((), device=h.device, requires_grad=run.train)
+    outs = _Pipelined.apply(run, anchor, h, gates, *run.params, *run.side_params)
+    return outs[0], (outs[1] if len(outs) > 1 else None)
