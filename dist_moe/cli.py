@@ -50,16 +50,18 @@ def main(argv=None) -> int:
     tr.add_argument("overrides", nargs="*",
                     help="key.sub=value overrides, e.g. router.type=switch train.epochs=2 (a new router type "
                          "keeps the keys it also takes, such as num_experts and top_k)")
-    from dist_moe import cli_cost, cli_plan
+    from dist_moe import cli_calibrate, cli_cost, cli_plan
 
     cli_cost.add_parsers(sub, debug)
     cli_plan.add_parser(sub, debug)
+    cli_calibrate.add_parser(sub, debug)
     args, extra = parser.parse_known_args(argv)
     try:
         if args.command != "train":
             if extra:
                 parser.error(f"unrecognized arguments: {' '.join(extra)}")
-            return (cli_plan if args.command == "plan" else cli_cost).run(args)
+            commands = {"plan": cli_plan, "calibrate": cli_calibrate}
+            return commands.get(args.command, cli_cost).run(args)
         return _train(parser, args, extra)
     except Exception as e:  # every failure ends as one line and an exit code (dist_moe/errors.py)
         return report(e, args.debug)

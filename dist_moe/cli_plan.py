@@ -40,6 +40,8 @@ def add_parser(sub, debug) -> None:
     pp.add_argument("--placement", action="append", choices=PLACEMENTS,
                     help="placements to compare (default: all that apply)")
     pp.add_argument("--sample", type=int, help="tokens routed per rank to count copies (default: 8,192 in all)")
+    pp.add_argument("--pipeline-chunks", default="1,4", metavar="C[,C]",
+                    help="pipeline settings to compare (parallel.pipeline_chunks; default 1,4)")
     pp.add_argument("--plot", help="write a PNG of the predicted step time per placement and dedup here")
     pp.add_argument("--json", action="store_true")
 
@@ -91,12 +93,20 @@ def recorded_routing(run_dir: str, experts: int, top_k: int):
     return lambda tokens, g: record.sample(tokens, experts // e, g)[2]
 
 
+def _chunks(text: str) -> tuple:
+    parts = text.split(",")
+    if not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        raise ValueError(f"--pipeline-chunks {text!r}: give ints >= 1 separated by commas, e.g. 1,4")
+    return tuple(int(p) for p in parts)
+
+
 def run(args) -> int:
     start = time.time()
     topo = topology_with_links(args.topology, args.link, args.shared)
     shape = ModelShape(args.hidden, args.ffn, args.experts, args.top_k, args.tokens_per_rank, args.layers, args.dtype)
     routing = None if args.routing == "uniform" else recorded_routing(args.routing, args.experts, args.top_k)
-    out = forecast(shape, topo, routing, args.ep, args.tflops, args.sample, tuple(args.placement or PLACEMENTS))
+    out = forecast(shape, topo, routing, args.ep, args.tflops, args.sample, tuple(args.placement or PLACEMENTS),
+                   chunks=_chunks(args.pipeline_chunks))
     out["seconds_to_plan"] = round(time.time() - start, 2)
     if args.plot:
         _plot(out, Path(args.plot))
@@ -108,15 +118,16 @@ def run(args) -> int:
           f"{shape.experts} experts top-{shape.top_k}, {shape.tokens_per_rank} tokens per rank, "
           f"{out['token_bytes']} B per copy, {args.routing} routing ({out['sample_per_rank']} sampled per rank)")
     print(f"experts' matmuls {1e3 * out['expert_seconds']:.2f} ms per layer (fwd+bwd at {args.tflops:g} TFLOP/s); "
-          "4 blocking exchanges per layer (dispatch, combine; forward, backward)")
-    print(f"{'placement':<12}{'dedup':<6}" + "".join(f"{lv + ' B/token':>15}" for lv in levels)
+          f"4 exchanges per layer (dispatch, combine; forward, backward); collective latency "
+          f"{1e6 * topo.cost.latency_s:g} us, pipelined overlap {topo.cost.overlap:g}")
+    print(f"{'placement':<12}{'dedup':<6}{'C':>3}" + "".join(f"{lv + ' B/token':>15}" for lv in levels)
           + f"{'exchange ms':>13}{'step ms':>11}{'comm':>7}")
     for r in out["rows"]:
         cells = "".join(f"{r['bytes_per_token_by_level'][lv]:>15.1f}" for lv in levels)
-        print(f"{r['placement']:<12}{r['dedup']:<6}{cells}{1e3 * r['exchange_seconds']:>13.3f}"
+        print(f"{r['placement']:<12}{r['dedup']:<6}{r['chunks']:>3}{cells}{1e3 * r['exchange_seconds']:>13.3f}"
               f"{1e3 * r['step_seconds']:>11.2f}{100 * r['comm_share']:>6.0f}%")
-    print(f"step = {shape.layers} MoE layer(s) x (4 exchanges + experts); planned in {out['seconds_to_plan']} s"
-          + (f"; plot: {args.plot}" if args.plot else ""))
+    print(f"step = {shape.layers} MoE layer(s) x (exchanges + experts, C > 1 overlapped); comm = the exchanges' "
+          f"share of the layer; planned in {out['seconds_to_plan']} s" + (f"; plot: {args.plot}" if args.plot else ""))
     return 0
 
 
@@ -127,11 +138,11 @@ def _plot(out: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = out["rows"]
-    labels = [f"{r['placement']} / {r['dedup']}" for r in rows]
-    comm = [1e3 * r["step_seconds"] * r["comm_share"] for r in rows]
-    comp = [1e3 * r["step_seconds"] * (1 - r["comm_share"]) for r in rows]
+    labels = [f"{r['placement']} / {r['dedup']} / C={r['chunks']}" for r in rows]
+    comp = [1e3 * out["expert_seconds"] * out["layers"] for _ in rows]
+    comm = [1e3 * r["step_seconds"] - c for r, c in zip(rows, comp)]
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.5))
-    ax.barh(labels, comm, label="exchanges")
+    ax.barh(labels, comm, label="exchanges not hidden")
     ax.barh(labels, comp, left=comm, label="experts' matmuls")
     ax.invert_yaxis()
     ax.set_xlabel("predicted MoE time per step (ms)")

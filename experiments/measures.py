@@ -118,20 +118,55 @@ def after_masking(model, data, rt) -> dict:
             "left_category": float(sums[2] / sums[3])}
 
 
-_FITTED = {}  # the link calibration of this launch: level -> LevelCost
+STEP_BATCH = 16  # sequences per rank of the throughput plans' steps (train.batch_size)
+
+
+def after_exchange_time(model, data, rt) -> dict:
+    """The all-to-all seconds of one training step, measured: each MoE layer's dispatch bytes for
+    one training batch per rank (a forward), summed over ranks into its [W, W] matrix and replayed
+    with ``all_to_all_single`` (``benchmarks/dispatch_time.py``'s replay; node dedup: its cross-node
+    stage, then its intra-node stage), four exchanges per layer per step (dispatch and combine,
+    forward and backward). Median of 5, the slowest rank's."""
+    import torch
+    import torch.distributed as dist
+
+    from dist_moe.dispatch.calibrate import replay, slowest
+    from dist_moe.layer import MoELayer
+
+    layers = [m for m in model.modules() if isinstance(m, MoELayer) and m.dispatcher is not None]
+    if not layers:
+        return {}
+    batch = data.x_train[torch.randperm(len(data.x_train))[:STEP_BATCH]].to(rt.device)
+    for layer in layers:
+        layer.reset_traffic()
+    model.eval()
+    with torch.no_grad():
+        model(batch)
+    model.train()
+    cross = layers[0].topology.level_matrix() == 0
+    seconds = 0.0
+    for layer in layers:
+        matrix = layer.traffic.matrix.clone()
+        dist.all_reduce(matrix)
+        if layer.dedup == "node":
+            seconds += 4 * slowest(lambda m=matrix: (replay(m, cross), replay(m, ~cross)))
+        else:
+            seconds += 4 * slowest(lambda m=matrix: replay(m))
+    return {"measured_a2a_s": seconds}
+
+
+_FITTED = {}  # the link calibration of this launch: "cost" -> CostModel
 
 
 def before_calibrate() -> dict:
-    """Fit the cost model's alpha and bandwidth per level on this launch's links
-    (benchmarks/dispatch_time.py's calibration: pairwise exchanges of 1-8 MiB)."""
-    from benchmarks.dispatch_time import calibrate
+    """Fit the cost model on this launch's links (``dist-moe calibrate``'s sweeps)."""
+    from dist_moe.dispatch.calibrate import calibrate, to_yaml
     from placement import Topology as Topo
 
-    cost = calibrate(Topo.from_env())
-    _FITTED.clear()
-    _FITTED.update(cost.levels)
-    return {"calibration": {k: {"alpha_s": v.alpha_s, "bandwidth_Bps": v.bandwidth_Bps, "shared": v.shared}
-                            for k, v in cost.levels.items()}}
+    topo = Topo.from_env()
+    cost = calibrate(topo)
+    _FITTED["cost"] = cost
+    return {"calibration": to_yaml(topo, cost)["cost"], "exchange": to_yaml(topo, cost)["exchange"]}
 
 
 def post_step_prediction(summary: dict, cfg: dict) -> dict:
@@ -142,17 +177,17 @@ def post_step_prediction(summary: dict, cfg: dict) -> dict:
     from the run's recorded validation routing (``placement.simulate``) under the run's
     placement and dedup, priced with the calibrated links.
     """
-    from placement.cost import CostModel
     from placement.simulate import recorded_layers, simulate
 
     topo = Topology.from_env()
-    topo = Topology(topo.levels, topo.sizes, CostModel(dict(_FITTED)) if _FITTED else None)
+    topo = Topology(topo.levels, topo.sizes, _FITTED.get("cost"))
     tokens_per_rank = cfg["train"]["batch_size"] * cfg["data"]["seq_len"]
-    comm = 0.0
+    comm, stages = 0.0, []
     for layer in range(recorded_layers(summary["output_dir"])):
         record = RoutingRecord.load(summary["output_dir"], layer)
         sim = simulate(record, topo, cfg["parallel"]["placement"], tokens_per_rank=tokens_per_rank)
         comm += 4 * sim["modes"][cfg["parallel"]["dedup"]]["estimated_seconds"]
+        stages.append(sim["modes"][cfg["parallel"]["dedup"]]["stage_seconds"])
     step_s = summary["train_seconds"] / summary["steps"]
     return {"step_s": step_s, "tokens_per_s": tokens_per_rank * summary["world_size"] / step_s,
-            "predicted_comm_s": comm, "calibrated": bool(_FITTED)}
+            "predicted_comm_s": comm, "predicted_stage_s": stages, "calibrated": bool(_FITTED)}

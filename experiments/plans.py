@@ -138,6 +138,37 @@ def throughput(seeds=(0,), steps: int = 100) -> Plan:
     return plan
 
 
+# arm: (router, placement, dedup, pipeline chunks); E=8 on 2 x 2: tree-prefix is contiguous placement
+LINK_ARMS = {
+    "baseline": ("switch", "contiguous", "none", 1),
+    "pipelined": ("switch", "contiguous", "none", 4),
+    "node_dedup": ("switch", "contiguous", "node", 1),
+    "branch_limit1": ("branch_linear_limit1", "contiguous", "none", 1),
+    "all": ("branch_linear_limit1", "tree_prefix", "node", 4),
+    "deepseek_v3_node1": ("deepseek_v3_node1", "contiguous", "node", 1),
+    "deepseek_v3_node1_pipelined": ("deepseek_v3_node1", "contiguous", "node", 4),
+}
+LINK_MODEL = ["model.d_model=256", "model.ffn_hidden_size=512", "model.heads=4"]
+
+
+def throughput_link(seeds=(0,), steps: int = 40) -> Plan:
+    """The tiny LM at a size where the link matters (d_model 256: the baseline's measured
+    all-to-all is most of its step on the 400 mbit emulated link): the baseline, each factor
+    alone (pipelining, node dedup, BRANCH subtree_limit 1; tree-prefix placement coincides with
+    contiguous at E=8 on 2 x 2), all of them together, and DeepSeek-V3 node-limited."""
+    plan = Plan("throughput_link", "emulated", before="before_calibrate", after="after_exchange_time",
+                post="post_step_prediction")
+    for arm, (router, placement, dedup, chunks) in LINK_ARMS.items():
+        for seed in seeds:
+            plan.add(f"lmL-{arm}-s{seed}", {"arm": arm, "router": router, "placement": placement, "dedup": dedup,
+                                            "chunks": chunks, "seed": seed},
+                     [f"seed={seed}", *ROUTER_ARMS[router], f"parallel.placement={placement}",
+                      f"parallel.dedup={dedup}", f"parallel.pipeline_chunks={chunks}", *LINK_MODEL,
+                      f"train.max_steps={steps}", "train.batch_size=16", "data.per_domain=500",
+                      "train.log_every=20"], "configs/lm_branch.yaml")
+    return plan
+
+
 LM_ROUTER_ARMS = ("branch_linear", "branch_linear_limit1", "switch", "deepseek_v3", "deepseek_v3_node1")
 
 
@@ -154,4 +185,5 @@ def lm_routers(seeds=range(3), steps: int = 200) -> Plan:
     return plan
 
 
-PLANS = {"routers": routers, "specdrop": specdrop, "gar": gar, "throughput": throughput, "lm_routers": lm_routers}
+PLANS = {"routers": routers, "specdrop": specdrop, "gar": gar, "throughput": throughput,
+         "throughput_link": throughput_link, "lm_routers": lm_routers}

@@ -74,10 +74,10 @@ def replace_block(doc: Path, name: str, body: str) -> None:
 
 
 def write(name: str, results: Path, docs: Path) -> str:
-    from experiments import table_gar, table_routers, table_specdrop, table_throughput
+    from experiments import table_gar, table_routers, table_specdrop, table_throughput, table_throughput_link
 
     makers = {"routers": table_routers.make, "specdrop": table_specdrop.make, "gar": table_gar.make,
-              "throughput": table_throughput.make,
+              "throughput": table_throughput.make, "throughput_link": table_throughput_link.make,
               "lm_routers": table_routers.make_lm}
     rows = load_rows(results)
     if not rows:

@@ -12,6 +12,19 @@ A one-stage exchange (dedup none or rank) drives every level at once and takes
 max_l t_l; node dedup's two stages (cross the node boundary, then forward
 inside the node) run one after the other and take sum_l t_l.
 
+A layer (``layer_seconds``) adds what the payload does not show: every collective
+costs ``latency_s`` (the launch, the split-size read; calibrated with empty
+all-to-alls), and a stage runs three small ones beside its four payload
+exchanges (dispatch and combine, forward and backward): the split sizes and the
+metadata forward, the gates' gradients backward. Blocking exchanges add to the
+layer's compute; pipelined ones (C chunks) overlap it, ``overlap`` in [0, 1]
+being the share of the shorter of the two that hides under the longer (measured
+by ``dist-moe calibrate``: 1 where the link and compute use separate engines, less
+where the exchange needs the same cores); node dedup's two stages overlap each
+other the same way, chunks in flight together move at ``chunked`` times the time
+of one exchange sent whole (calibrated: several in flight can fill a link one
+leaves idle), and each chunk's exchanges pay their own latency.
+
 Defaults (overridable per level in a topology YAML ``cost:`` block, or fitted
 from a calibration exchange with ``fit_level``):
 
@@ -23,8 +36,7 @@ from a calibration exchange with ``fit_level``):
 from __future__ import annotations
 
 import math
-
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -47,6 +59,9 @@ class LevelCost:
 @dataclass(frozen=True)
 class CostModel:
     levels: dict  # level name -> LevelCost
+    latency_s: float = 0.0  # per collective, beyond the levels' per-peer alpha
+    overlap: float = 0.0  # share of min(exchange, compute) a pipelined layer hides
+    chunked: float = 1.0  # an exchange sent as concurrent chunks over the same sent whole
 
     @classmethod
     def default(cls, level_names) -> "CostModel":
@@ -71,7 +86,13 @@ class CostModel:
             out[name] = LevelCost(float(values.get("alpha_s", base.alpha_s)),
                                   float(values.get("bandwidth_Bps", base.bandwidth_Bps)),
                                   bool(values.get("shared", base.shared)))
-        return CostModel(out)
+        return replace(self, levels=out)
+
+    def with_exchange(self, latency_s: float, overlap: float, chunked: float = 1.0) -> "CostModel":
+        if not (latency_s >= 0 and 0 <= overlap <= 1 and chunked > 0):
+            raise ValueError(f"exchange needs latency_s >= 0, overlap in [0, 1] and chunked > 0, got {latency_s}, "
+                             f"{overlap}, {chunked}")
+        return replace(self, latency_s=float(latency_s), overlap=float(overlap), chunked=float(chunked))
 
     def check_levels(self, names) -> None:
         if list(self.levels) != list(names):
@@ -98,6 +119,34 @@ class CostModel:
         """Estimated all-to-all seconds for a ``placement.Traffic`` sent with ``dedup``."""
         phases = self.phase_times(traffic.matrix, traffic.topology).values()
         return sum(phases) if dedup == "node" else max(phases, default=0.0)
+
+    def layer_seconds(self, traffic, dedup: str, compute_s: float, chunks: int = 1) -> dict:
+        """Predicted forward + backward seconds of one MoE layer whose dispatch sends ``traffic``
+        and whose own work (router, experts, gathers; no exchange) takes ``compute_s``."""
+        return self.layer_time(self.stage_seconds(traffic, dedup), compute_s, chunks)
+
+    def stage_seconds(self, traffic, dedup: str) -> list:
+        """Seconds of each stage of the exchange: node dedup's one per level, else one (all levels at once)."""
+        phases = list(self.phase_times(traffic.matrix, traffic.topology).values())
+        return phases if dedup == "node" else [max(phases, default=0.0)]
+
+    def _hidden(self, times: list, chunks: int) -> float:
+        """Pipelined, the longest of ``times`` hides the others but for what does not overlap and
+        one chunk's fill."""
+        long = max(times, default=0.0)
+        return long + (sum(times) - long) * (1 - self.overlap + self.overlap / chunks)
+
+    def layer_time(self, stage_s: list, compute_s: float, chunks: int = 1) -> dict:
+        """``layer_seconds`` from the seconds of each stage of one dispatch exchange (node dedup's
+        two stages: one after the other, or pipelined against each other chunk by chunk)."""
+        n = len(stage_s)
+        plan = 3 * n * self.latency_s
+        if chunks == 1:
+            payload = 4 * sum(stage_s) + 4 * n * self.latency_s
+            return {"exchange_s": plan + payload, "compute_s": compute_s, "layer_s": plan + payload + compute_s}
+        payload = 4 * self._hidden(stage_s, chunks) * self.chunked + 4 * n * chunks * self.latency_s
+        total = plan + self._hidden([payload, compute_s], chunks)
+        return {"exchange_s": plan + payload, "compute_s": compute_s, "layer_s": total}
 
 
 def fit_level(peers, nbytes, seconds, shared: bool = False) -> LevelCost:

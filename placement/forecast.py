@@ -11,7 +11,9 @@ link), with the peers a rank reaches at a level estimated as N (1 - exp(-c / N))
 copies over the level's N candidate ranks. A step of one MoE layer moves four exchanges
 (dispatch and combine, forward and backward: the backward sends the same bytes back) and
 runs its experts' matmuls (SwiGLU: 3 matrices of hidden x ffn, 2 flops a multiply-add,
-backward twice forward) at the given TFLOP/s; the exchanges block, so the two add.
+backward twice forward) at the given TFLOP/s, combined by ``CostModel.layer_time``: blocking
+exchanges add to the matmuls, pipelined ones (C chunks) overlap them by the topology's
+calibrated ``overlap`` share, and every collective pays its ``latency_s``.
 """
 from __future__ import annotations
 
@@ -126,9 +128,10 @@ def stage_seconds(per_level: dict, topology: Topology, scale: float, token_bytes
 
 
 def forecast(shape: ModelShape, topology: Topology, routing=None, ep: int | None = None, tflops: float = 400.0,
-             sample: int | None = None, placements=PLACEMENTS, seed: int = 0) -> dict:
-    """Bytes per token per level and predicted seconds per placement x dedup. ``routing``: None
-    (uniform), or a callable (tokens, generator) -> [T, K] expert ids (e.g. a recorded run's)."""
+             sample: int | None = None, placements=PLACEMENTS, seed: int = 0, chunks=(1,)) -> dict:
+    """Bytes per token per level and predicted seconds per placement x dedup x pipeline chunks.
+    ``routing``: None (uniform), or a callable (tokens, generator) -> [T, K] expert ids (e.g. a
+    recorded run's)."""
     if tflops <= 0:
         raise ValueError(f"--tflops must be > 0, got {tflops}")
     ep = ep or math.gcd(topology.world_size, shape.experts)
@@ -148,7 +151,7 @@ def forecast(shape: ModelShape, topology: Topology, routing=None, ep: int | None
     scale = shape.tokens_per_rank / sample
     out = {"topology": topology.describe(), "ep_group": group.describe(), "ep": ep,
            "replicas": topology.world_size // ep, "token_bytes": shape.token_bytes, "sample_per_rank": sample,
-           "expert_seconds": shape.expert_seconds(tflops), "rows": []}
+           "expert_seconds": shape.expert_seconds(tflops), "layers": shape.layers, "rows": []}
     for kind in placements:
         placement = _placement(kind, shape.experts, group)
         if placement is None:
@@ -159,11 +162,14 @@ def forecast(shape: ModelShape, topology: Topology, routing=None, ep: int | None
                                for name in group.levels}
             times = [stage_seconds(st, group, scale, shape.token_bytes) for st in stages]
             # one stage drives every level at once; node dedup's two stages run one after the other
-            exchange = sum(max(tm.values()) for tm in times)
-            step = shape.layers * (4 * exchange + out["expert_seconds"])
-            out["rows"].append({"placement": kind, "dedup": dedup, "bytes_per_token_by_level": bytes_per_token,
-                                "exchange_seconds": exchange, "step_seconds": step,
-                                "comm_share": 4 * exchange * shape.layers / step})
+            stage_s = [max(tm.values()) for tm in times]
+            exchange = sum(stage_s)
+            for c in chunks:
+                layer = group.cost.layer_time(stage_s, out["expert_seconds"], c)
+                out["rows"].append({"placement": kind, "dedup": dedup, "chunks": c,
+                                    "bytes_per_token_by_level": bytes_per_token, "exchange_seconds": exchange,
+                                    "step_seconds": shape.layers * layer["layer_s"],
+                                    "comm_share": min(layer["exchange_s"] / layer["layer_s"], 1.0)})
     return out
 
 

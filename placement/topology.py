@@ -174,10 +174,17 @@ class Topology:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "Topology":
-        """levels: [node, gpu]; sizes: [2, 4]; optional cost: {level: {alpha_s:, bandwidth_Bps:}}."""
-        data = read_yaml_mapping(path, "topology", required=("levels", "sizes"), optional=("cost",))
+        """levels: [node, gpu]; sizes: [2, 4]; optional cost: {level: {alpha_s:, bandwidth_Bps:, shared:}}
+        and exchange: {latency_s:, overlap:, chunked:} (``dist-moe calibrate`` writes both)."""
+        data = read_yaml_mapping(path, "topology", required=("levels", "sizes"), optional=("cost", "exchange"))
         levels = tuple(data["levels"])
-        cost = CostModel.default(levels).updated(data["cost"]) if data.get("cost") else None
+        cost = CostModel.default(levels).updated(data.get("cost") or {})
+        exchange = data.get("exchange") or {}
+        unknown = sorted(set(exchange) - {"latency_s", "overlap", "chunked", "calibrated"})
+        if unknown:
+            raise ValueError(f"{path}: unknown exchange key {unknown[0]!r}; valid: latency_s, overlap, chunked")
+        cost = cost.with_exchange(float(exchange.get("latency_s", 0.0)), float(exchange.get("overlap", 0.0)),
+                                  float(exchange.get("chunked", 1.0)))
         return cls(levels, tuple(data["sizes"]), cost)
 
     @classmethod

@@ -57,6 +57,44 @@ def test_a_step_is_four_exchanges_and_the_experts_per_layer():
     assert row["bytes_per_token_by_level"]["node"] == pytest.approx(500, rel=0.1)
 
 
+def test_pipelined_rows_overlap_by_the_calibrated_share_and_pay_latency_per_chunk():
+    """C = 4 with overlap 1: the slower of exchanges and matmuls, plus a quarter of the faster; with
+    overlap 0 the two add as unpipelined, plus every chunk's collectives' latency."""
+    topo = Topology.parse("node=2,gpu=1")
+    cost = topo.cost.updated({"node": {"alpha_s": 0, "bandwidth_Bps": 1e6}})
+    shape = ModelShape(hidden=250, ffn=100, experts=2, top_k=1, tokens_per_rank=1000, layers=3, dtype="fp32")
+    for overlap, latency in ((1.0, 0.0), (0.0, 1e-3)):
+        t = Topology(topo.levels, topo.sizes, cost.with_exchange(latency, overlap))
+        out = forecast(shape, t, tflops=1.0, sample=1000, placements=("contiguous",), chunks=(1, 4))
+        one, four = (next(r for r in out["rows"] if r["dedup"] == "rank" and r["chunks"] == c) for c in (1, 4))
+        ex, experts = 4 * one["exchange_seconds"], out["expert_seconds"]
+        assert one["step_seconds"] == pytest.approx(3 * (ex + experts + 7 * latency))
+        short, long = sorted((ex + 16 * latency, experts))
+        assert four["step_seconds"] == pytest.approx(3 * (3 * latency + long + short * (1 - overlap + overlap / 4)))
+    # node dedup's two stages pipeline against each other; chunks in flight move at the calibrated rate
+    node = cost.with_exchange(0.0, 1.0, 0.5).layer_time([0.4, 0.1], compute_s=0.2, chunks=4)
+    assert node["exchange_s"] == pytest.approx(4 * (0.4 + 0.1 / 4) * 0.5)
+    assert node["layer_s"] == pytest.approx(0.85 + 0.2 / 4)
+    assert cost.layer_time([0.4, 0.1], 0.2)["layer_s"] == pytest.approx(4 * 0.5 + 0.2)  # blocking: they add
+
+
+def test_calibrated_topology_yaml_round_trips(tmp_path):
+    import yaml
+
+    from dist_moe.dispatch.calibrate import to_yaml
+
+    topo = Topology.parse("node=2,gpu=2")
+    cost = topo.cost.updated({"node": {"alpha_s": 1e-4, "bandwidth_Bps": 5e7, "shared": True}})
+    cost = cost.with_exchange(2e-4, 0.6, 0.8)
+    path = tmp_path / "calibrated.yaml"
+    path.write_text(yaml.safe_dump(to_yaml(topo, cost)))
+    back = Topology.from_yaml(path)
+    assert back == topo and back.cost == cost
+    path.write_text(yaml.safe_dump({**to_yaml(topo, cost), "exchange": {"latency": 1}}))
+    with pytest.raises(ValueError, match="'latency'"):
+        Topology.from_yaml(path)
+
+
 def test_plan_cli_prints_json_and_a_plot_and_names_bad_values(tmp_path, capsys):
     from dist_moe.cli import main
 
@@ -64,11 +102,13 @@ def test_plan_cli_prints_json_and_a_plot_and_names_bad_values(tmp_path, capsys):
             "--hidden", "1024", "--ffn", "512", "--experts", "64", "--top-k", "4", "--tokens-per-rank", "512"]
     assert main(args + ["--json", "--plot", str(tmp_path / "plan.png")]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["ep"] == 16 and len(out["rows"]) == 9 and (tmp_path / "plan.png").stat().st_size > 0
+    assert out["ep"] == 16 and len(out["rows"]) == 18 and (tmp_path / "plan.png").stat().st_size > 0
+    assert {r["chunks"] for r in out["rows"]} == {1, 4}
     node = {(r["placement"], r["dedup"]): r["bytes_per_token_by_level"]["node"] for r in out["rows"]}
     assert node["contiguous", "node"] < node["contiguous", "rank"] <= node["contiguous", "none"]
     for bad, word in ((["--link", "node=fast"], "'fast'"), (["--link", "pod=1GB/s"], "'pod'"),
-                      (["--top-k", "99"], "--top-k 99"), (["--dtype", "int4"], "'int4'"), (["--ep", "3"], "--ep 3")):
+                      (["--top-k", "99"], "--top-k 99"), (["--dtype", "int4"], "'int4'"), (["--ep", "3"], "--ep 3"),
+                      (["--pipeline-chunks", "0"], "'0'")):
         assert main(args + bad) == 2
         err = capsys.readouterr().err.strip()
         assert word in err and len(err.splitlines()) == 1, err

@@ -1,0 +1,46 @@
+"""`dist-moe calibrate`: fit the cost model to the launched cluster's links, as a topology YAML."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def add_parser(sub, debug) -> None:
+    cp = sub.add_parser("calibrate", parents=[debug],
+                        help="fit link costs with all-to-all sweeps on the launched ranks; writes a topology YAML")
+    cp.add_argument("--topology", help="node=2,gpu=4 (default: from the launcher, as training reads it)")
+    cp.add_argument("--out", default="calibrated_topology.yaml", help="where rank 0 writes the topology YAML")
+    cp.add_argument("--repeats", type=int, default=5, help="timed repeats per exchange (median of the slowest rank)")
+    cp.add_argument("--timeout-s", type=float, default=300.0, help="how long a collective may wait for a peer")
+
+
+def run(args) -> int:
+    import yaml
+
+    from dist_moe.dispatch.calibrate import calibrate, to_yaml
+    from dist_moe.dispatch.process_group import init_from_env, launched_world_size, resolve_device, shutdown
+    from placement import Topology
+
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    world = launched_world_size()
+    if world < 2:
+        raise ValueError("dist-moe calibrate measures exchanges between ranks: start it under a launcher, e.g. "
+                         "launch/emulate_cluster.sh --nodes 2 --procs-per-node 2 $(which dist-moe) calibrate")
+    topo = Topology.parse(args.topology) if args.topology else Topology.launched(world)
+    if topo.world_size != world:
+        raise ValueError(f"--topology {topo.describe()} has {topo.world_size} ranks, the launch {world}")
+    rank, _, _ = init_from_env(args.timeout_s, device=resolve_device("auto"))
+    try:
+        cost = calibrate(topo, repeats=args.repeats)
+    finally:
+        shutdown()
+    if rank == 0:
+        out = Path(args.out)
+        out.write_text(yaml.safe_dump(to_yaml(topo, cost), sort_keys=False))
+        print(f"{topo.describe()}: collective latency {1e6 * cost.latency_s:.0f} us, pipelined overlap "
+              f"{cost.overlap:.2f}, chunks in flight {cost.chunked:.2f}x the time of one exchange")
+        for name, c in cost.levels.items():
+            print(f"  {name:>6}: alpha {1e6 * c.alpha_s:8.1f} us per peer, {c.bandwidth_Bps / 1e6:10.1f} MB/s "
+                  f"{'per ' + name + ' (shared by its ranks)' if c.shared else 'per rank'}")
+        print(f"wrote {out} (dist-moe plan / simulate / report --topology {out})")
+    return 0

@@ -1,0 +1,142 @@
+"""Fit the cost model to this launch's links with the exchanges a dispatch makes (``dist-moe calibrate``).
+
+Per topology level, a sweep of all-to-alls in which every rank sends the same bytes to every
+peer across that level, and to nobody else (the pattern of a uniform dispatch at that level),
+fits alpha per peer and the bandwidth (``placement.cost.fit_level``). Whether a level's link is
+shared by the ranks of a unit (one network card per node, a veth per emulated node) is read off
+the same exchange run with one sender per unit: a private link takes as long, a shared one
+about a unit's ranks times less. One-byte all-to-alls give the latency every collective pays;
+one exchange run while this rank multiplies matrices gives the share of the shorter of the two
+that overlap hides; the same exchange cut into concurrent chunks, how fast chunks in flight
+together move. Times are medians over repeats of the slowest rank.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from placement import CostModel, Topology, fit_level
+
+SIZES = (1 << 18, 1 << 20, 1 << 21)  # bytes per peer: past a shaper's burst, short enough to sweep
+
+
+def slowest(fn, repeats: int = 5, group=None) -> float:
+    """Median over repeats of the slowest rank's seconds for fn() (one warm-up run first)."""
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        fn()
+        if _device().type == "cuda":
+            torch.cuda.synchronize()
+        t = torch.tensor([time.perf_counter() - start], device=_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        times.append(float(t))
+    return statistics.median(times[1:])
+
+
+def _device() -> torch.device:
+    """Where the group's collectives run: this process's GPU under NCCL, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def replay(matrix: torch.Tensor, mask: torch.Tensor | None = None, async_op: bool = False):
+    """One all_to_all_single carrying exactly the bytes of ``matrix`` [W, W] (where ``mask``)."""
+    r, device = dist.get_rank(), _device()
+    m = matrix if mask is None else matrix * mask
+    send, recv = m[r].tolist(), m[:, r].tolist()
+    out = torch.empty(sum(recv), dtype=torch.uint8, device=device)
+    data = torch.zeros(sum(send), dtype=torch.uint8, device=device)
+    return dist.all_to_all_single(out, data, recv, send, async_op=async_op)
+
+
+def level_pattern(topology: Topology, level: int, nbytes: int, one_sender_per_unit: bool = False) -> torch.Tensor:
+    """[W, W] bytes: each rank to every peer whose first differing coordinate is ``level``."""
+    w = topology.world_size
+    ranks = torch.arange(w)
+    m = torch.where(topology.crossing_levels(ranks.unsqueeze(1).expand(w, w), ranks.expand(w, w)) == level,
+                    nbytes, 0).long()
+    if one_sender_per_unit:  # only the first rank of each unit just inside the level sends
+        unit = math.prod(topology.sizes[level + 1:])
+        m[ranks % unit != 0] = 0
+    return m
+
+
+def calibrate(topology: Topology, sizes=SIZES, repeats: int = 5) -> CostModel:
+    """The launch's cost model: per-level alpha, bandwidth and sharing, collective latency, overlap."""
+    defaults = CostModel.default(topology.levels)
+    w = topology.world_size
+    latency = slowest(lambda: replay(torch.ones(w, w, dtype=torch.long)), repeats)  # one byte to every peer
+    fitted = {}
+    for li, name in enumerate(topology.levels):
+        if topology.sizes[li] == 1:  # nothing crosses this level
+            fitted[name] = defaults.levels[name]
+            continue
+        unit = math.prod(topology.sizes[li + 1:])
+        peers = (topology.sizes[li] - 1) * unit
+        times = [slowest(lambda m=level_pattern(topology, li, s): replay(m), repeats) for s in sizes]
+        shared = False
+        if unit > 1:  # private links take as long with one sender per unit; a shared one ~unit x less
+            alone = slowest(lambda m=level_pattern(topology, li, sizes[-1], True): replay(m), repeats)
+            shared = (times[-1] - latency) > (1 + unit) / 2 * max(alone - latency, 1e-9)
+        per_link = [s * peers * (unit if shared else 1) for s in sizes]
+        level = fit_level([peers] * len(sizes), per_link, [max(t - latency, 0.0) for t in times], shared)
+        fitted[name] = level
+    return CostModel(fitted).with_exchange(latency, *measure_overlap(topology, repeats))
+
+
+def _matmuls(a: torch.Tensor, seconds: float) -> int:
+    """How many ``a @ a`` take about ``seconds`` here."""
+    start, n = time.perf_counter(), 0
+    while time.perf_counter() - start < 0.05:
+        a @ a
+        n += 1
+    if a.is_cuda:
+        torch.cuda.synchronize()
+    return max(1, int(n * seconds / (time.perf_counter() - start)))
+
+
+def measure_overlap(topology: Topology, repeats: int = 5, chunks: int = 4) -> tuple[float, float]:
+    """(share of min(exchange, compute) hidden when an async exchange runs beside compute, time of
+    the exchange sent as ``chunks`` concurrent all-to-alls over its time sent whole)."""
+    outer = next(i for i, s in enumerate(topology.sizes) if s > 1)  # the slowest level that is crossed
+    pattern = level_pattern(topology, outer, SIZES[-1])
+    exchange = slowest(lambda: replay(pattern), repeats)
+    piece = level_pattern(topology, outer, SIZES[-1] // chunks)
+
+    def in_chunks():
+        for work in [replay(piece, async_op=True) for _ in range(chunks)]:
+            work.wait()
+
+    chunked = slowest(in_chunks, repeats) / exchange
+    a = torch.randn(256, 256, device=_device())
+    count = torch.tensor([_matmuls(a, exchange)], device=_device())
+    dist.all_reduce(count, op=dist.ReduceOp.MIN)  # every rank computes as long
+
+    def compute():
+        for _ in range(int(count)):
+            a @ a
+
+    alone = slowest(compute, repeats)
+
+    def both():
+        work = replay(pattern, async_op=True)
+        compute()
+        work.wait()
+
+    together = slowest(both, repeats)
+    hidden = (exchange + alone - together) / max(min(exchange, alone), 1e-9)
+    return min(max(hidden, 0.0), 1.0), chunked
+
+
+def to_yaml(topology: Topology, cost: CostModel) -> dict:
+    """The topology YAML ``Topology.from_yaml`` reads back (``dist-moe plan --topology FILE`` etc.)."""
+    return {"levels": list(topology.levels), "sizes": list(topology.sizes),
+            "cost": {n: {"alpha_s": c.alpha_s, "bandwidth_Bps": c.bandwidth_Bps, "shared": c.shared}
+                     for n, c in cost.levels.items()},
+            "exchange": {"latency_s": cost.latency_s, "overlap": cost.overlap, "chunked": cost.chunked,
+                         "calibrated": time.strftime("%Y-%m-%d %H:%M")}}
