@@ -148,7 +148,7 @@ LINK_ARMS = {
     "deepseek_v3_node1": ("deepseek_v3_node1", "contiguous", "node", 1),
     "deepseek_v3_node1_pipelined": ("deepseek_v3_node1", "contiguous", "node", 4),
 }
-LINK_MODEL = ["model.d_model=256", "model.ffn_hidden_size=512", "model.heads=4"]
+LINK_MODEL = ["model.d_model=256", "model.ffn_hidden_size=128", "model.heads=4"]
 
 
 def throughput_link(seeds=(0,), steps: int = 40) -> Plan:
