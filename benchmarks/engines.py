@@ -152,7 +152,9 @@ def worker(rank, world, args, out_path):
 
 def report(world: int, totals: dict, args) -> None:
     base = totals["dist-moe rank"]
-    print(f"\n{world} ranks (gloo, CPU{', launched' if launched() else ''}), switch E={E} top-{K}, {args.tokens} tokens x hidden {args.hidden} per rank, "
+    where = ", launched" if launched() else ""
+    print(f"\n{world} ranks (gloo, CPU{where}), switch E={E} top-{K}, {args.tokens} tokens x hidden {args.hidden} "
+          "per rank, "
           f"SwiGLU ffn {args.ffn}, fwd+bwd, median of {args.steps} steps:")
     print(f"{'host':<22}{'step ms':>9}{'vs dist-moe rank':>18}{'saved MB':>10}{'memory ratio':>14}"
           f"{'sent MB/rank':>14}{'payload MB':>12}")
