@@ -125,7 +125,8 @@ def throughput(seeds=(0,), steps: int = 100) -> Plan:
     """Tokens/s of the tiny MoE LM on 2 emulated nodes x 2 (400 mbit inter-node link, about 10x
     slower than intra-node) per router x placement x dedup. E=8 top-2: tree-prefix and contiguous
     placement coincide on 2 x 2 ranks, so round-robin is the other placement."""
-    plan = Plan("throughput", "emulated", before="before_calibrate", post="post_step_prediction")
+    plan = Plan("throughput", "emulated", before="before_calibrate", after="after_exchange_time",
+                post="post_step_prediction")
     for router in ("switch", "branch"):
         for placement in ("tree_prefix" if router == "branch" else "contiguous", "round_robin"):
             for dedup in ("none", "rank", "node"):

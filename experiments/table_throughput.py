@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from experiments.step_model import calibrated_cost, moe_share, predicted_steps
 from experiments.tables import runs_header
 from placement.report import legend_below
 
@@ -11,30 +12,32 @@ def make(rows, out_dir) -> str:
     calib = [r for r in rows if "calibration" in r]
     runs = [r for r in rows if "step_s" in r]
     base = next(r for r in runs if r["router"] == "switch" and r["placement"] == "contiguous" and r["dedup"] == "none")
-    compute = base["step_s"] - base["predicted_comm_s"]  # the model's step = compute + predicted all-to-alls
-    fit = calib[-1]["calibration"] if calib else {}
+    cost = calibrated_cost(calib[-1])
+    fit = calib[-1]["calibration"]
     lines = [f"{runs_header('throughput', runs, 'router', 'placement', 'dedup')} launch/emulate_cluster.sh: 2 "
              "network-namespace nodes x 2 ranks, inter-node link shaped to 400 mbit. The tiny LM of `configs/lm_branch.yaml` "
              f"(E=8, top-2, 2 MoE layers, d_model 64), 16 sequences x 64 bytes per rank, {base['steps']} steps, "
              "seed 0; step time is the trainer's `train_seconds` / steps (evaluation excluded). Links calibrated "
              "at the start of the launch: " + ", ".join(
                  f"{k} alpha {1e6 * v['alpha_s']:.0f} us, {v['bandwidth_Bps'] / 1e6:.0f} MB/s" for k, v in fit.items())
-             + ". Predicted step = measured compute of the baseline (its step minus its predicted all-to-alls) + "
-             "this arm's predicted all-to-alls (4 per MoE layer per step).", "",
-             "| router | placement | dedup | step ms | tokens/s | throughput ratio | predicted a2a ms/step | "
+             + f", latency {1e3 * cost.latency_s:.1f} ms per collective. Predicted step "
+             "(`experiments/step_model.py`): the baseline's compute (its step minus its measured all-to-alls) + "
+             "this arm's calibrated exchanges (4 payload exchanges and the small collectives per MoE layer per step).",
+             "", "| router | placement | dedup | step ms | tokens/s | throughput ratio | measured a2a ms/step | "
              "predicted step ms | predicted ratio | model error |", "|---|---|---|---|---|---|---|---|---|---|"]
-    points = []
-    for r in runs:
-        pred_step = compute + r["predicted_comm_s"]
+    points, errors = [], []
+    for r, pred_step in zip(runs, predicted_steps(runs, base, cost, moe_share(64, 128, 2, 8, 64, 2))):
         err = (pred_step - r["step_s"]) / r["step_s"]
+        errors.append(abs(err))
         lines.append(f"| {r['router']} | {r['placement']} | {r['dedup']} | {1e3 * r['step_s']:.1f} | "
                      f"{r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
-                     f"{1e3 * r['predicted_comm_s']:.1f} | {1e3 * pred_step:.1f} | "
+                     f"{1e3 * r['measured_a2a_s']:.1f} | {1e3 * pred_step:.1f} | "
                      f"{base['step_s'] / pred_step:.2f}x | {100 * err:+.0f}% |")
         points.append((f"{r['router']}/{r['placement'][:5]}/{r['dedup']}", r["step_s"], pred_step))
     _plot(points, out_dir / "throughput.png")
     lines += ["", "Ratios are throughput (tokens/s) over switch + contiguous + no dedup; the predicted ratio is "
-              "baseline step / predicted step.", "", "![measured and predicted step times](results/throughput.png)"]
+              f"baseline step / predicted step. Model error: median {100 * float(np.median(errors)):.0f}%, max "
+              f"{100 * max(errors):.0f}%.", "", "![measured and predicted step times](results/throughput.png)"]
     return "\n".join(lines)
 
 

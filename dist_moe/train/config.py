@@ -137,6 +137,10 @@ def validate(cfg: dict) -> dict:
         raise ValueError(f"config key 'output.dir' may use only {{name}}, got {cfg['output']['dir']!r} ({e})")
     if not isinstance(cfg["router"], dict) or "type" not in cfg["router"]:
         raise ValueError("config key 'router' must be a mapping with a 'type'")
+    chunks = cfg["parallel"]["pipeline_chunks"]
+    if cfg["engine"] != "torch" and chunks != 1:  # refused before any process group exists
+        raise ValueError(f"parallel.pipeline_chunks={chunks} pipelines dist-moe's own dispatcher (engine torch); "
+                         f"engine {cfg['engine']} exchanges through its own: set it to 1")
     return cfg
 
 

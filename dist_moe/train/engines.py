@@ -65,8 +65,7 @@ class Runtime:
         # first of all: the device (LOCAL_RANK's GPU, or the CPU); the backend follows from it
         self.device = resolve_device(parallel.get("device", "auto"))
         cpu = self.device.type == "cpu"
-        if engine != "torch":
-            _one_rank_defaults()
+        self._defaulted = _one_rank_defaults() if engine != "torch" else []
         if engine == "deepspeed":
             from dist_moe.integrations.deepspeed import init_distributed
 
@@ -110,10 +109,7 @@ class Runtime:
         with fork_rng():  # a probe for the expert count: leave the seed's stream alone
             num_experts = build_router({"hidden_size": hidden, **router}).num_experts
         placement = self.placement(num_experts)
-        chunks = self.parallel.get("pipeline_chunks", 1)
-        if self.engine != "torch" and chunks != 1:
-            raise ValueError(f"parallel.pipeline_chunks={chunks} pipelines dist-moe's own dispatcher (engine torch); "
-                             f"engine {self.engine} exchanges through its own: set it to 1")
+        chunks = self.parallel.get("pipeline_chunks", 1)  # other engines: refused by config.validate
         if self.engine == "torch":
             from dist_moe.layer import MoELayer
 
@@ -153,6 +149,8 @@ class Runtime:
             from dist_moe.dispatch.process_group import shutdown
 
             shutdown(wait=not failed)
+        for key in self._defaulted:  # a later run (or a child process) must not inherit this run's port
+            os.environ.pop(key, None)
 
 
 def _share_cpu_threads() -> None:
@@ -164,17 +162,22 @@ def _share_cpu_threads() -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
 
 
-def _one_rank_defaults() -> None:
-    """DeepSpeed and Megatron need a process group even alone: a one-rank group on localhost."""
-    if launched_world_size() == 1:
-        import socket
+def _one_rank_defaults() -> list[str]:
+    """DeepSpeed and Megatron need a process group even alone: a one-rank group on localhost.
+    Returns the variables it set (the run removes them at shutdown)."""
+    if launched_world_size() != 1:
+        return []
+    import socket
 
-        with socket.socket() as s:  # probe every address: torch's store listens on all of them
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
-                           ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
-            os.environ.setdefault(key, value)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    defaults = (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
+                ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)))
+    set_here = [key for key, _ in defaults if key not in os.environ]
+    for key, value in defaults:
+        os.environ.setdefault(key, value)
+    return set_here
 
 
 class LocalStepper:

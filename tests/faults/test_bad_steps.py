@@ -65,14 +65,12 @@ def _inject(monkeypatch, bad_calls: dict, checks: list):
 @pytest.mark.parametrize("router, engine", [("branch", "torch"), ("deepseek_v3", "torch"), ("branch", "deepspeed")])
 def test_bad_inputs_are_skipped_and_leave_no_trace(tmp_path, monkeypatch, router, engine):
     # engine deepspeed sets RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_PORT for its one-rank group in
-    # this process's environment; later tests launch ranks that would inherit them
-    saved = dict(os.environ)
-    try:
-        _run_bad_inputs(tmp_path, monkeypatch, router, engine)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
+    # this process's environment, and removes them when the run ends: later runs and launched ranks
+    # would inherit a port that is still held
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    before = {k: os.environ.get(k) for k in keys}
+    _run_bad_inputs(tmp_path, monkeypatch, router, engine)
+    assert {k: os.environ.get(k) for k in keys} == before
 
 def _run_bad_inputs(tmp_path, monkeypatch, router, engine):
     checks = []

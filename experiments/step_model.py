@@ -1,0 +1,34 @@
+"""The throughput tables' step model: a training step predicted from calibrated links.
+
+Compute (everything but exchanges) is the baseline arm's: its measured step minus its measured
+all-to-alls (``measures.after_exchange_time``). The MoE layers' share of it, from the model's
+shape (matmul work per token), is what a pipelined layer can overlap. Each arm adds its own
+exchanges, priced from its recorded routing on the launch's calibrated links
+(``CostModel.layer_time``: per-stage payloads, collective latencies, pipelined overlap).
+"""
+from __future__ import annotations
+
+from placement import CostModel
+
+
+def moe_share(d: int, ffn: int, k: int, e: int, seq: int, layers: int, vocab: int = 256) -> float:
+    """The MoE layers' share of a step's matmul work, from the model's shape (per token)."""
+    attention = 4 * d * d + 2 * seq * d  # qkv and out projections; scores and values
+    moe = k * 3 * d * ffn + d * e  # top-k SwiGLU experts; the router
+    return layers * moe / (layers * (attention + moe) + vocab * d)
+
+
+def calibrated_cost(row: dict) -> CostModel:
+    """The cost model of a launch's calibration row (``measures.before_calibrate``)."""
+    calibration, exchange = row["calibration"], row.get("exchange", {})
+    cost = CostModel.default(list(calibration)).updated(calibration)
+    return cost.with_exchange(exchange.get("latency_s", 0.0), exchange.get("overlap", 0.0),
+                              exchange.get("chunked", 1.0))
+
+
+def predicted_steps(runs: list, base: dict, cost: CostModel, share: float) -> list[float]:
+    """Predicted step seconds of each run (its ``predicted_stage_s`` per layer, ``chunks``)."""
+    compute = base["step_s"] - base["measured_a2a_s"]
+    moe = compute * share / len(base["predicted_stage_s"])
+    return [compute * (1 - share) + sum(cost.layer_time(stages, moe, r.get("chunks", 1))["layer_s"]
+                                        for stages in r["predicted_stage_s"]) for r in runs]
