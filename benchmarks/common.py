@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from dist_moe.models import TabularMoE
 from dist_moe.train.config import load_config
-from dist_moe.train.data import tabular_split
+from dist_moe.data.tabular import tabular_split
 
 E, K = 16, 4
 ROUTERS = {

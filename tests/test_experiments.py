@@ -8,7 +8,7 @@ import torch
 from dist_moe.layer import MoELayer
 from dist_moe.models.text import TextMoE
 from dist_moe.train.config import load_config
-from dist_moe.train.text_tasks import TextSplit
+from dist_moe.data.text_tasks import TextSplit
 from experiments import measures, plans, stats, tables
 
 
@@ -27,6 +27,23 @@ def test_paired_t_matches_student_t_tables():
     sd = math.sqrt(((0.5 - 2 / 3) ** 2 * 2 + (1 / 3) ** 2) / 2)
     assert p["mean"] == pytest.approx(2 / 3) and p["t"] == pytest.approx((2 / 3) / (sd / math.sqrt(3)))
     assert p["lo"] == pytest.approx(2 / 3 - 4.3027 * sd / math.sqrt(3), abs=1e-3)
+
+
+def test_scipy_statistics_give_the_numbers_the_hand_written_integration_gave():
+    """Values the project's earlier numerical integration and bisection printed (2026-12-01)."""
+    before_p = {(3.25, 4): 0.03137573429297569, (0.5, 2): 0.6666666666872428, (2.1, 9): 0.06511828256419316,
+                (-1.7, 4): 0.16435494141311024, (10.0, 1): 0.06345103488711046}
+    before_q = {1: 12.706204741436444, 2: 4.302652732176437, 4: 2.7764451071018836, 9: 2.262157164506559,
+                29: 2.0452296437440856}
+    for (t, df), p in before_p.items():
+        assert stats.t_two_sided_p(t, df) == pytest.approx(p, abs=1e-6)
+    for df, q in before_q.items():
+        assert stats.t_quantile_975(df) == pytest.approx(q, abs=1e-6)
+    before = {"n": 3, "mean": 0.6666666666666666, "t": 4.0, "p": 0.05719095847613476, "lo": -0.05044212202940612,
+              "hi": 1.3837754553627395}
+    after = stats.paired([1.0, 2.0, 3.0], [0.5, 1.0, 2.5])
+    assert after.keys() == before.keys() and all(after[k] == pytest.approx(v, abs=1e-6) for k, v in before.items())
+    assert stats.paired([1.0, 2.0], [0.0, 1.0])["t"] == math.inf  # no spread: infinite t, p = 0
 
 
 @pytest.mark.parametrize("name", sorted(plans.PLANS))
@@ -137,7 +154,7 @@ def test_results_block_is_replaced_not_duplicated(tmp_path):
 
 
 def _needs_wordnet():
-    from dist_moe.train.corpus import FORTUNES, WORDNET
+    from dist_moe.data.sources import FORTUNES, WORDNET
 
     if not (WORDNET / "data.noun").exists() or not (FORTUNES / "fortunes").exists():
         pytest.skip("Debian wordnet-base / fortunes-min not installed (make installs them as root)")
@@ -146,9 +163,9 @@ def _needs_wordnet():
 def test_wordnet_lexicographer_files_sit_inside_their_part_of_speech():
     """The 45 lexname labels: each data.<pos> file holds exactly the files named for its part of speech."""
     _needs_wordnet()
-    from dist_moe.train.data import class_categories
-    from dist_moe.train.text_tasks import wordnet_synsets
-    from dist_moe.train.wordnet_glosses import LEXNAMES, PARTS
+    from dist_moe.data.tabular import class_categories
+    from dist_moe.data.sources import wordnet_synsets
+    from dist_moe.data.wordnet_glosses import LEXNAMES, PARTS
 
     assert len(LEXNAMES) == 45
     cats, names = class_categories("wordnet_pos", "wordnet_glosses", list(LEXNAMES))
@@ -164,7 +181,7 @@ def test_wordnet_lexicographer_files_sit_inside_their_part_of_speech():
 
 def test_five_task_text_mixture_labels():
     _needs_wordnet()
-    from dist_moe.train.text_tasks import TASKS, task_examples
+    from dist_moe.data.text_tasks import TASKS, task_examples
 
     assert TASKS == ("pos", "lexname", "verblex", "source", "domain")
     classes = {}

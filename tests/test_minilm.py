@@ -47,9 +47,9 @@ def test_text_mixture_trains_with_gar_over_same_task_groups(tmp_path, monkeypatc
     import json
 
     from dist_moe.cli import main
-    from dist_moe.train import corpus
+    from dist_moe.data import sources
 
-    if not (corpus.WORDNET / "data.noun").exists() or not (corpus.FORTUNES / "fortunes").exists():
+    if not (sources.WORDNET / "data.noun").exists() or not (sources.FORTUNES / "fortunes").exists():
         pytest.skip("Debian wordnet-base / fortunes-min not installed (make installs them as root)")
     monkeypatch.setenv("DIST_MOE_DATA", str(tmp_path / "data"))
     out = tmp_path / "run"

@@ -6,8 +6,10 @@ from dist_moe import MoELayer
 from dist_moe.models.tiny_lm import TinyMoELM, lm_loss
 from tests.dist_utils import run_workers
 
-corpus = pytest.importorskip("dist_moe.train.corpus")
-HAVE_CORPUS = corpus.FORTUNES.joinpath("fortunes").exists() and corpus.WORDNET.joinpath("data.noun").exists()
+corpus = pytest.importorskip("dist_moe.data.corpus")
+from dist_moe.data.sources import FORTUNES, WORDNET  # noqa: E402
+
+HAVE_CORPUS = FORTUNES.joinpath("fortunes").exists() and WORDNET.joinpath("data.noun").exists()
 needs_corpus = pytest.mark.skipif(not HAVE_CORPUS, reason="Debian fortunes-min and wordnet-base not installed "
                                                           "(make installs them when run as root)")
 D = 32

@@ -6,7 +6,7 @@ import torch
 
 from dist_moe.cli import main
 from dist_moe.train.config import DEFAULT_CONFIG, load_config, parse_override
-from dist_moe.train.data import load_keel, tabular_split
+from dist_moe.data.tabular import load_keel, tabular_split
 
 
 @pytest.fixture(autouse=True)
@@ -210,7 +210,7 @@ def test_category_config_errors_name_the_value(tmp_path, capsys, args, match):
 @pytest.mark.skipif(not __import__("pathlib").Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
                     .exists(), reason="Debian dataset-fashion-mnist not installed (make installs it as root)")
 def test_image_classifier_with_superclass_routing(tmp_path):
-    from dist_moe.train.data import tabular_split
+    from dist_moe.data.tabular import tabular_split
     from dist_moe.train.trainer import train
 
     split = tabular_split("fashion_mnist", 0.2, 0, 500, "fashion_superclasses")

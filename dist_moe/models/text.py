@@ -1,6 +1,6 @@
 """A multi-task text classifier: frozen MiniLM token states -> LoRA-expert MoE -> one head per task.
 
-Inputs are the token states ``dist_moe.train.text_tasks`` cached from the frozen
+Inputs are the token states ``dist_moe.data.text_tasks`` cached from the frozen
 backbone ([B, L, 384], padding positions exactly zero); each example's category
 is its task, which picks its head (and, with SpecDrop, its experts). The MoE is
 residual, its experts LoRA adapters (rank 8) over one frozen shared projection,

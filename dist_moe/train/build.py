@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dist_moe.models import TabularMoE
 from dist_moe.models.image import ImageMoE
-from dist_moe.train.data import tabular_split
+from dist_moe.data.tabular import tabular_split
 
 
 def categorised_router(cfg: dict, data) -> dict:
@@ -31,7 +31,7 @@ def data_and_model(cfg: dict, rt):
                          f"got {dcfg['name']!r}")
     if kind == "lm":
         from dist_moe.models.tiny_lm import TinyMoELM
-        from dist_moe.train.corpus import lm_split
+        from dist_moe.data.corpus import lm_split
 
         if mcfg["label_mask"] or not mcfg["d_model"]:
             raise ValueError("model.kind=lm needs model.d_model > 0 and model.label_mask: false")
@@ -44,7 +44,7 @@ def data_and_model(cfg: dict, rt):
         return data, model
     if kind == "text":
         from dist_moe.models.text import TextMoE
-        from dist_moe.train.text_tasks import text_split
+        from dist_moe.data.text_tasks import text_split
 
         if dcfg["categories"] not in (None, "tasks"):
             raise ValueError(f"data.categories for text_tasks must be 'tasks' or null, got {dcfg['categories']!r}")

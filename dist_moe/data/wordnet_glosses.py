@@ -11,11 +11,10 @@ swamped by noun.artifact.
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
-from dist_moe.train.corpus import WORDNET
+from dist_moe.data.paths import data_dir, load_cache, save_cache
+from dist_moe.data.sources import WORDNET, wordnet_synsets
 
 # WordNet's lexnames file (lexicographer file number -> name), which wordnet-base does not ship
 LEXNAMES = (
@@ -38,8 +37,6 @@ def pos_groups() -> dict:
 
 def glosses() -> tuple[list[str], list[int]]:
     """(gloss, lexicographer file number) of every synset of the four data files."""
-    from dist_moe.train.text_tasks import wordnet_synsets
-
     texts, files = [], []
     for part in PARTS:
         for gloss, lexfile in wordnet_synsets(part):
@@ -50,12 +47,10 @@ def glosses() -> tuple[list[str], list[int]]:
 
 def load_wordnet_glosses(per_class: int = PER_CLASS, seed: int = 0) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """(embeddings float32 [N, 384], lexfile labels [N], the 45 lexfile names); cached."""
-    from dist_moe.train.data import data_dir
-
     cache = data_dir() / f"wordnet_glosses_{per_class}_{seed}.npz"
-    if cache.exists():
-        z = np.load(cache, allow_pickle=False)
-        return z["x"], z["y"], list(LEXNAMES)
+    cached = load_cache(cache)
+    if cached is not None:
+        return cached["x"], cached["y"], list(LEXNAMES)
     if not (WORDNET / "data.noun").exists():
         raise ValueError(f"{WORDNET}/data.noun not found: install the Debian package wordnet-base (make does, as root)")
     texts, files = glosses()
@@ -65,10 +60,7 @@ def load_wordnet_glosses(per_class: int = PER_CLASS, seed: int = 0) -> tuple[np.
                                    for f in range(len(LEXNAMES))]))
     x = _embed([texts[i] for i in pick])
     y = files[pick].astype(np.int64)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_name(f"{cache.stem}.{os.getpid()}.tmp.npz")
-    np.savez(tmp, x=x, y=y)
-    tmp.replace(cache)
+    save_cache(cache, x=x, y=y)
     return x, y, list(LEXNAMES)
 
 

@@ -16,32 +16,18 @@ the model finds the padding again.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from dist_moe.train.corpus import DOMAINS, FORTUNES, WORDNET, domain_text
-from dist_moe.train.data import data_dir
+from dist_moe.data.corpus import DOMAINS, domain_text
+from dist_moe.data.paths import data_dir, load_cache, save_cache
+from dist_moe.data.sources import fortune_quotes, wordnet_synsets
 
 TASKS = ("pos", "lexname", "verblex", "source", "domain")
 POS = ("noun", "verb", "adj", "adv")
 SOURCES = ("fortunes", "literature", "riddles")
-
-
-def wordnet_synsets(part: str) -> list[tuple[str, int]]:
-    """(gloss, lexicographer file number) of every synset in data.<part>."""
-    path = WORDNET / f"data.{part}"
-    if not path.exists():
-        raise ValueError(f"{path} not found: install the Debian package wordnet-base (make does, as root)")
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        if line.startswith("  ") or "|" not in line:
-            continue
-        fields = line.split(" ", 2)
-        out.append((line.split("|", 1)[1].strip(), int(fields[1])))
-    return out
 
 
 def task_examples(task: str) -> tuple[list[str], list[int], int]:
@@ -65,10 +51,7 @@ def task_examples(task: str) -> tuple[list[str], list[int], int]:
     if task == "source":
         texts, labels = [], []
         for i, name in enumerate(SOURCES):
-            path = FORTUNES / name
-            if not path.exists():
-                raise ValueError(f"{path} not found: install the Debian package fortunes-min (make does, as root)")
-            quotes = [" ".join(q.split()) for q in path.read_text(errors="replace").split("\n%\n") if q.strip()]
+            quotes = [" ".join(q.split()) for q in fortune_quotes(name)]
             texts += quotes
             labels += [i] * len(quotes)
         return texts, labels, len(SOURCES)
@@ -118,9 +101,9 @@ def encode(texts: list[str], max_tokens: int, batch: int = 64) -> torch.Tensor:
 
 def text_split(per_task: int, max_tokens: int, val_fraction: float, seed: int) -> TextSplit:
     cache = data_dir() / f"text_tasks_{'-'.join(TASKS)}_{per_task}_{max_tokens}_{seed}.npz"
-    if cache.exists():
-        z = np.load(cache, allow_pickle=False)
-        x, y, t, classes = (torch.from_numpy(z[k]) for k in ("x", "y", "t", "classes"))
+    cached = load_cache(cache)
+    if cached is not None:
+        x, y, t, classes = (torch.from_numpy(cached[k]) for k in ("x", "y", "t", "classes"))
     else:
         rng = np.random.default_rng(seed)
         texts, labels, tasks, classes = [], [], [], []
@@ -133,10 +116,7 @@ def text_split(per_task: int, max_tokens: int, val_fraction: float, seed: int) -
             classes.append(n)
         x = encode(texts, max_tokens)
         y, t, classes = torch.tensor(labels), torch.tensor(tasks), torch.tensor(classes)
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_name(f"{cache.stem}.{os.getpid()}.tmp.npz")
-        np.savez(tmp, x=x.numpy(), y=y.numpy(), t=t.numpy(), classes=classes.numpy())
-        tmp.replace(cache)
+        save_cache(cache, x=x.numpy(), y=y.numpy(), t=t.numpy(), classes=classes.numpy())
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
     n_val = max(1, int(round(len(perm) * val_fraction)))
     val, train = perm[:n_val], perm[n_val:]

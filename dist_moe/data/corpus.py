@@ -11,65 +11,28 @@ Documents of each domain are joined with newlines and cut into sequences of
 ``seq_len + 1`` bytes (inputs and next-byte targets); every domain contributes
 the same number of sequences (the smallest domain's count, capped by
 ``per_domain``), drawn with a fixed seed. Cached under the data directory as
-``corpus_<seq_len>_<per_domain>.npz``.
+``corpus_<seq_len>_<per_domain>_<seed>.npz``.
 """
 from __future__ import annotations
 
-import os
-import sysconfig
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from dist_moe.train.data import data_dir
+from dist_moe.data.paths import data_dir, load_cache, save_cache
+from dist_moe.data.sources import fortune_quotes, stdlib_code, wordnet_synsets
 
 DOMAINS = ("fortunes", "literature", "glosses", "code")
-FORTUNES = Path("/usr/share/games/fortunes")
-WORDNET = Path("/usr/share/wordnet")
-PACKAGES = {"fortunes": "fortunes-min", "literature": "fortunes-min", "glosses": "wordnet-base"}
-
-
-def _fortune_file(name: str) -> str:
-    path = FORTUNES / name
-    if not path.exists():
-        raise ValueError(f"{path} not found: install the Debian package {PACKAGES[name]} (make does, as root)")
-    quotes = [q.strip() for q in path.read_text(errors="replace").split("\n%\n")]
-    return "\n".join(q for q in quotes if q)
-
-
-def _glosses() -> str:
-    out = []
-    for part in ("noun", "verb", "adj", "adv"):
-        path = WORDNET / f"data.{part}"
-        if not path.exists():
-            raise ValueError(f"{path} not found: install the Debian package wordnet-base (make does, as root)")
-        for line in path.read_text(errors="replace").splitlines():
-            if not line.startswith("  ") and "|" in line:  # the licence header lines start with spaces
-                out.append(line.split("|", 1)[1].strip())
-    return "\n".join(out)
-
-
-def _code(limit_bytes: int = 4_000_000) -> str:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out, total = [], 0
-    for path in sorted(root.glob("*.py")):  # top-level modules: a stable, version-bound set
-        text = path.read_text(errors="replace")
-        out.append(text)
-        total += len(text)
-        if total >= limit_bytes:
-            break
-    return "\n".join(out)
 
 
 def domain_text(name: str) -> str:
     if name in ("fortunes", "literature"):
-        return _fortune_file(name)
+        return "\n".join(fortune_quotes(name))
     if name == "glosses":
-        return _glosses()
+        return "\n".join(gloss for part in ("noun", "verb", "adj", "adv") for gloss, _ in wordnet_synsets(part))
     if name == "code":
-        return _code()
+        return stdlib_code()
     raise ValueError(f"domain must be one of {DOMAINS}, got {name!r}")
 
 
@@ -89,9 +52,9 @@ def load_corpus(seq_len: int = 64, per_domain: int = 2000, seed: int = 0) -> Cor
     if seq_len < 2 or per_domain < 1:
         raise ValueError(f"seq_len must be >= 2 and per_domain >= 1, got {seq_len}, {per_domain}")
     cache = data_dir() / f"corpus_{seq_len}_{per_domain}_{seed}.npz"
-    if cache.exists():
-        z = np.load(cache, allow_pickle=False)
-        return Corpus(torch.from_numpy(z["tokens"]), torch.from_numpy(z["domain"]))
+    cached = load_cache(cache)
+    if cached is not None:
+        return Corpus(torch.from_numpy(cached["tokens"]), torch.from_numpy(cached["domain"]))
     chunks = []
     for text in (domain_text(d) for d in DOMAINS):
         data = np.frombuffer(text.encode("utf-8", errors="replace"), dtype=np.uint8)
@@ -101,10 +64,7 @@ def load_corpus(seq_len: int = 64, per_domain: int = 2000, seed: int = 0) -> Cor
     rng = np.random.default_rng(seed)
     tokens = np.concatenate([c[np.sort(rng.choice(len(c), take, replace=False))] for c in chunks])
     domain = np.repeat(np.arange(len(DOMAINS)), take)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_name(f"{cache.stem}.{os.getpid()}.tmp.npz")
-    np.savez(tmp, tokens=tokens, domain=domain)
-    tmp.replace(cache)
+    save_cache(cache, tokens=tokens, domain=domain)
     return Corpus(torch.from_numpy(tokens), torch.from_numpy(domain))
 
 

@@ -1,0 +1,30 @@
+"""Where datasets are cached, and how a cache is written."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+
+def data_dir() -> Path:
+    """Project data directory: $DIST_MOE_DATA, else ./data."""
+    return Path(os.environ.get("DIST_MOE_DATA", "data"))
+
+
+def save_cache(cache: Path, **arrays) -> None:
+    """Write arrays as ``cache`` (.npz, read back without pickle). One temporary file per process,
+    renamed into place: ranks that fill a cache together never rename each other's, and a crash
+    never leaves a half-written cache."""
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_name(f"{cache.stem}.{os.getpid()}.tmp.npz")
+    np.savez(tmp, **arrays)
+    tmp.replace(cache)
+
+
+def load_cache(cache: Path) -> dict | None:
+    """The arrays of ``cache``, or None if there is none yet."""
+    if not cache.exists():
+        return None
+    with np.load(cache, allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
