@@ -42,6 +42,9 @@ def add_parser(sub, debug) -> None:
     pp.add_argument("--sample", type=int, help="tokens routed per rank to count copies (default: 8,192 in all)")
     pp.add_argument("--pipeline-chunks", default="1,4", metavar="C[,C]",
                     help="pipeline settings to compare (parallel.pipeline_chunks; default 1,4)")
+    pp.add_argument("--overlap", type=float,
+                    help="share of the shorter of exchanges and matmuls a pipelined layer hides, in [0, 1] "
+                         "(default: the topology YAML's calibrated value, else 0: pipelining assumed to hide nothing)")
     pp.add_argument("--plot", help="write a PNG of the predicted step time per placement and dedup here")
     pp.add_argument("--json", action="store_true")
 
@@ -103,6 +106,11 @@ def _chunks(text: str) -> tuple:
 def run(args) -> int:
     start = time.time()
     topo = topology_with_links(args.topology, args.link, args.shared)
+    if args.overlap is not None:
+        if not 0 <= args.overlap <= 1:
+            raise ValueError(f"--overlap must lie in [0, 1], got {args.overlap}")
+        topo = type(topo)(topo.levels, topo.sizes, topo.cost.with_exchange(topo.cost.latency_s, args.overlap,
+                                                                           topo.cost.chunked))
     shape = ModelShape(args.hidden, args.ffn, args.experts, args.top_k, args.tokens_per_rank, args.layers, args.dtype)
     routing = None if args.routing == "uniform" else recorded_routing(args.routing, args.experts, args.top_k)
     out = forecast(shape, topo, routing, args.ep, args.tflops, args.sample, tuple(args.placement or PLACEMENTS),

@@ -104,11 +104,17 @@ def test_plan_cli_prints_json_and_a_plot_and_names_bad_values(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["ep"] == 16 and len(out["rows"]) == 18 and (tmp_path / "plan.png").stat().st_size > 0
     assert {r["chunks"] for r in out["rows"]} == {1, 4}
+    step = {(r["placement"], r["dedup"], r["chunks"]): r["step_seconds"] for r in out["rows"]}
+    assert step["contiguous", "rank", 4] == pytest.approx(step["contiguous", "rank", 1])  # uncalibrated: no overlap
+    assert main(args + ["--json", "--overlap", "1"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    hidden = {(r["placement"], r["dedup"], r["chunks"]): r["step_seconds"] for r in rows}
+    assert hidden["contiguous", "rank", 4] < hidden["contiguous", "rank", 1]
     node = {(r["placement"], r["dedup"]): r["bytes_per_token_by_level"]["node"] for r in out["rows"]}
     assert node["contiguous", "node"] < node["contiguous", "rank"] <= node["contiguous", "none"]
     for bad, word in ((["--link", "node=fast"], "'fast'"), (["--link", "pod=1GB/s"], "'pod'"),
                       (["--top-k", "99"], "--top-k 99"), (["--dtype", "int4"], "'int4'"), (["--ep", "3"], "--ep 3"),
-                      (["--pipeline-chunks", "0"], "'0'")):
+                      (["--pipeline-chunks", "0"], "'0'"), (["--overlap", "1.5"], "--overlap")):
         assert main(args + bad) == 2
         err = capsys.readouterr().err.strip()
         assert word in err and len(err.splitlines()) == 1, err
