@@ -96,7 +96,7 @@ class PipelineRun:
                  gates_numel: int) -> tuple:
         grad_out = grad_out.float()
         returned = [hop.out(grad_out[hop.copy_row].to(dtype)) for hop in self.first]
-        side_saved, chunks = (saved[:2], saved[2:]) if self.side is not None and self.train else ((), saved)
+        side_saved, chunks = (saved[:2], saved[2:]) if self.side is not None else ((), saved)  # as _side saved
         inner = iter(zip(chunks[0::3], chunks[1::3], chunks[2::3]))
         param_grads = [torch.zeros_like(p) for p in self.params]
         grad_h = torch.zeros(h_shape, dtype=torch.float32, device=grad_out.device)
