@@ -1,6 +1,7 @@
 """BRANCH-MoE: binary-tree routing with arrival-weighted EMA score anchors.
 
-Equation numbers refer to branch-moe-paper.txt, section 3.
+Equation numbers refer to section 3 of Fu et al., "BRANCH-MoE: Balance-Aware Tree Routing for
+Large Embedding Models".
 
 Nodes are stored breadth first: depth d holds nodes [2^d - 1, 2^(d+1) - 1), and
 node (d, j) has children (d+1, 2j) (left, mass m(1-p)) and (d+1, 2j+1) (right,

@@ -1,6 +1,7 @@
 """GAR: gradient-aligned routing, an auxiliary objective for differentiable routers.
 
-gar-paper.txt section 5.2, Algorithm 1 (appendix G.1) and the factorized Gram
+Li et al., "Routing in Gradient Space: Balanced Usage Is Not Expert Specialization",
+section 5.2, Algorithm 1 (appendix G.1) and the factorized Gram
 form of appendix G.2. For observation units m (same-task example groups by
 default; examples or tokens as options, see ``gar_observe``):
 

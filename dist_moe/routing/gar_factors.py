@@ -1,4 +1,4 @@
-"""GAR observations from block factors (gar-paper.txt appendix G.2).
+"""GAR observations from block factors (GAR, appendix G.2).
 
 Every expert linear block ``out = x @ w[e]`` has the weight gradient
 ``sum_rows x_r delta_r^T``, so the common-template gradient of any observation

@@ -1,6 +1,6 @@
 """GAR's observations: (g_m, p_m) pairs collected during task-gradient accumulation.
 
-Observation units (gar-paper.txt section 5.2 and appendix G.2):
+Observation units (GAR, section 5.2 and appendix G.2):
 
 group    a same-task example group (the paper's experiments, the default);
          g_m = grad l_m, p_m = the group's mean example summary.

@@ -1,4 +1,5 @@
-"""SpecDrop: fixed category-conditioned soft routing (specdrop-paper.txt, section 3).
+"""SpecDrop: fixed category-conditioned soft routing (section 3 of Wang et al., "SpecDrop:
+Parameter-Free Category-Conditioned Routing for Modular Specialization").
 
 Round-robin assignment A[c, k] = 1 iff k == c mod K (0-based). Weights
 p_k(c) = A p_a + (1 - A) p_i are merged with the fixed, category-independent

@@ -1,4 +1,4 @@
-"""SpecDrop's Align (specdrop-paper.txt section 5.6): does each category depend most on its branch?
+"""SpecDrop's Align (SpecDrop, section 5.6): does each category depend most on its branch?
 
 For every expert e, zero-ablate e in every MoE layer and measure each category's
 loss; the expert whose removal raises a category's loss the most is the one it
