@@ -11,6 +11,17 @@ from pathlib import Path
 
 import yaml
 
+from dist_moe.dispatch.process_group import DEVICES
+from dist_moe.experts import KINDS as EXPERT_KINDS
+from dist_moe.integrations.megatron import DISPATCHERS as MEGATRON_DISPATCHERS
+from dist_moe.train.engines import ENGINES
+from placement.plan import DEDUP_MODES
+
+
+def _one_of(choices: tuple) -> tuple:
+    """A rule for a key whose values the owning module lists (its message names them)."""
+    return f"one of {', '.join(choices)}", lambda v: v in choices
+
 
 class _Loader(yaml.SafeLoader):
     """YAML 1.1 reads '3e-4' as a string; accept it as a float like every ML config does."""
@@ -38,9 +49,9 @@ DEFAULT_CONFIG: dict = {
     "parallel": {"placement": "contiguous", "dedup": "rank", "megatron_dispatcher": "alltoall", "timeout_s": 300.0,
                  "device": "auto", "pipeline_chunks": 1},
     # categories: a coarse label per row (data.CATEGORY_SETS), required by specdrop routing
-    # name "corpus": the multi-domain byte corpus (train/corpus.py) for model.kind lm, with seq_len and
+    # name "corpus": the multi-domain byte corpus (dist_moe/data/corpus.py) for model.kind lm, with seq_len and
     # per_domain sequences; categories "domains" makes each sequence's domain its category.
-    # name "text_tasks": the multi-task text mixture (train/text_tasks.py) for model.kind text: per_domain
+    # name "text_tasks": the multi-task text mixture (dist_moe/data/text_tasks.py) for model.kind text: per_domain
     # examples per task, seq_len MiniLM tokens each; the task is each example's category
     "data": {"name": "magic", "val_fraction": 0.2, "max_rows": None, "categories": None, "seq_len": 64,
              "per_domain": 2000},
@@ -75,15 +86,15 @@ _POSITIVE = ("a positive int", lambda v: v >= 1)
 _RULES = {
     "name": (str, False, ("a non-empty name", lambda v: bool(v.strip()))),
     "seed": (int, False, ("an int in [0, 2**63 - 1]", lambda v: 0 <= v < 2**63)),
-    "engine": (str, False, ("one of torch, deepspeed, megatron", lambda v: v in ("torch", "deepspeed", "megatron"))),
+    "engine": (str, False, _one_of(ENGINES)),
     "parallel.placement": (str, False, ("one of contiguous, round_robin, tree_prefix or a placement .yaml "
                                         "(dist-moe place --out)",
                                         lambda v: v in ("contiguous", "round_robin", "tree_prefix")
                                         or v.endswith((".yaml", ".yml")))),
-    "parallel.dedup": (str, False, ("one of none, rank, node", lambda v: v in ("none", "rank", "node"))),
-    "parallel.megatron_dispatcher": (str, False, ("alltoall or allgather", lambda v: v in ("alltoall", "allgather"))),
+    "parallel.dedup": (str, False, _one_of(DEDUP_MODES)),
+    "parallel.megatron_dispatcher": (str, False, _one_of(MEGATRON_DISPATCHERS)),
     "parallel.timeout_s": (float, False, ("a finite number > 0", lambda v: 0 < v < float("inf"))),
-    "parallel.device": (str, False, ("auto, cpu or cuda", lambda v: v in ("auto", "cpu", "cuda"))),
+    "parallel.device": (str, False, _one_of(DEVICES)),
     "parallel.pipeline_chunks": (int, False, ("an int >= 1", lambda v: v >= 1)),
     "data.name": (str, False, None),  # the loader names the valid datasets
     "data.val_fraction": (float, False, ("a number in (0, 1)", lambda v: 0 < v < 1)),
@@ -97,7 +108,7 @@ _RULES = {
     "model.ffn_hidden_size": (int, False, _POSITIVE),
     "model.d_model": (int, False, ("an int >= 0 (0: no input projection)", lambda v: v >= 0)),
     "model.capacity_factor": (float, True, ("a number > 0", lambda v: v > 0)),
-    "model.expert_type": (str, False, ("one of swiglu, gelu, lora", lambda v: v in ("swiglu", "gelu", "lora"))),
+    "model.expert_type": (str, False, _one_of(EXPERT_KINDS)),
     "model.post_norm": (bool, False, None),
     "model.label_mask": (bool, False, None),
     "train.epochs": (int, False, _POSITIVE),
