@@ -35,7 +35,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import E, ROUTERS, optimized_placement, train_router  # noqa: E402
-from dist_moe.dispatch.calibrate import calibrate, replay, slowest  # noqa: E402
+from dist_moe.dispatch.calibrate import calibrate, replay_dispatch, slowest  # noqa: E402
 from placement import Placement, Topology, Traffic  # noqa: E402
 
 D_MODEL = 512
@@ -106,10 +106,7 @@ def main() -> None:
                 layer(shard)
             matrix = layer.traffic.matrix.clone()
             dist.all_reduce(matrix)
-            if dedup == "node":  # two stages: across nodes, then forwarded inside them
-                a2a = slowest(lambda: (replay(matrix, cross), replay(matrix, ~cross)), REPEATS)
-            else:
-                a2a = slowest(lambda: replay(matrix), REPEATS)
+            a2a = slowest(lambda: replay_dispatch(matrix, topo, dedup), REPEATS)
             traffic = Traffic(matrix, topo)
             predicted = cost.estimate(traffic, dedup)
             layer_pred = cost.layer_seconds(traffic, dedup, compute, chunks)["layer_s"]

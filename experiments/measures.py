@@ -130,7 +130,7 @@ def after_exchange_time(model, data, rt) -> dict:
     import torch
     import torch.distributed as dist
 
-    from dist_moe.dispatch.calibrate import replay, slowest
+    from dist_moe.dispatch.calibrate import replay_dispatch, slowest
     from dist_moe.layer import MoELayer
 
     layers = [m for m in model.modules() if isinstance(m, MoELayer) and m.dispatcher is not None]
@@ -143,15 +143,11 @@ def after_exchange_time(model, data, rt) -> dict:
     with torch.no_grad():
         model(batch)
     model.train()
-    cross = layers[0].topology.level_matrix() == 0
     seconds = 0.0
     for layer in layers:
         matrix = layer.traffic.matrix.clone()
         dist.all_reduce(matrix)
-        if layer.dedup == "node":
-            seconds += 4 * slowest(lambda m=matrix: (replay(m, cross), replay(m, ~cross)))
-        else:
-            seconds += 4 * slowest(lambda m=matrix: replay(m))
+        seconds += 4 * slowest(lambda m=matrix: replay_dispatch(m, layer.topology, layer.dedup))
     return {"measured_a2a_s": seconds}
 
 

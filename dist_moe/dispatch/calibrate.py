@@ -54,6 +54,16 @@ def replay(matrix: torch.Tensor, mask: torch.Tensor | None = None, async_op: boo
     return dist.all_to_all_single(out, data, recv, send, async_op=async_op)
 
 
+def replay_dispatch(matrix: torch.Tensor, topology: Topology, dedup: str) -> None:
+    """A dispatch's bytes as it sends them: node dedup crosses the node boundary, then forwards inside
+    the nodes (two exchanges); the other modes drive every level in one."""
+    if dedup != "node":
+        return replay(matrix)
+    cross = topology.level_matrix() == 0
+    replay(matrix, cross)
+    replay(matrix, ~cross)
+
+
 def level_pattern(topology: Topology, level: int, nbytes: int, one_sender_per_unit: bool = False) -> torch.Tensor:
     """[W, W] bytes: each rank to every peer whose first differing coordinate is ``level``."""
     w = topology.world_size
