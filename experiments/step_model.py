@@ -8,6 +8,8 @@ exchanges, priced from its recorded routing on the launch's calibrated links
 """
 from __future__ import annotations
 
+import statistics
+
 from placement import CostModel
 
 
@@ -26,9 +28,15 @@ def calibrated_cost(row: dict) -> CostModel:
                               exchange.get("chunked", 1.0))
 
 
-def predicted_steps(runs: list, base: dict, cost: CostModel, share: float) -> list[float]:
-    """Predicted step seconds of each run (its ``predicted_stage_s`` per layer, ``chunks``)."""
+def predicted_steps(runs: list, base: dict, cost: CostModel, share: float) -> tuple[list, str]:
+    """(predicted step seconds and signed relative error of each run, from its ``predicted_stage_s``
+    per layer and ``chunks``; "median X%, max Y%" of the absolute errors)."""
     compute = base["step_s"] - base["measured_a2a_s"]
     moe = compute * share / len(base["predicted_stage_s"])
-    return [compute * (1 - share) + sum(cost.layer_time(stages, moe, r.get("chunks", 1))["layer_s"]
-                                        for stages in r["predicted_stage_s"]) for r in runs]
+    out = []
+    for r in runs:
+        pred = compute * (1 - share) + sum(cost.layer_time(stages, moe, r.get("chunks", 1))["layer_s"]
+                                           for stages in r["predicted_stage_s"])
+        out.append((pred, (pred - r["step_s"]) / r["step_s"]))
+    errors = [abs(e) for _, e in out]
+    return out, f"median {100 * statistics.median(errors):.0f}%, max {100 * max(errors):.0f}%"
