@@ -40,9 +40,9 @@ PIPELINED = 4  # chunks of the pipelined dist-moe hosts
 
 
 def launched() -> bool:
-    import os
+    from dist_moe.dispatch.process_group import launched_world_size
 
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return launched_world_size() > 1
 
 
 def _saved_bytes(fn) -> tuple[object, int]:
