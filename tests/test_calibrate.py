@@ -8,19 +8,18 @@ from pathlib import Path
 
 import yaml
 
-from tests.dist_utils import free_port
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_calibrate_writes_a_topology_that_plan_reads(tmp_path, capsys):
     out = tmp_path / "calibrated.yaml"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "dist_moe.cli", "calibrate",
+    # --standalone: torchrun takes a free port itself (a port picked here first could be taken meanwhile)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "dist_moe.cli", "calibrate",
            "--topology", "node=2,gpu=1", "--repeats", "1", "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.returncode == 0, ([line for line in r.stderr.splitlines() if "dist-moe: error" in line], r.stderr[-2000:])
     assert f"wrote {out}" in r.stdout
     data = yaml.safe_load(out.read_text())
     assert data["levels"] == ["node", "gpu"] and data["sizes"] == [2, 1]
