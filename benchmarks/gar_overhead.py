@@ -33,8 +33,9 @@ def worker(rank, world, args, out_path):
     import torch.distributed as dist
 
     from dist_moe.models import MoERegressor
-    from dist_moe.routing.gar import (equal_task_weights, gar_train_step, moe_layers, rank_local_param_ids,
-                                      sum_replicated_grads)
+    from dist_moe.dispatch.grads import sum_replicated_grads
+    from dist_moe.gar.step import equal_task_weights, gar_train_step, rank_local_param_ids
+    from dist_moe.moe_view import moe_views
 
     torch.set_num_threads(1)
     H = args.hidden
@@ -64,7 +65,7 @@ def worker(rank, world, args, out_path):
         for grp, w in zip(groups, weights):
             (share * w * loss_fn(model, grp)).backward()
         # as GAR's step does
-        sum_replicated_grads(list(model.parameters()), rank_local_param_ids(moe_layers(model)), dist.group.WORLD)
+        sum_replicated_grads(list(model.parameters()), rank_local_param_ids(moe_views(model)), dist.group.WORLD)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
 

@@ -148,12 +148,12 @@ class MoELayer(nn.Module):
         self.last_token_layout = (tuple(shape[:-1]), padding_mask)
         return y.reshape(shape), routing.aux_loss
 
-    def gar_site(self):
-        """What GAR reads from this layer (``dist_moe.routing.gar_observe.GARSite``)."""
-        from dist_moe.routing.gar_observe import GARSite
+    def moe_view(self):
+        """This layer's router, experts and last inputs (``dist_moe.moe_view.MoEView``)."""
+        from dist_moe.moe_view import MoEView
 
         ep = self.dispatcher is not None
-        return GARSite(self.router, {n: [p] for n, p in self.experts.template().items()}, True,
+        return MoEView(self.router, {n: [p] for n, p in self.experts.template().items()}, True,
                        list(self.experts.parameters()),
                        lambda: (self.last_router_input, self.last_router_extras, self.last_token_layout),
                        self.group if ep else None, self.dispatcher.rank if ep else 0, self.experts)

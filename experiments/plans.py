@@ -116,7 +116,7 @@ def gar(seeds=range(3)) -> Plan:
     for arm, (lam, aux) in GAR_ARMS.items():
         for seed in seeds:
             plan.add(f"text-{arm}-s{seed}", {"arm": arm, "lambda": lam, "aux": aux, "seed": seed},
-                     [f"seed={seed}", f"router.gar.lambda={lam}", f"router.aux_loss_coeff={aux}"],
+                     [f"seed={seed}", f"train.gar.lambda={lam}", f"router.aux_loss_coeff={aux}"],
                      "configs/text_gar.yaml")
     return plan
 

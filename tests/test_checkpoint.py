@@ -17,13 +17,15 @@ def _inputs():
 
 
 def _step(layer, opt, x, w, group=None):
-    from dist_moe.routing.gar import moe_layers, rank_local_param_ids, sum_replicated_grads
+    from dist_moe.dispatch.grads import sum_replicated_grads
+    from dist_moe.gar.step import rank_local_param_ids
+    from dist_moe.moe_view import moe_views
 
     y, aux = layer(x)
     opt.zero_grad()
     ((y * w).sum() + aux).backward()
     if group is not None:  # data-parallel sum: the router stays the same on every rank
-        sum_replicated_grads(list(layer.parameters()), rank_local_param_ids(moe_layers(layer)), group)
+        sum_replicated_grads(list(layer.parameters()), rank_local_param_ids(moe_views(layer)), group)
     opt.step()
 
 

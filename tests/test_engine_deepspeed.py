@@ -68,7 +68,7 @@ def _gar_worker(rank, world, host):
     import os
 
     from dist_moe.integrations.deepspeed import DeepSpeedHostedMoE, init_distributed, load_dist_moe_experts
-    from dist_moe.routing.gar import gar_train_step
+    from dist_moe.gar.step import gar_train_step
     from dist_moe.train.engines import DeepSpeedStepper
     from tests.engine_checks import GAR_HIDDEN, GAR_KW, Record, gar_case
 
@@ -143,5 +143,5 @@ def test_a_users_own_expert_module_is_hosted_like_deepspeed_moe_does():
     keys = _expert_keys(layer)  # checkpoints key each copy by its global expert id
     assert sorted(stem for _, stem, _ in keys.values()) == sorted(["experts.fc.weight", "experts.fc.bias"] * 4)
     assert sorted(ids[0] for ids, stem, _ in keys.values() if stem == "experts.fc.weight") == [0, 1, 2, 3]
-    site = layer.gar_site()
+    site = layer.moe_view()
     assert set(site.template) == {"fc.weight", "fc.bias"} and not site.stacked

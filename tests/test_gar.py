@@ -6,16 +6,9 @@ import torch
 from torch import nn
 
 from dist_moe import MoELayer
-from dist_moe.routing.gar import (
-    collect_observations,
-    equal_task_weights,
-    gar_loss,
-    gar_loss_gram,
-    gar_objective,
-    example_mean,
-    gar_train_step,
-    group_route_summaries,
-)
+from dist_moe.gar.observe import collect_observations, example_mean, group_route_summaries
+from dist_moe.gar.step import equal_task_weights, gar_objective, gar_train_step
+from dist_moe.routing.gar import gar_loss, gar_loss_gram
 
 H = 6
 

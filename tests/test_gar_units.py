@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from dist_moe import MoELayer
-from dist_moe.routing.gar import collect_observations, equal_task_weights, gar_objective, gar_train_step
+from dist_moe.gar.observe import collect_observations
+from dist_moe.gar.step import equal_task_weights, gar_objective, gar_train_step
 
 H, S = 6, 4
 
@@ -102,7 +103,7 @@ def test_unit_rows_pair_summaries_with_observations():
     torch.manual_seed(2)
     model = SeqMoE({"type": "switch", "num_experts": 4, "top_k": 2, "jitter_eps": 0.0})
     groups, weights = make_groups()
-    from dist_moe.routing.gar import router_summary
+    from dist_moe.gar.observe import router_summary
 
     for unit in ("example", "token"):
         obs = collect_observations(copy.deepcopy(model), groups, loss_fn, weights, unit=unit)

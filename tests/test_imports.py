@@ -50,3 +50,27 @@ def test_no_import_circle():
     assert "dist_moe.dispatch.pipeline" in graph["dist_moe.dispatch.dispatcher"]  # edges are read
     circles = [" -> ".join(c) for m in sorted(graph) for c in cycles_through(graph, m)]
     assert not circles, circles
+
+
+def test_routing_is_pure_tensor_math():
+    """Routing strategies run no backward, no optimizer and no collective (GAR's step lives in
+    dist_moe/gar, gradient collectives in dist_moe/dispatch)."""
+    def calls(path):
+        found = []
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = None
+            if isinstance(node, ast.Attribute) and node.attr in ("backward", "zero_grad", "distributed", "grad"):
+                name = node.attr  # x.backward(), opt.zero_grad(), torch.distributed.*, torch.autograd.grad
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "step":
+                name = "optimizer step" if "opt" in ast.unparse(node.func.value) else None
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                name = next((m for m in mods if m.startswith(("torch.distributed", "torch.optim"))), None)
+            if name:
+                found.append(f"{path.name}:{node.lineno} {name}")
+        return found
+
+    assert not [c for path in sorted((ROOT / "dist_moe" / "routing").glob("*.py")) for c in calls(path)]
+    # the check reads what it should: GAR's step and the gradient collectives fail it
+    assert {c.split(" ", 1)[1] for c in calls(ROOT / "dist_moe" / "gar" / "step.py")} >= {"backward", "optimizer step"}
+    assert calls(ROOT / "dist_moe" / "dispatch" / "stats.py")

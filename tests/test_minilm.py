@@ -65,6 +65,6 @@ def test_text_mixture_trains_with_gar_over_same_task_groups(tmp_path, monkeypatc
 def test_same_task_groups_need_categories(tmp_path, capsys):
     from dist_moe.cli import main
 
-    assert main(["train", "--quiet", f"output.dir={tmp_path}", "router.type=switch", "router.gar.lambda=0.001",
+    assert main(["train", "--quiet", f"output.dir={tmp_path}", "router.type=switch", "train.gar.lambda=0.001",
                  "train.gar_groups=same_category", "train.max_steps=2", "data.max_rows=200"]) == 2
     assert "same_category" in capsys.readouterr().err

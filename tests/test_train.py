@@ -54,10 +54,27 @@ def test_cli_runs_every_flat_router(tmp_path, router):
 
 def test_cli_gar_training(tmp_path):
     rc = main(["train", "--quiet", f"output.dir={tmp_path}", "train.max_steps=6", "data.max_rows=1000",
-               "router={type: switch, num_experts: 8, top_k: 2, gar: {lambda: 0.01}}"])
+               "router={type: switch, num_experts: 8, top_k: 2}", "train.gar.lambda=0.01"])
     assert rc == 0
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert any("gar_loss" in r for r in lines)
+
+
+def test_router_gar_still_works_for_one_release_and_names_train_gar():
+    from dist_moe.train.config import load_config, model_changes
+
+    router = "router={type: switch, num_experts: 8, top_k: 2, gar: {lambda: 0.01, mode: gram}}"
+    with pytest.warns(FutureWarning, match="train.gar"):
+        cfg = load_config(None, [router])
+    assert cfg["train"]["gar"] == {"lambda": 0.01, "mode": "gram"} and "gar" not in cfg["router"]
+    assert load_config(None, ["router.type=switch", "train.gar.lambda=0.01", "train.gar.mode=gram"])["train"]["gar"] \
+        == cfg["train"]["gar"]  # two overrides fill one mapping
+    old = {**cfg, "router": {**cfg["router"], "gar": cfg["train"]["gar"]}, "train": {**cfg["train"], "gar": None}}
+    assert model_changes(old, cfg) == []  # a checkpoint saved with router.gar resumes
+    with pytest.raises(ValueError, match="both set"):
+        load_config(None, [router, "train.gar.lambda=1"])
+    assert load_config(None, ["router.type=switch", "train.gar.lambda=0"])["name"] == "demo+router.type=switch" \
+        "+train.gar.lambda=0"  # the matched baseline gets a directory of its own
 
 
 @pytest.mark.parametrize(
@@ -85,6 +102,9 @@ def test_cli_gar_training(tmp_path):
         (["parallel.pipeline_chunks=0"], "parallel.pipeline_chunks"),
         (["engine=megatron", "model.capacity_factor=null", "parallel.pipeline_chunks=2"], "parallel.pipeline_chunks=2"),
         (["train.max_skipped_steps=-1"], "train.max_skipped_steps"),
+        (["router.type=switch", "train.gar.lamda=1"], "'lamda'"),
+        (["router.type=hash", "train.gar.lambda=1"], "'train.gar' needs a differentiable router"),
+        (["router.type=switch", "train.gar=3"], "'train.gar' must be a mapping"),
         (["router.type=specdrop", "router.num_categories=4"], "categories"),
         (["--config", "configs"], "not a file"),
     ],

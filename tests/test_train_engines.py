@@ -10,7 +10,7 @@ import pytest
 from tests.dist_utils import run_workers
 
 ROOT = Path(__file__).resolve().parents[1]
-GAR = ["router.type=switch", "router.gar.lambda=0.001", "train.gar_group_size=16"]
+GAR = ["router.type=switch", "train.gar.lambda=0.001", "train.gar_group_size=16"]
 GAR_PIPELINED = [*GAR, "parallel.pipeline_chunks=2"]  # factor captures per chunk
 # the tiny LM with SpecDrop by domain: per-sequence categories through the hosted layers
 LM = ["--config", "configs/lm_branch.yaml", "data.per_domain=150", "data.seq_len=32", "train.max_steps=25",

@@ -55,6 +55,11 @@ def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
     return reduce_copy(t, group)
 
 
+def group_size(group) -> int:
+    """Ranks in ``group``; 1 without one."""
+    return 1 if not _active(group) else dist.get_world_size(group)
+
+
 def _active(group) -> bool:
     return group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 

@@ -275,16 +275,16 @@ class DeepSpeedHostedMoE(HostedMoE):
         # dist-moe's layer interface returns the aux loss with the strategy's coefficient applied
         return y, l_aux * getattr(self.router, "aux_loss_coeff", 0.0)
 
-    def gar_site(self):
-        """GAR over DeepSpeed's expert copies: materialized observations from their gradients."""
-        from dist_moe.routing.gar_observe import GARSite
+    def moe_view(self):
+        """DeepSpeed's expert copies as one template (GAR: materialized observations from their gradients)."""
+        from dist_moe.moe_view import MoEView
 
         local = self._local()
         slots = [expert_slots(e) for e in local]
         template = {n: [s[n] for s in slots] for n in slots[0]}
         gate = self.gate
         ep = gate.ep_group if gate.ep_size > 1 else None
-        return GARSite(self.router, template, isinstance(local[0], SingleExpert),
+        return MoEView(self.router, template, isinstance(local[0], SingleExpert),
                        [p for e in local for p in e.parameters()],
                        lambda: (gate.last_router_input, gate.last_router_extras,
                                 ((gate.last_router_input.shape[0],), None)),

@@ -287,16 +287,16 @@ class MegatronHostedMoE(HostedMoE):
         return {f"{prefix}moe.experts.local_experts.{j}.{slot}": ([ids[j]], f"{prefix}experts.{slot}", False)
                 for j, mlp in enumerate(self.moe.experts.local_experts) for slot, _ in mlp.named_parameters()}
 
-    def gar_site(self):
-        """GAR over Megatron's SequentialMLP experts: materialized observations in their
-        own layout (fc1 holds the gate and up projections together)."""
-        from dist_moe.routing.gar_observe import GARSite
+    def moe_view(self):
+        """Megatron's SequentialMLP experts as one template, in their own layout (fc1 holds the gate
+        and up projections together; GAR: materialized observations)."""
+        from dist_moe.moe_view import MoEView
 
         local = self.moe.experts.local_experts
         template = {"linear_fc1.weight": [m.linear_fc1.weight for m in local],
                     "linear_fc2.weight": [m.linear_fc2.weight for m in local]}
         r = self.moe.router
         ep = self.moe.ep_group if self.moe.ep_group.size() > 1 else None
-        return GARSite(self.router, template, False, [p for m in local for p in m.parameters()],
+        return MoEView(self.router, template, False, [p for m in local for p in m.parameters()],
                        lambda: (r.last_router_input, r.last_router_extras, ((r.last_router_input.shape[0],), None)),
                        ep, self.moe.ep_group.rank())

@@ -1,19 +1,20 @@
 """build_router(cfg) -> Router, with strict validation of every key.
 
 cfg["type"] picks the strategy; every other key must be a constructor argument
-of that strategy (or "gar", the auxiliary objective for differentiable
-routers). Unknown keys, missing required keys and values of the wrong type
-raise ValueError naming the key.
+of that strategy. Unknown keys, missing required keys and values of the wrong type
+raise ValueError naming the key. The key "gar" (GAR's settings, since moved to a training
+config's ``train.gar``) is still read, with a deprecation warning, until the next release.
 """
 from __future__ import annotations
 
 import inspect
 import numbers
+import warnings
 
 from dist_moe.routing.base import Router
 from dist_moe.routing.branch import BranchRouter
 from dist_moe.routing.flat import DeepSeekV3Router, HashRouter, SkyworkRouter, SwitchRouter, UniformRouter
-from dist_moe.routing.gar import GARConfig
+from dist_moe.gar.config import GARConfig
 from dist_moe.routing.specdrop import SpecDropRouter
 
 ROUTERS: dict[str, type[Router]] = {
@@ -25,8 +26,6 @@ ROUTERS: dict[str, type[Router]] = {
     "branch": BranchRouter,
     "specdrop": SpecDropRouter,
 }
-# GAR needs router probabilities that depend differentiably on router parameters.
-DIFFERENTIABLE = {"switch", "deepseek_v3", "skywork", "branch"}
 
 _INT_KEYS = {"hidden_size", "num_experts", "top_k", "mlp_hidden", "num_categories", "total_steps", "seed",
              "node_limit", "subtree_depth"}
@@ -92,7 +91,10 @@ def build_router(cfg: dict, stats_group=None) -> Router:
     router = cls(**kwargs)
     router.gar_config = None
     if gar is not None:
-        if kind not in DIFFERENTIABLE:
-            raise ValueError(f"router key 'gar' needs a differentiable router {sorted(DIFFERENTIABLE)}, not {kind!r}")
-        router.gar_config = GARConfig.from_dict(gar)
+        router.gar_config = GARConfig.for_router(gar, kind, "router key 'gar'")
+        warnings.warn(GAR_MOVED, FutureWarning, stacklevel=2)
     return router
+
+
+GAR_MOVED = ("GAR's settings under the router (config key 'router.gar', router key 'gar') are deprecated and go in "
+             "the next release: put them under train.gar")

@@ -22,9 +22,9 @@ from dist_moe.dispatch.stats import all_reduce_sum
 @contextlib.contextmanager
 def ablate(model: nn.Module, experts):
     """Zero the gated output of ``experts`` (global ids) in every MoELayer of ``model``."""
-    from dist_moe.layer import MoELayer
+    from dist_moe.moe_view import moe_layers
 
-    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    layers = [m for m in moe_layers(model) if hasattr(m, "ablated_experts")]  # dist-moe's own layers
     previous = [layer.ablated_experts for layer in layers]
     for layer in layers:
         layer.ablated_experts = frozenset(int(e) for e in experts)

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 from pathlib import Path
 
 import yaml
 
 from dist_moe.dispatch.process_group import DEVICES
 from dist_moe.experts import KINDS as EXPERT_KINDS
+from dist_moe.gar.config import GARConfig
 from dist_moe.integrations.megatron import DISPATCHERS as MEGATRON_DISPATCHERS
+from dist_moe.routing.registry import GAR_MOVED
 from dist_moe.train.engines import ENGINES
 from placement.plan import DEDUP_MODES
 
@@ -67,8 +70,9 @@ DEFAULT_CONFIG: dict = {
     # schedule: how often a scheduled router (SpecDrop) advances, every "step" or every "epoch"
     "train": {"epochs": 20, "batch_size": 256, "lr": 1e-3, "max_grad_norm": 1.0, "log_every": 10,
               "max_steps": None, "gar_group_size": 32, "schedule": "step",
+              # gar: GAR's settings {lambda, eps, mode, unit} (dist_moe/gar/config.py; null: no GAR);
               # gar_groups: GAR observation groups of consecutive rows, or of one category (task) each
-              "gar_groups": "consecutive",
+              "gar": None, "gar_groups": "consecutive",
               # checkpoint_every: steps between DCP checkpoints under output.dir/checkpoints (null: none);
               # resume: continue from the newest one there (none yet: start afresh)
               "checkpoint_every": None, "resume": False,
@@ -79,7 +83,7 @@ DEFAULT_CONFIG: dict = {
     # {name}: the config's name, plus any model-changing overrides of this run (+router.top_k=2)
     "output": {"dir": "runs/{name}", "tensorboard": False},
 }
-_OPEN_SECTIONS = {"router"}  # free-form here, checked by build_router
+_OPEN_SECTIONS = {"router", "train.gar"}  # free-form here, checked by build_router and GARConfig
 
 _POSITIVE = ("a positive int", lambda v: v >= 1)
 # key -> (type, may be None, (description, predicate) or None)
@@ -131,6 +135,7 @@ _RULES = {
 
 def validate(cfg: dict) -> dict:
     """Check every leaf of the training config; raise ValueError naming the key."""
+    _move_router_gar(cfg, warn=True)
     for key, (kind, optional, rule) in _RULES.items():
         section, _, leaf = key.rpartition(".")
         value = (cfg[section] if section else cfg)[leaf]
@@ -148,11 +153,27 @@ def validate(cfg: dict) -> dict:
         raise ValueError(f"config key 'output.dir' may use only {{name}}, got {cfg['output']['dir']!r} ({e})")
     if not isinstance(cfg["router"], dict) or "type" not in cfg["router"]:
         raise ValueError("config key 'router' must be a mapping with a 'type'")
+    if cfg["train"]["gar"] is not None:
+        GARConfig.for_router(cfg["train"]["gar"], cfg["router"]["type"])
     chunks = cfg["parallel"]["pipeline_chunks"]
     if cfg["engine"] != "torch" and chunks != 1:  # refused before any process group exists
         raise ValueError(f"parallel.pipeline_chunks={chunks} pipelines dist-moe's own dispatcher (engine torch); "
                          f"engine {cfg['engine']} exchanges through its own: set it to 1")
     return cfg
+
+
+def _move_router_gar(cfg: dict, warn: bool) -> None:
+    """GAR's settings moved from ``router.gar`` to ``train.gar``: the old key still works, for one
+    release, with a warning naming the new one."""
+    router, train = cfg.get("router"), cfg.setdefault("train", {})
+    if not isinstance(router, dict) or "gar" not in router:
+        return
+    if train.get("gar") is not None:
+        raise ValueError("config keys 'router.gar' and 'train.gar' are both set: keep train.gar "
+                         "(router.gar is its deprecated name)")
+    train["gar"] = router.pop("gar")
+    if warn:
+        warnings.warn(GAR_MOVED, FutureWarning, stacklevel=3)
 
 
 def _merge(base: dict, update: dict, path: str = "") -> dict:
@@ -244,7 +265,8 @@ def run_name(name: str, overrides) -> str:
     if any(k == "name" or k.startswith("output.") for k in keys):
         return name
     named = (*MODEL_SECTIONS, "seed", "engine")
-    tags = [item.strip() for item, k in zip(overrides, keys) if k.split(".")[0] in named]
+    tags = [item.strip() for item, k in zip(overrides, keys) if k.split(".")[0] in named or k.startswith("train.gar.")
+            or k == "train.gar"]
     return name + "".join("+" + t.replace("/", "_").replace(" ", "") for t in tags)
 
 
@@ -266,6 +288,8 @@ def _leaves(d: dict, prefix: str = "") -> dict:
 def model_changes(saved: dict, cfg: dict) -> list[tuple[str, object, object]]:
     """(key, checkpoint's value, this run's value) for every model-making key that differs, plus ``seed``
     (it orders the data the saved position counts into)."""
+    saved = copy.deepcopy(saved)
+    _move_router_gar(saved, warn=False)  # a checkpoint from before the move resumes as it was saved
     old = _leaves({k: saved.get(k, {}) for k in MODEL_SECTIONS} | {"seed": saved.get("seed")})
     new = _leaves({k: cfg.get(k, {}) for k in MODEL_SECTIONS} | {"seed": cfg.get("seed")})
     return [(k, old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]

@@ -24,8 +24,10 @@ from torch import nn
 
 from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.dispatch.process_group import init_from_env, launched_world_size, resolve_device
+from dist_moe.dispatch.grads import all_finite, clip_global, group_size, scale_grads, sum_replicated_grads
 from dist_moe.dispatch.stats import all_reduce_sum
-from dist_moe.routing.gar import clip_global, moe_layers, rank_local_param_ids, sum_replicated_grads
+from dist_moe.gar.step import rank_local_param_ids
+from dist_moe.moe_view import moe_views
 from dist_moe.seeding import fork_rng
 from placement import Placement, Topology
 
@@ -189,7 +191,7 @@ class LocalStepper:
         self.module = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.opt = torch.optim.Adam(self.params, lr=lr)
-        self.local = rank_local_param_ids(moe_layers(model))
+        self.local = rank_local_param_ids(moe_views(model))
         self.group, self.world, self.max_grad_norm = group, world, max_grad_norm
 
     def __call__(self, loss: torch.Tensor) -> bool:
@@ -198,7 +200,7 @@ class LocalStepper:
         loss.backward()
         if self.group is not None:
             sum_replicated_grads(self.params, self.local, self.group)
-            for p in self.params:
+            for p in self.params:  # the data-parallel average
                 if p.grad is not None:
                     p.grad.div_(self.world)
         if not all_finite(loss, self.params, self.group):
@@ -208,15 +210,6 @@ class LocalStepper:
             clip_global(self.params, self.local, self.group, self.max_grad_norm)
         self.opt.step()
         return True
-
-
-def all_finite(loss: torch.Tensor, params, group) -> bool:
-    """Whether the loss and every gradient are finite on every rank: one stacked check on the
-    device, one agreed answer, one host read."""
-    checks = [torch.isfinite(loss.detach()).all()] + [torch.isfinite(p.grad).all() for p in params
-                                                      if p.grad is not None]
-    bad = (~torch.stack(checks).all()).float().reshape(1)
-    return float(all_reduce_sum(bad, group)) == 0.0
 
 
 class DeepSpeedStepper:
@@ -256,9 +249,6 @@ class DeepSpeedStepper:
         ep_size"), so all are scaled by the world first. Then the engine's own reduction,
         clip and step.
         """
-        world = 1 if group is None else torch.distributed.get_world_size(group)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(world)
+        scale_grads(params, group_size(group))
         self.module.allreduce_gradients()
         self.module.step()

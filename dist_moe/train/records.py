@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from dist_moe.dispatch.stats import all_gather_rows
+from dist_moe.moe_view import moe_layers
 from dist_moe.train import checkpoint
 from placement.simulate import RoutingRecord, recorded_layers, routing_file
 
@@ -15,9 +16,7 @@ from placement.simulate import RoutingRecord, recorded_layers, routing_file
 def measured_bytes(model, rt) -> dict:
     """Payload bytes dist-moe's dispatchers sent across each topology level since the last log, summed
     over ranks: ``bytes_<level>`` for all MoE layers, ``layer<i>_bytes_<level>`` each when there are several."""
-    from dist_moe.layer import MoELayer
-
-    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    layers = [m for m in moe_layers(model) if hasattr(m, "traffic")]  # the layers our dispatcher runs
     if rt.world == 1 or not layers:
         return {}
     per_layer = [layer.traffic.by_level() for layer in layers]
@@ -36,10 +35,8 @@ def record_routing(out_dir: Path, model, data, rt) -> None:
     """routing.npz (and routing.layer<i>.npz) for `dist-moe report / place / simulate`: every
     validation token's experts and rank at each MoE layer; under dist-moe's expert parallelism also
     the bytes that forward sent, per topology level."""
-    from dist_moe.routing.gar import moe_layers
-
     rows = torch.tensor_split(torch.arange(len(data.x_val)), rt.world)[rt.rank]
-    layers = [m for m in model.modules() if hasattr(m, "gar_site")]  # every MoE layer, any host
+    layers = moe_layers(model)  # every MoE layer, any host
     measured = rt.world > 1 and all(hasattr(m, "traffic") for m in layers)
     for m in layers if measured else ():
         m.reset_traffic()
@@ -49,7 +46,7 @@ def record_routing(out_dir: Path, model, data, rt) -> None:
     model(data.x_val[rows].to(device), None if cats is None else cats.to(device))
     model.train()
     group = rt.group if rt.world > 1 else None
-    for i, (layer, site) in enumerate(zip(layers, moe_layers(model))):
+    for i, layer in enumerate(layers):
         dispatch = None
         if measured:
             levels = layer.traffic.by_level()
@@ -62,7 +59,7 @@ def record_routing(out_dir: Path, model, data, rt) -> None:
         probs = all_gather_rows(layer.last_routing.probs.float().cpu(), group)  # replays other limits later
         src = all_gather_rows(torch.full((idx.shape[0],), rt.rank, dtype=torch.long), group)
         if rt.is_main:
-            record = RoutingRecord(idx_all, src, site.router.num_experts, rt.world, layer.hidden_size * 4, dispatch,
+            record = RoutingRecord(idx_all, src, layer.router.num_experts, rt.world, layer.hidden_size * 4, dispatch,
                                    probs)
             record.save(out_dir, i)
     if rt.is_main:  # a previous run in this directory may have had more layers

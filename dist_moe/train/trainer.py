@@ -2,9 +2,9 @@
 
 Writes ``metrics.jsonl`` (one line per logged step and per evaluation),
 ``config.yaml`` and ``summary.json`` to the output directory; shows tqdm
-progress. A router with a ``gar`` block trains with GAR (Algorithm 1) using
+progress. With ``train.gar`` set the run trains with GAR (Algorithm 1) using
 example groups of ``train.gar_group_size`` as observation units; its matched
-baseline is the same config with ``gar.lambda: 0`` (same grouped forwards and
+baseline is the same config with ``train.gar.lambda: 0`` (same grouped forwards and
 gradient accumulation, no auxiliary gradient).
 
 With ``data.categories`` every row carries its category into the model: SpecDrop
@@ -25,7 +25,9 @@ from tqdm import tqdm
 
 from dist_moe.dispatch.agree import agree_on_errors
 from dist_moe.dispatch.process_group import collective_failure
-from dist_moe.routing.gar import equal_task_weights, gar_train_step, moe_layers
+from dist_moe.gar.config import GARConfig
+from dist_moe.gar.step import equal_task_weights, gar_train_step
+from dist_moe.moe_view import moe_layers
 from dist_moe.train import checkpoint, records
 from dist_moe.train.build import data_and_model
 from dist_moe.train.config import model_changes, validate
@@ -138,8 +140,8 @@ def _train_in(cfg: dict, rt: Runtime, quiet: bool, after, out_dir: Path, resume_
     data, model = data_and_model(cfg, rt)
     model.to(rt.device)  # every batch follows it there (data stays on the CPU until its step)
     router = model.moe.router
-    routers = [site.router for site in moe_layers(model)]  # every MoE layer's, for schedules
-    gar = getattr(router, "gar_config", None)
+    routers = [layer.router for layer in moe_layers(model)]  # every MoE layer's, for schedules
+    gar = None if tcfg["gar"] is None else GARConfig.from_dict(tcfg["gar"])
     bs = tcfg["batch_size"]  # per rank, as DeepSpeed's train_micro_batch_size_per_gpu
     step_fn = rt.stepper(model, tcfg["lr"], tcfg["max_grad_norm"], bs)
     ckpt_dir = out_dir / "checkpoints"

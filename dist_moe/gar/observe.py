@@ -12,7 +12,7 @@ token    each valid token; g_t = its local contribution to its example's
 group loss times the group's example count. Group observations in materialized
 mode are read off the accumulated gradients (a group's backward writes its expert
 gradients alone, the running sum is added back after); every other combination
-is built from block factors (``gar_factors``).
+is built from block factors (``dist_moe.gar.factors``).
 
 Under expert parallelism every rank takes the same number of groups and the m-th
 group of every rank is one unit (or holds the units of that forward): g sums the
@@ -27,41 +27,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from dist_moe.dispatch.stats import all_reduce_sum, all_reduce_sum_
-from dist_moe.routing.gar_factors import SlotRows, factor_gram, factor_observations
-
-UNITS = ("group", "example", "token")
-MODES = ("materialized", "gram")
+from dist_moe.dispatch.stats import all_reduce_sum, all_reduce_sum_, group_size
+from dist_moe.gar.config import MODES, UNITS
+from dist_moe.gar.factors import SlotRows, factor_gram, factor_observations
+from dist_moe.moe_view import MoEView, moe_views
 _TAG_BITS = 32  # a row tag is (source rank << 32) | local unit index; -1: no unit
-
-
-@dataclass
-class GARSite:
-    """What GAR reads from one MoE layer, whichever engine hosts it (``layer.gar_site()``).
-
-    ``template`` maps each slot of the common expert template to the parameters that
-    hold it on this rank: one stacked [E_local, ...] tensor (dist-moe), one [1, ...]
-    tensor per expert (DeepSpeed's expert copies; both ``stacked``), or one plain
-    tensor per expert (Megatron). ``experts`` is dist-moe's ``Experts`` where block
-    factors can be captured (Gram mode, example and token units), else None.
-    """
-
-    router: object
-    template: dict
-    stacked: bool
-    local_params: list
-    last_inputs: object  # () -> (detached router input [T, H], router extras, token layout)
-    group: object = None  # the expert-parallel process group, None when every expert is local
-    rank: int = 0
-    experts: object = None
-
-    def slot_numel(self) -> list[int]:
-        return [(ps[0][0] if self.stacked else ps[0]).numel() for ps in self.template.values()]
-
-
-def moe_layers(model) -> list[GARSite]:
-    """The GAR sites of every MoE layer in ``model`` (dist-moe's, or DeepSpeed- or Megatron-hosted)."""
-    return [m.gar_site() for m in model.modules() if hasattr(m, "gar_site")]
 
 
 def expert_parallel_group(layers):
@@ -225,7 +195,7 @@ def collect_observations(model, groups, loss_fn, weights, mode="materialized", s
         raise ValueError(f"need one weight per group: {len(weights)} weights for {len(groups)} groups")
     if any(not w > 0 for w in weights):
         raise ValueError(f"group weights must be > 0, got {list(weights)}")
-    layers = moe_layers(model)
+    layers = moe_views(model)
     if not layers:
         raise ValueError("GAR found no MoELayer in the model")
     ep = expert_parallel_group(layers)
@@ -306,7 +276,7 @@ def _flat(template: dict) -> list:
     return [p for params in template.values() for p in params]
 
 
-def _read_template(site: GARSite, row: Tensor, w: float) -> None:
+def _read_template(site: MoEView, row: Tensor, w: float) -> None:
     """row <- (sum over experts of each slot's fresh gradient) / w, written in place."""
     start = 0
     for params, n in zip(site.template.values(), site.slot_numel()):
@@ -334,7 +304,7 @@ def _keep_rows(rows: dict, capture, scale: float, m: int) -> None:
 
 def _finish_factor_rows(obs: Observations, rows: list, template: list, num_groups: int) -> None:
     """Number the units globally and build G or W for every layer."""
-    world = 1 if obs.group is None else torch.distributed.get_world_size(obs.group)
+    world = group_size(obs.group)
     for li, site in enumerate(obs.layers):
         device = site.last_inputs()[0].device
         counts = torch.zeros(num_groups, world, dtype=torch.long, device=device)

@@ -1,0 +1,105 @@
+"""One GAR update (Algorithm 1): GAR's objective for differentiable routers, applied.
+
+Li et al., "Routing in Gradient Space: Balanced Usage Is Not Expert Specialization",
+section 5.2, Algorithm 1 (appendix G.1) and the factorized Gram
+form of appendix G.2. For observation units m (same-task example groups by
+default; examples or tokens as options, see ``gar_observe``):
+
+  g_m      = sum_e grad_{theta_e} l_m  in a common parameter template, detached
+  p_m      = the unit's router summary, recomputed from detached router inputs
+             so only router parameters see the auxiliary gradient
+  L_norm   = - sum_k ||sum_m p_mk g_m||^2 / (sum_m p_mk + eps)
+
+Router parameters get grad(L_task + lambda L_norm); all other parameters get
+grad(L_task); then one global-norm clip and one optimizer step.
+
+Under expert parallelism (MoE layers with a process group) the observations of
+all replicas enter one criterion: the m-th group of every rank is one group unit,
+g_m sums the template gradients of every rank's experts, p_m averages every
+rank's examples of the unit, and each rank backpropagates its share of the task
+loss (w_m * its examples / all examples of the unit). The router gradients,
+summed over the ranks (which the step does for every replicated parameter before
+its global clip), equal one process running the union of the groups.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from dist_moe.dispatch.grads import clip_global, group_size, sum_replicated_grads
+from dist_moe.gar.observe import Observations, collect_observations
+from dist_moe.routing.gar import gar_loss, gar_loss_gram
+
+
+def equal_task_weights(tasks: Sequence[int], sizes: Sequence[int]) -> list[float]:
+    """w_m so that L_task = sum_m w_m l_m weighs tasks equally and examples equally within a task."""
+    totals: dict[int, int] = {}
+    for t, n in zip(tasks, sizes):
+        totals[t] = totals.get(t, 0) + n
+    return [n / totals[t] / len(totals) for t, n in zip(tasks, sizes)]
+
+
+def gar_objective(obs: Observations, eps: float = 1e-8) -> Tensor:
+    """L_norm summed over MoE layers (steps 6-7); differentiable in router parameters only."""
+    total = torch.zeros((), device=obs.router_inputs[0][0][0].device)
+    for li in range(len(obs.layers)):
+        P = obs.route_summaries(li)
+        if obs.G[li] is not None:
+            total = total + gar_loss(P, obs.G[li], eps)
+        else:
+            total = total + gar_loss_gram(P, obs.W[li].to(P.dtype), eps)
+    return total
+
+
+def gar_train_step(
+    model: nn.Module,
+    groups: Sequence[Any],
+    loss_fn: Callable[[nn.Module, Any], Tensor],
+    optimizer: torch.optim.Optimizer,
+    weights: Sequence[float],
+    lam: float,
+    eps: float = 1e-8,
+    max_grad_norm: float | None = 1.0,
+    mode: str = "materialized",
+    sizes: Sequence[int] | None = None,
+    unit: str = "group",
+    finish: Callable[[list, set, Any], None] | None = None,
+) -> dict:
+    """One GAR update (Algorithm 1).
+
+    ``groups`` are the observation units (same-task example groups); ``loss_fn(model,
+    group)`` runs the ordinary forward and returns the group's mean loss l_m;
+    L_task = sum_m weights[m] l_m (see ``equal_task_weights``). Under expert
+    parallelism also pass ``sizes`` (this rank's examples per group); the step then
+    sums replicated parameters' gradients over the group and clips by the norm of
+    every parameter on every rank. ``unit`` picks the observation unit ("group",
+    "example", "token"); ``mode`` the materialized or the Gram form. ``finish(params,
+    rank_local_ids, group)``, when given, replaces the gradient sum, clip and
+    ``optimizer.step()`` (an engine that owns them, e.g. DeepSpeed).
+    """
+    optimizer.zero_grad(set_to_none=True)
+    obs = collect_observations(model, groups, loss_fn, weights, mode, sizes, unit)
+    aux = gar_objective(obs, eps)
+    if lam and aux.requires_grad:
+        # every rank holds the same L_norm: each contributes 1/W so the summed gradient is one L_norm's
+        world = group_size(obs.group)
+        (lam * aux / world).backward()  # router parameters only: inputs and observations are detached
+    params = [p for p in model.parameters() if p.requires_grad]
+    local = rank_local_param_ids(obs.layers)
+    if finish is not None:
+        finish(params, local, obs.group)
+        return {"task_loss": obs.task_loss, "gar_loss": float(aux.detach()), "grad_norm": None}
+    if obs.group is not None:
+        sum_replicated_grads(params, local, obs.group)
+    grad_norm = None
+    if max_grad_norm is not None:
+        grad_norm = clip_global(params, local, obs.group, max_grad_norm)
+    optimizer.step()
+    return {"task_loss": obs.task_loss, "gar_loss": float(aux.detach()), "grad_norm": grad_norm}
+
+
+def rank_local_param_ids(sites) -> set[int]:
+    """ids of the parameters each rank holds alone: its MoE layers' experts (``moe_layers(model)``)."""
+    return {id(p) for site in sites for p in site.local_params}

@@ -1,0 +1,43 @@
+"""Finding a model's MoE layers, whichever engine hosts them, and what callers read from each.
+
+Every MoE layer (dist-moe's ``MoELayer``, ``DeepSpeedHostedMoE``, ``MegatronHostedMoE``) has
+``moe_view()``; ``moe_layers(model)`` is the one way the trainer, metrics, checkpoints and GAR
+find them, in module order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class MoEView:
+    """One MoE layer's router, expert parameters and last inputs (``layer.moe_view()``).
+
+    ``template`` maps each slot of the common expert template to the parameters that
+    hold it on this rank: one stacked [E_local, ...] tensor (dist-moe), one [1, ...]
+    tensor per expert (DeepSpeed's expert copies; both ``stacked``), or one plain
+    tensor per expert (Megatron). ``experts`` is dist-moe's ``Experts`` where block
+    factors can be captured (GAR's Gram mode, example and token units), else None.
+    """
+
+    router: object
+    template: dict
+    stacked: bool
+    local_params: list  # the parameters this rank holds alone: its experts
+    last_inputs: object  # () -> (detached router input [T, H], router extras, token layout)
+    group: object = None  # the expert-parallel process group, None when every expert is local
+    rank: int = 0
+    experts: object = None
+
+    def slot_numel(self) -> list[int]:
+        return [(ps[0][0] if self.stacked else ps[0]).numel() for ps in self.template.values()]
+
+
+def moe_layers(model) -> list:
+    """Every MoE layer module in ``model`` (dist-moe's, or DeepSpeed- or Megatron-hosted)."""
+    return [m for m in model.modules() if hasattr(m, "moe_view")]
+
+
+def moe_views(model) -> list[MoEView]:
+    """``moe_view()`` of every MoE layer in ``model``."""
+    return [m.moe_view() for m in moe_layers(model)]
