@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 from placement import Placement, Topology
+from placement.exact import EXACT_MAX_EXPERTS, exact_placement
 from placement.report import write_report
 from placement.simulate import RoutingRecord, simulate
 from placement.traffic import DEDUP_MODES, dispatch_traffic
@@ -20,6 +21,8 @@ def add_parsers(sub, debug) -> None:
     pl.add_argument("--topology", required=True, help="node=2,gpu=4 or a topology YAML")
     pl.add_argument("--stats", required=True, help="a run directory (its routing.npz)")
     pl.add_argument("--out", default="placement.yaml")
+    pl.add_argument("--exact-seconds", type=float, default=5.0,
+                    help="time limit of each level's exact partition (CP-SAT, up to 64 experts); 0: heuristic only")
     sm = sub.add_parser("simulate", parents=[debug], help="replay a run's routing on a simulated cluster")
     sm.add_argument("--nodes", type=int, required=True, help="nodes (per rack with --racks)")
     sm.add_argument("--gpus-per-node", type=int, required=True)
@@ -95,7 +98,11 @@ def _place(args) -> int:
     topo = topology_of(args.topology)
     if record.num_experts % topo.world_size:
         raise ValueError(f"{record.num_experts} experts do not divide over {topo.world_size} ranks")
+    if args.exact_seconds < 0:
+        raise ValueError(f"--exact-seconds must be >= 0, got {args.exact_seconds}")
     optimized = Placement.optimized(record.coactivation(), topo)
+    if args.exact_seconds and record.num_experts <= EXACT_MAX_EXPERTS:
+        optimized = _exact_place(record.coactivation(), topo, args.exact_seconds)
     contiguous = Placement.contiguous(record.num_experts, topo.world_size)
     src = record.expert_idx.new_tensor(range(record.expert_idx.shape[0])) % topo.world_size
     optimized.to_yaml(args.out)
@@ -107,6 +114,18 @@ def _place(args) -> int:
         saving = 1 - after / before if before else 0.0
         print(f"  dedup={dedup:<5} contiguous {before:8.1f}  optimized {after:8.1f}  ({100 * saving:+.1f}% saved)")
     return 0
+
+
+def _exact_place(coactivation, topo, seconds: float) -> Placement:
+    """The exact per-level partition (the heuristic's split as its start), each split's cut beside the heuristic's."""
+    print(f"exact partition (CP-SAT, up to {seconds:g} s per split); co-activation weight cut:")
+    placement, splits = exact_placement(coactivation, topo, seconds)
+    for s in splits:
+        e = s.exact
+        proof = "optimal" if e.optimal else f"best found; no split cuts less than {e.lower_bound:.4g}"
+        print(f"  {s.level:<5} {s.size:>3} experts into {s.parts}: heuristic {s.heuristic_cut:.4g}  exact {e.cut:.4g}"
+              f"  ({proof}; {e.seconds:.1f} s)")
+    return placement
 
 
 def _simulate(args) -> int:

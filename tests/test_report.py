@@ -57,7 +57,16 @@ def test_place_writes_a_loadable_placement(run_dir, tmp_path, capsys):
     assert main(["place", "--topology", "node=2,gpu=2", "--stats", str(run_dir), "--out", str(out)]) == 0
     placement = Placement.from_yaml(out)
     placement.check(16, 4)
-    assert "saved" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "saved" in printed
+    # both partitions reported, every split: the heuristic's cut beside the exact one (proven at E=16)
+    splits = [line for line in printed.splitlines() if "heuristic" in line and "exact" in line]
+    assert [line.split()[:4] for line in splits] == [["node", "16", "experts", "into"]] + [["gpu", "8", "experts",
+                                                                                              "into"]] * 2
+    assert all("optimal" in line for line in splits)
+    assert main(["place", "--topology", "node=2,gpu=2", "--stats", str(run_dir), "--out", str(out),
+                 "--exact-seconds", "0"]) == 0
+    assert "exact" not in capsys.readouterr().out
 
 
 def test_simulate_1024_gpus_in_under_a_minute(run_dir, capsys):
