@@ -69,7 +69,7 @@ def _gar_worker(rank, world, host):
 
     from dist_moe.integrations.deepspeed import DeepSpeedHostedMoE, init_distributed, load_dist_moe_experts
     from dist_moe.gar.step import gar_train_step
-    from dist_moe.train.engines import DeepSpeedStepper
+    from dist_moe.train.steppers import DeepSpeedStepper
     from tests.engine_checks import GAR_HIDDEN, GAR_KW, Record, gar_case
 
     os.environ.setdefault("LOCAL_RANK", str(rank))  # deepspeed.initialize checks it; launchers set it

@@ -5,7 +5,7 @@ attention through ``scaled_dot_product_attention``; the output head shares the
 byte embedding. Each sequence's domain is its SpecDrop category (one per
 sequence, broadcast to its tokens by the MoE layer); hash routing keys on the
 byte at each position. ``moe_factory(layer_index)`` returns any layer with
-MoELayer's interface (``dist_moe.train.engines.Runtime.build_moe``), so the same
+MoELayer's interface (``dist_moe.train.runtime.Runtime.build_moe``), so the same
 model runs on dist-moe's dispatcher or an engine-hosted layer.
 """
 from __future__ import annotations

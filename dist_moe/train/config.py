@@ -156,7 +156,7 @@ def validate(cfg: dict) -> dict:
     if cfg["train"]["gar"] is not None:
         GARConfig.for_router(cfg["train"]["gar"], cfg["router"]["type"])
     chunks = cfg["parallel"]["pipeline_chunks"]
-    if cfg["engine"] != "torch" and chunks != 1:  # refused before any process group exists
+    if not ENGINES[cfg["engine"]].pipelines and chunks != 1:  # refused before any process group exists
         raise ValueError(f"parallel.pipeline_chunks={chunks} pipelines dist-moe's own dispatcher (engine torch); "
                          f"engine {cfg['engine']} exchanges through its own: set it to 1")
     return cfg

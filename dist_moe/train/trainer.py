@@ -31,10 +31,10 @@ from dist_moe.moe_view import moe_layers
 from dist_moe.train import checkpoint, records
 from dist_moe.train.build import data_and_model
 from dist_moe.train.config import model_changes, validate
-from dist_moe.train.engines import Runtime
 from dist_moe.train.evaluate import evaluate, loss_of
 from dist_moe.train.metrics import metrics_of
 from dist_moe.train.rundir import RunLock, check_writable, truncate_metrics
+from dist_moe.train.runtime import Runtime
 from placement import random_pair_tree_distance
 
 def json_safe(record: dict) -> dict:
@@ -237,7 +237,7 @@ def _train_in(cfg: dict, rt: Runtime, quiet: bool, after, out_dir: Path, resume_
         if logger is not None:
             logger.close()
     summary = {
-        "name": cfg["name"], "router": cfg["router"]["type"], "engine": rt.engine, "world_size": rt.world,
+        "name": cfg["name"], "router": cfg["router"]["type"], "engine": rt.engine.name, "world_size": rt.world,
         "topology": rt.topology().describe(),
         "steps": step, "already_finished": already_finished, "samples": cursor.consumed,
         "samples_this_run": cursor.consumed - resumed_at,

@@ -1,0 +1,112 @@
+"""One training run's runtime: the device, the process group, the topology and placement, and the
+engine (``dist_moe.train.engines``) that builds its MoE layers and steps."""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from dist_moe.dispatch.groups import WeakGroup
+from dist_moe.dispatch.process_group import init_from_env, launched_world_size, resolve_device
+from dist_moe.dispatch.stats import all_reduce_sum
+from dist_moe.seeding import fork_rng
+from dist_moe.train.engines import ENGINES
+from placement import Placement, Topology
+
+
+class Runtime:
+    """Process group, engine set-up and the MoE layer factory for one training run."""
+
+    group = WeakGroup()  # held weakly (dist_moe/dispatch/groups.py)
+
+    def __init__(self, engine: str, parallel: dict):
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {tuple(ENGINES)}, got {engine!r}")
+        self.engine = ENGINES[engine]()  # what differs between torch, deepspeed and megatron (train/engines.py)
+        self.engine.check_version()
+        self.parallel = parallel
+        self.timeout_s = float(parallel.get("timeout_s", 300.0))
+        self._owns_group = not torch.distributed.is_initialized()  # a caller's group is left to the caller
+        # first of all: the device (LOCAL_RANK's GPU, or the CPU); the backend follows from it
+        self.device = resolve_device(parallel.get("device", "auto"))
+        self._defaulted = _one_rank_defaults() if self.engine.needs_group else []
+        self.engine.before_group(self.timeout_s, self.device)
+        self.rank, self.world, self.group = init_from_env(self.timeout_s, always=self.engine.needs_group,
+                                                          device=self.device)
+        _share_cpu_threads()
+        self.topology()  # a topology that disagrees with the launch fails here, on every rank, before training
+        self.engine.after_group(self)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def topology(self) -> Topology:
+        return Topology.launched(self.world)
+
+    def placement(self, num_experts: int) -> Placement:
+        kind = self.parallel["placement"]
+        if kind == "tree_prefix":
+            return Placement.tree_prefix(num_experts, self.topology())
+        if kind.endswith((".yaml", ".yml")):  # written by `dist-moe place --out`
+            placement = Placement.from_yaml(kind)
+            if (placement.num_experts, placement.world_size) != (num_experts, self.world):
+                raise ValueError(f"parallel.placement={kind!r} places {placement.num_experts} experts on "
+                                 f"{placement.world_size} ranks, but this run has {num_experts} experts on "
+                                 f"{self.world} ranks")
+            return placement
+        return getattr(Placement, kind)(num_experts, self.world)
+
+    def build_moe(self, hidden: int, ffn: int, router: dict, capacity_factor, expert_type: str) -> nn.Module:
+        """One MoE layer, built by the engine, its experts placed by ``parallel.placement``."""
+        from dist_moe.routing import build_router
+
+        with fork_rng():  # a probe for the expert count: leave the seed's stream alone
+            num_experts = build_router({"hidden_size": hidden, **router}).num_experts
+        return self.engine.build_moe(self, hidden, ffn, router, capacity_factor, expert_type,
+                                    self.placement(num_experts))
+
+    def stepper(self, model: nn.Module, lr: float, max_grad_norm, micro_batch: int):
+        return self.engine.stepper(self, model, lr, max_grad_norm, micro_batch)
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(t, self.group if self.world > 1 else None)
+
+    def shutdown(self, failed: bool = False) -> None:
+        """Tear down what this run set up. After a failure there is no closing barrier: a dead
+        or cut-off peer would make it wait out the timeout a second time."""
+        self.engine.shutdown()
+        if self._owns_group:
+            from dist_moe.dispatch.process_group import shutdown
+
+            shutdown(wait=not failed)
+        for key in self._defaulted:  # a later run (or a child process) must not inherit this run's port
+            os.environ.pop(key, None)
+
+
+def _share_cpu_threads() -> None:
+    """Ranks that share a node share its cores: unless OMP_NUM_THREADS says otherwise, each takes
+    its share (torchrun sets 1; the deepspeed launcher sets nothing, and 2 ranks x 2 threads on 2
+    cores ran 5x slower than 1 thread each)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+    if local > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+
+
+def _one_rank_defaults() -> list[str]:
+    """DeepSpeed and Megatron need a process group even alone: a one-rank group on localhost.
+    Returns the variables it set (the run removes them at shutdown)."""
+    if launched_world_size() != 1:
+        return []
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    defaults = (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
+                ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)))
+    set_here = [key for key, _ in defaults if key not in os.environ]
+    for key, value in defaults:
+        os.environ.setdefault(key, value)
+    return set_here
