@@ -82,21 +82,34 @@ def test_expert_parallel_lm_equals_one_process(world, router):
 
 
 @needs_corpus
-def test_cli_trains_the_lm_from_its_config(tmp_path, monkeypatch):
+def test_lm_trains_from_its_config_with_metrics_and_schedules_of_every_layer(tmp_path, monkeypatch):
     import json
 
-    from dist_moe.cli import main
+    from dist_moe.moe_view import moe_layers
+    from dist_moe.train.config import load_config
+    from dist_moe.train.trainer import train
 
     monkeypatch.setenv("DIST_MOE_DATA", str(tmp_path / "data"))
     out = tmp_path / "run"
-    assert main(["train", "--quiet", "--config", "configs/lm_branch.yaml", f"output.dir={out}",
-                 "train.max_steps=60", "data.per_domain=300", "data.categories=domains",
-                 "router.type=specdrop", "router.num_categories=4", "router.p_assigned=0.7"]) == 0
+    cfg = load_config("configs/lm_branch.yaml", [f"output.dir={out}", "train.max_steps=60", "data.per_domain=300",
+                                                 "data.categories=domains", "router.type=specdrop",
+                                                 "router.num_categories=4", "router.p_assigned=0.7"])
+    summary = train(cfg, quiet=True, after=lambda model, data, rt: {
+        "progress": [float(layer.router.progress) for layer in moe_layers(model)]})
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in lines if "loss" in r]
     assert losses[-1] < losses[0] - 1.0
-    summary = json.loads((out / "summary.json").read_text())
     assert summary["router"] == "specdrop" and 0 <= summary["val_align"] <= 1
+    assert summary["progress"] == [59 / 60, 59 / 60]  # the schedule moved in both layers, not only the first
+    row = lines[-2]  # the last training row: both layers' metrics, and their mean
+    assert row["load_cv"] == pytest.approx((row["layer0_load_cv"] + row["layer1_load_cv"]) / 2)
+    assert summary["val_load_cv"] == pytest.approx((summary["val_layer0_load_cv"] + summary["val_layer1_load_cv"]) / 2)
+    # (SpecDrop routes both layers alike; the mean of layers that differ:)
+    from dist_moe.train.metrics import layers_metrics
+
+    assert layers_metrics([{"cv": 1.0, "share": [0.25, 0.75]}, {"cv": 3.0, "share": [0.5, 0.5]}]) == \
+        {"cv": 2.0, "share": [0.375, 0.625], "layer0_cv": 1.0, "layer0_share": [0.25, 0.75], "layer1_cv": 3.0,
+         "layer1_share": [0.5, 0.5]}
 
 
 def test_lm_config_errors_name_the_value(tmp_path, capsys):

@@ -13,7 +13,6 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from dist_moe.layer import MoELayer
-from dist_moe.routing.flat import HashRouter
 from dist_moe.routing.hashing import hash_rows
 
 
@@ -49,7 +48,7 @@ class TabularMoE(nn.Module):
 
     def forward(self, x: Tensor, categories: Tensor | None = None) -> tuple[Tensor, Tensor]:
         # Hash routing keys on the example's raw feature vector (BRANCH paper B.2).
-        ids = hash_rows(x) if isinstance(self.moe.router, HashRouter) else None
+        ids = hash_rows(x) if "token_ids" in self.moe.router.inputs else None
         h, aux = self.moe(self.input(x), categories=categories, token_ids=ids)
         logits = self.head(self.norm(h))
         if self.label_mask:

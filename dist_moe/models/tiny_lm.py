@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dist_moe.routing.flat import HashRouter
 
 VOCAB = 256  # bytes
 
@@ -58,7 +57,7 @@ class TinyMoELM(nn.Module):
         x = self.embed(tokens) + self.pos[: tokens.shape[1]]
         aux = torch.zeros((), device=tokens.device)
         for block in self.blocks:
-            ids = tokens if isinstance(block.moe.router, HashRouter) else None
+            ids = tokens if "token_ids" in block.moe.router.inputs else None
             x, a = block(x, categories, ids)
             aux = aux + a
         return self.ln(x) @ self.embed.weight.t(), aux

@@ -59,6 +59,10 @@ def expert_load(expert_idx: Tensor, num_experts: int, weights: Tensor | None = N
 class Router(nn.Module):
     """Base class: validates inputs and holds the fields every strategy shares."""
 
+    # what the strategy reads besides the hidden states: "categories" (SpecDrop) or "token_ids" (hash); the
+    # layer passes whatever it has, a model supplies what its routers declare
+    inputs: frozenset = frozenset()
+
     num_experts: int
     top_k: int
     stats_group = WeakGroup()  # held weakly: torch.distributed owns the group (dispatch/groups.py)
@@ -96,6 +100,15 @@ class Router(nn.Module):
             if moved is not None and moved.dtype != old.dtype:
                 self._buffers[name] = old.to(moved.device)
         return out
+
+    # --- schedules ---------------------------------------------------------
+    @property
+    def scheduled(self) -> bool:
+        """Whether the trainer moves this router's schedule (``set_progress``) as training goes."""
+        return False
+
+    def set_progress(self, fraction: float) -> None:
+        """Training progress in [0, 1] for a scheduled router (SpecDrop); nothing moves elsewhere."""
 
     # --- state updates -------------------------------------------------
     @property

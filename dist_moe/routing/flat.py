@@ -212,6 +212,8 @@ class DeepSeekV3Router(_LearnedFlatRouter):
 class HashRouter(Router):
     """Hash Layers (Roller et al. 2021): K distinct experts from a fixed hash of the token id."""
 
+    inputs = frozenset({"token_ids"})
+
     def __init__(self, num_experts: int, top_k: int = 1, seed: int = 0, hidden_size: int | None = None):
         super().__init__(num_experts, top_k)
         self.hidden_size = hidden_size

@@ -131,6 +131,13 @@ class SpecDropRouter(Router):
             )
 
     # --- schedule ------------------------------------------------------------
+    inputs = frozenset({"categories"})
+
+    @property
+    def scheduled(self) -> bool:
+        """Moved by the trainer, unless it counts its own steps (``total_steps``)."""
+        return self.total_steps is None
+
     def set_progress(self, fraction: float) -> None:
         """Position in training, 0 at the start and 1 at the end (per step or per epoch)."""
         if self.total_steps is not None:

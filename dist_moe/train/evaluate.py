@@ -6,9 +6,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from dist_moe.routing.specdrop import SpecDropRouter
+from dist_moe.moe_view import moe_layers
 from dist_moe.train.align import specdrop_align
-from dist_moe.train.metrics import routing_metrics
+from dist_moe.train.metrics import layers_metrics, routing_metrics
 
 
 def loss_of(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -29,31 +29,39 @@ def evaluate(model, x: torch.Tensor, y: torch.Tensor, c: torch.Tensor | None = N
     c = None if c is None else c[mine].to(device)
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64)  # loss, correct, rows
-    routings = []
+    layers = moe_layers(model)
+    routings = [[] for _ in layers]  # per MoE layer, per batch
     for rows in torch.tensor_split(torch.arange(len(x)), max(1, math.ceil(math.ceil(total / world) / batch_size))):
         logits, _ = model(x[rows], None if c is None else c[rows])
         sums[0] += float(loss_of(logits, y[rows], "sum")) if len(rows) else 0.0
         sums[1] += int((logits.argmax(-1) == y[rows]).sum())
         sums[2] += y[rows].numel()  # rows, or tokens for a language model
-        routings.append(model.moe.last_routing)
+        for per_batch, layer in zip(routings, layers):
+            per_batch.append(layer.last_routing)
     reduce = runtime.sum if runtime is not None else (lambda t: t)
     sums = reduce(sums)
-    load = reduce(sum(r.stats["load"] for r in routings).double())
-    dropped = int(reduce(torch.tensor([float(sum(r.stats.get("dropped", 0) for r in routings))])))
-    metrics = routing_metrics(torch.cat([r.expert_idx for r in routings]), load, dropped, model.moe.num_experts,
-                              getattr(model.moe, "expert_node", None))
+    metrics = layers_metrics([_val_metrics(layer, per_batch, reduce) for layer, per_batch in zip(layers, routings)])
     out = {"val_loss": float(sums[0] / sums[2]), "val_acc": float(sums[1] / sums[2]),
            **{f"val_{k}": v for k, v in metrics.items()}}
-    if c is not None and isinstance(model.moe.router, SpecDropRouter):  # Align asks of SpecDrop's assignment
+    # Align asks of SpecDrop's category assignment (expert c mod E)
+    if c is not None and "categories" in layers[0].router.inputs:
         out["val_align"] = _align(model, x, y, c, None if runtime is None or world == 1 else runtime.group)
     model.train()
     return out
 
 
+def _val_metrics(layer, routings: list, reduce) -> dict:
+    """One MoE layer's routing metrics over every validation batch, loads summed over ranks."""
+    load = reduce(sum(r.stats["load"] for r in routings).double())
+    dropped = int(reduce(torch.tensor([float(sum(r.stats.get("dropped", 0) for r in routings))])))
+    return routing_metrics(torch.cat([r.expert_idx for r in routings]), load, dropped, layer.num_experts,
+                           getattr(layer, "expert_node", None))
+
+
 def _align(model, x, y, c, group=None) -> float:
     """SpecDrop's Align on the validation rows (expert c mod E is category c's)."""
     num_categories = int(c.max()) + 1 if model.class_category is None else int(model.class_category.max()) + 1
-    e = model.moe.num_experts
+    e = moe_layers(model)[0].num_experts
 
     def per_category_loss(m):
         logits, _ = m(x, c)

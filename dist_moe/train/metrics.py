@@ -36,3 +36,23 @@ def routing_metrics(expert_idx: Tensor, load: Tensor, dropped: int, num_experts:
 def metrics_of(routing, num_experts: int, expert_node: Tensor | None = None) -> dict:
     return routing_metrics(routing.expert_idx, routing.stats["load"], routing.stats.get("dropped", 0), num_experts,
                            expert_node)
+
+
+def layers_metrics(per_layer: list[dict]) -> dict:
+    """One MoE layer's metrics as they are; with several, each key's mean over the layers, and every
+    layer's own as ``layer<i>_<key>`` (as the bytes are logged)."""
+    if len(per_layer) == 1:
+        return per_layer[0]
+    def mean(values):  # a number, or a list of them (each node's share) averaged position by position
+        if isinstance(values[0], (list, tuple)):
+            return [mean(column) for column in zip(*values)]
+        return math.fsum(values) / len(values)
+
+    out = {k: mean([m[k] for m in per_layer]) for k in per_layer[0]}
+    out.update({f"layer{i}_{k}": v for i, m in enumerate(per_layer) for k, v in m.items()})
+    return out
+
+
+def layer_metrics(layer) -> dict:
+    """``metrics_of`` one MoE layer's last routing (any host)."""
+    return metrics_of(layer.last_routing, layer.num_experts, getattr(layer, "expert_node", None))

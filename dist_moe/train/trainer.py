@@ -32,7 +32,7 @@ from dist_moe.train import checkpoint, records
 from dist_moe.train.build import data_and_model
 from dist_moe.train.config import model_changes, validate
 from dist_moe.train.evaluate import evaluate, loss_of
-from dist_moe.train.metrics import metrics_of
+from dist_moe.train.metrics import layer_metrics, layers_metrics
 from dist_moe.train.rundir import RunLock, check_writable, truncate_metrics
 from dist_moe.train.runtime import Runtime
 from placement import random_pair_tree_distance
@@ -139,8 +139,8 @@ def _train_in(cfg: dict, rt: Runtime, quiet: bool, after, out_dir: Path, resume_
     torch.manual_seed(cfg["seed"])  # the same on every rank: replicated modules start identical
     data, model = data_and_model(cfg, rt)
     model.to(rt.device)  # every batch follows it there (data stays on the CPU until its step)
-    router = model.moe.router
-    routers = [layer.router for layer in moe_layers(model)]  # every MoE layer's, for schedules
+    layers = moe_layers(model)  # every MoE layer: metrics and schedules cover them all
+    routers = [layer.router for layer in layers]
     gar = None if tcfg["gar"] is None else GARConfig.from_dict(tcfg["gar"])
     bs = tcfg["batch_size"]  # per rank, as DeepSpeed's train_micro_batch_size_per_gpu
     step_fn = rt.stepper(model, tcfg["lr"], tcfg["max_grad_norm"], bs)
@@ -181,16 +181,15 @@ def _train_in(cfg: dict, rt: Runtime, quiet: bool, after, out_dir: Path, resume_
         already_finished = resume_from is not None and finished()
         if already_finished:  # nothing left to train: report the checkpoint's model as it is
             last_eval = evaluate(model, data.x_val, data.y_val, data.val_categories(), runtime=rt)
-        # a router given total_steps counts its own forwards instead
-        scheduled = hasattr(router, "set_progress") and getattr(router, "total_steps", None) is None
+        scheduled = [r for r in routers if r.scheduled]  # SpecDrop's schedule, unless it counts its own steps
         while not finished():
-            if scheduled and tcfg["schedule"] == "epoch":
-                for r in routers:
-                    r.set_progress(cursor.epoch / epochs)  # SpecDrop's schedule, per epoch
+            if tcfg["schedule"] == "epoch":
+                for r in scheduled:
+                    r.set_progress(cursor.epoch / epochs)
             while True:  # the steps of this epoch (from mid-epoch after a resume)
-                if scheduled and tcfg["schedule"] == "step":
-                    for r in routers:
-                        r.set_progress(progress())  # SpecDrop's schedule, per step
+                if tcfg["schedule"] == "step":
+                    for r in scheduled:
+                        r.set_progress(progress())
                 step_start = time.perf_counter()
                 rows = torch.tensor_split(cursor.next_batch(), rt.world)[rt.rank]
                 xb, yb = data.x_train[rows].to(rt.device), data.y_train[rows].to(rt.device)
@@ -213,11 +212,10 @@ def _train_in(cfg: dict, rt: Runtime, quiet: bool, after, out_dir: Path, resume_
                 if step % tcfg["log_every"] == 0 or last:
                     record.update(records.measured_bytes(model, rt))  # collective: every rank takes part
                 if logger is not None and (step % tcfg["log_every"] == 0 or last):
-                    if model.moe.last_routing is not None:  # None while every step so far was skipped
-                        record.update(metrics_of(model.moe.last_routing, model.moe.num_experts,
-                                                 getattr(model.moe, "expert_node", None)))
-                    if hasattr(router, "progress"):
-                        record["schedule_progress"] = float(router.progress)
+                    if all(layer.last_routing is not None for layer in layers):  # None: every step skipped
+                        record.update(layers_metrics([layer_metrics(layer) for layer in layers]))
+                    if hasattr(routers[0], "progress"):
+                        record["schedule_progress"] = float(routers[0].progress)
                     logger.log({"step": step, **record})
                     bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
                 bar.update(1)
@@ -244,7 +242,7 @@ def _train_in(cfg: dict, rt: Runtime, quiet: bool, after, out_dir: Path, resume_
         "skipped_steps": int(skipped), "seconds": round(time.time() - start, 2),
         "train_seconds": round(train_seconds, 3),
         **last_eval,
-        "random_pair_tree_distance": _random_pair(model.moe.num_experts), "output_dir": str(out_dir), **extra,
+        "random_pair_tree_distance": _random_pair(layers[0].num_experts), "output_dir": str(out_dir), **extra,
     }
     summary = json_safe(summary)
     if rt.is_main:
