@@ -184,3 +184,20 @@ def test_a_bf16_cast_keeps_router_state_in_its_own_precision():
     spec.set_progress(0.123456789)
     spec.bfloat16()
     assert spec.progress.dtype == torch.float64 and float(spec.progress) == 0.123456789
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_router_shape_is_the_built_routers_without_building_it(kind):
+    """Hosts size their layers from router_shape (no probe build): the same numbers as the router."""
+    from dist_moe.routing.registry import router_shape
+
+    cfg = {"hidden_size": H, **CONFIGS[kind]}
+    router = build_router(cfg)
+    shape = router_shape(cfg)
+    assert (shape.num_experts, shape.top_k, shape.aux_loss_coeff) == (
+        router.num_experts, router.top_k, float(getattr(router, "aux_loss_coeff", 0.0)))
+    for key, bad in (("num_experts", 0), ("top_k", router.num_experts + 1)):
+        with pytest.raises(ValueError, match=key):
+            build_router({**cfg, key: bad})
+        with pytest.raises(ValueError, match=key):  # refused as the build refuses it, before any placement
+            router_shape({**cfg, key: bad})

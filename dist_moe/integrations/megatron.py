@@ -36,7 +36,7 @@ from dist_moe.integrations.context import routing_extras
 from dist_moe.integrations.hosted import HostedMoE
 from dist_moe.routing import ROUTERS as ROUTER_TYPES
 from dist_moe.routing import Router, build_router
-from dist_moe.seeding import fork_rng
+from dist_moe.routing.registry import router_shape
 from placement import Placement
 
 DISPATCHERS = ("alltoall", "allgather")
@@ -259,11 +259,10 @@ class MegatronHostedMoE(HostedMoE):
                  placement: Placement | None = None, dispatcher: str = "alltoall", expert_type: str = "swiglu",
                  device: torch.device | None = None, topology=None):
         super().__init__()
-        with fork_rng():  # a probe for top_k and the expert count; no RNG drawn
-            probe = build_router({"hidden_size": hidden_size, **router})
-        config = megatron_config(hidden_size, ffn_hidden_size, probe.num_experts, probe.top_k, ep_size,
+        shape = router_shape({"hidden_size": hidden_size, **router})  # the router itself is built once, by Megatron
+        config = megatron_config(hidden_size, ffn_hidden_size, shape.num_experts, shape.top_k, ep_size,
                                  dispatcher, expert_type, device,
-                                 moe_aux_loss_coeff=getattr(probe, "aux_loss_coeff", 0.0))  # Megatron's place
+                                 moe_aux_loss_coeff=shape.aux_loss_coeff)  # Megatron's place for it
         self.hidden_size = hidden_size
         self.moe = megatron_moe_layer(config, router, placement, topology=topology)
         self._know_nodes(self.moe.router.placement, topology)

@@ -69,13 +69,7 @@ class Router(nn.Module):
 
     def __init__(self, num_experts: int, top_k: int, stats_group=None):
         super().__init__()
-        num_experts = positive_int("num_experts", num_experts)
-        if num_experts > MAX_EXPERTS:  # refused before any [E, ...] tensor is allocated
-            raise ValueError(f"num_experts must be at most {MAX_EXPERTS}, got {num_experts}")
-        if not _is_int(top_k) or not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
-        self.num_experts = num_experts
-        self.top_k = int(top_k)
+        self.num_experts, self.top_k = check_shape(num_experts, top_k)
         self.stats_group = stats_group
         self._update_state = True
         self._caller_checks = False
@@ -197,6 +191,16 @@ class Router(nn.Module):
 
 def _is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def check_shape(num_experts, top_k) -> tuple[int, int]:
+    """(num_experts, top_k) as ints, or ValueError naming the bad one."""
+    num_experts = positive_int("num_experts", num_experts)
+    if num_experts > MAX_EXPERTS:  # refused before any [E, ...] tensor is allocated
+        raise ValueError(f"num_experts must be at most {MAX_EXPERTS}, got {num_experts}")
+    if not _is_int(top_k) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
+    return num_experts, int(top_k)
 
 
 def positive_int(name: str, value, allow_none: bool = False):

@@ -10,8 +10,9 @@ from __future__ import annotations
 import inspect
 import numbers
 import warnings
+from dataclasses import dataclass
 
-from dist_moe.routing.base import Router
+from dist_moe.routing.base import Router, check_shape
 from dist_moe.routing.branch import BranchRouter
 from dist_moe.routing.flat import DeepSeekV3Router, HashRouter, SkyworkRouter, SwitchRouter, UniformRouter
 from dist_moe.gar.config import GARConfig
@@ -66,29 +67,57 @@ def _check_type(key: str, value) -> None:
         raise ValueError(f"router key {key!r} must be true or false, got {value!r}")
 
 
-def build_router(cfg: dict, stats_group=None) -> Router:
+def _checked(cfg: dict) -> tuple[str, dict, dict, object]:
+    """(type, accepted parameters, constructor arguments, the deprecated gar block) of a validated config."""
     if not isinstance(cfg, dict):
         raise ValueError(f"router config must be a dict, got {type(cfg).__name__}")
     cfg = dict(cfg)
     kind = cfg.pop("type", None)
     if kind not in ROUTERS:
         raise ValueError(f"router key 'type' must be one of {sorted(ROUTERS)}, got {kind!r}")
-    cls = ROUTERS[kind]
-    accepted = _accepted(cls)
-    takes_group = accepted.pop("stats_group", None) is not None  # a process group, never from YAML
+    accepted = _accepted(ROUTERS[kind])
     gar = cfg.pop("gar", None)
-    unknown = sorted(set(cfg) - set(accepted))
+    allowed = set(accepted) - {"stats_group"}  # a process group, never from YAML
+    unknown = sorted(set(cfg) - allowed)
     if unknown:
-        raise ValueError(f"unknown router key {unknown[0]!r} for type {kind!r}; valid keys: {sorted(accepted)}")
+        raise ValueError(f"unknown router key {unknown[0]!r} for type {kind!r}; valid keys: {sorted(allowed)}")
     missing = [n for n, p in accepted.items() if p.default is inspect.Parameter.empty and n not in cfg]
     if missing:
         raise ValueError(f"router type {kind!r} requires key {missing[0]!r}")
     for key, value in cfg.items():
         _check_type(key, value)
-    kwargs = dict(cfg)
-    if takes_group:
+    return kind, accepted, cfg, gar
+
+
+@dataclass(frozen=True)
+class RouterShape:
+    """What a host sizes its layer by, read from a router config without building the router."""
+
+    num_experts: int
+    top_k: int
+    aux_loss_coeff: float
+
+
+def router_shape(cfg: dict) -> RouterShape:
+    """The expert count, top-k and aux-loss coefficient ``build_router(cfg)`` would give, validated the
+    same way (placement and engine configs need them before the one build, inside the layer)."""
+    _, accepted, kwargs, _ = _checked(cfg)
+
+    def given(name):
+        default = accepted[name].default if name in accepted else None
+        return kwargs.get(name, None if default is inspect.Parameter.empty else default)
+
+    num_experts = given("num_experts")
+    top_k = given("top_k")
+    num_experts, top_k = check_shape(num_experts, num_experts if top_k is None else top_k)  # None: dense
+    return RouterShape(num_experts, top_k, float(given("aux_loss_coeff") or 0.0))
+
+
+def build_router(cfg: dict, stats_group=None) -> Router:
+    kind, accepted, kwargs, gar = _checked(cfg)
+    if "stats_group" in accepted:
         kwargs["stats_group"] = stats_group
-    router = cls(**kwargs)
+    router = ROUTERS[kind](**kwargs)
     router.gar_config = None
     if gar is not None:
         router.gar_config = GARConfig.for_router(gar, kind, "router key 'gar'")

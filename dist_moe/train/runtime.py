@@ -10,7 +10,6 @@ from torch import nn
 from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.dispatch.process_group import init_from_env, launched_world_size, resolve_device
 from dist_moe.dispatch.stats import all_reduce_sum
-from dist_moe.seeding import fork_rng
 from dist_moe.train.engines import ENGINES
 from placement import Placement, Topology
 
@@ -60,12 +59,11 @@ class Runtime:
 
     def build_moe(self, hidden: int, ffn: int, router: dict, capacity_factor, expert_type: str) -> nn.Module:
         """One MoE layer, built by the engine, its experts placed by ``parallel.placement``."""
-        from dist_moe.routing import build_router
+        from dist_moe.routing.registry import router_shape
 
-        with fork_rng():  # a probe for the expert count: leave the seed's stream alone
-            num_experts = build_router({"hidden_size": hidden, **router}).num_experts
+        num_experts = router_shape({"hidden_size": hidden, **router}).num_experts  # the layer builds the router
         return self.engine.build_moe(self, hidden, ffn, router, capacity_factor, expert_type,
-                                    self.placement(num_experts))
+                                     self.placement(num_experts))
 
     def stepper(self, model: nn.Module, lr: float, max_grad_norm, micro_batch: int):
         return self.engine.stepper(self, model, lr, max_grad_norm, micro_batch)
