@@ -1,12 +1,13 @@
 """NaN / Inf in inputs or gradients: the step is skipped on every rank and counted; router state
 (BRANCH anchors and EMA step, DeepSeek-V3 biases), parameters and optimizer state are untouched;
 more than train.max_skipped_steps stops the run with a clear error on every rank."""
+import functools
 import os
 
 import pytest
 import torch
 
-from dist_moe.train import trainer
+from dist_moe.train import steps, trainer
 from dist_moe.train.config import load_config
 from tests.dist_utils import run_workers
 
@@ -26,7 +27,7 @@ def _inject(monkeypatch, bad_calls: dict, checks: list):
     """Poison step n of ``bad_calls``: NaN / Inf inputs (screened by the trainer before any forward)
     or a NaN expert gradient (found by the step function); record whether the step was skipped and
     whether model and optimizer state came out of it unchanged."""
-    real_screen, real_step = trainer._bad_inputs, trainer._plain_step
+    real_screen, real_call = trainer._bad_inputs, steps.PlainStep.__call__
     seen = {"calls": 0, "pending": None}
 
     def settle(model_opt):
@@ -46,7 +47,8 @@ def _inject(monkeypatch, bad_calls: dict, checks: list):
         assert bad or not poison.startswith("input")  # a poisoned batch is always caught (a peer's too)
         return bad
 
-    def step(model, step_fn, xb, yb, cb):
+    def step(self, model, step_fn, xb, yb, cb):
+        real_step = functools.partial(real_call, self)
         seen["refs"] = (model, step_fn.opt)
         if bad_calls.get(seen["calls"]) != "grad_nan":
             return real_step(model, step_fn, xb, yb, cb)
@@ -59,7 +61,7 @@ def _inject(monkeypatch, bad_calls: dict, checks: list):
         return record
 
     monkeypatch.setattr(trainer, "_bad_inputs", screen)
-    monkeypatch.setattr(trainer, "_plain_step", step)
+    monkeypatch.setattr(steps.PlainStep, "__call__", step)
 
 
 @pytest.mark.parametrize("router, engine", [("branch", "torch"), ("deepseek_v3", "torch"), ("branch", "deepspeed")])
