@@ -7,6 +7,7 @@ from pathlib import Path
 
 from placement import Placement, Topology
 from placement.exact import EXACT_MAX_EXPERTS, exact_placement
+from placement.placement import NAMED as PLACEMENTS
 from placement.report import write_report
 from placement.simulate import RoutingRecord, simulate
 from placement.traffic import DEDUP_MODES, dispatch_traffic
@@ -30,7 +31,7 @@ def add_parsers(sub, debug) -> None:
     sm.add_argument("--subtree-limit", help="replay the recorded probabilities with BRANCH's subtree limit too: "
                                             "M (the node level) or level=M[,level=M], e.g. rack=1,node=2")
     sm.add_argument("--stats", required=True, help="a run directory (its routing.npz)")
-    sm.add_argument("--placement", default="tree_prefix", choices=("tree_prefix", "contiguous", "round_robin"))
+    sm.add_argument("--placement", default="tree_prefix", choices=PLACEMENTS)
     sm.add_argument("--tokens-per-rank", type=int, default=256)
     sm.add_argument("--json", action="store_true")
 

@@ -146,6 +146,10 @@ def symmetric_coactivation(coactivation) -> torch.Tensor:
     return c
 
 
+# the strategies a training config or `dist-moe simulate` names (optimized needs co-activation: a file)
+NAMED = ("contiguous", "round_robin", "tree_prefix")
+
+
 def split_by_levels(num_experts: int, topology: Topology, split) -> list[int]:
     """expert -> rank, splitting the experts level by level: ``split(experts, n)`` -> n equal shares."""
     w = topology.world_size

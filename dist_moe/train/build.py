@@ -21,11 +21,16 @@ def categorised_router(cfg: dict, data) -> dict:
     return router
 
 
+# model.kind -> the dataset it trains on (tabular: any keel dataset)
+DATA_OF_KIND = {"tabular": None, "image": "fashion_mnist", "lm": "corpus", "text": "text_tasks"}
+MODEL_KINDS = tuple(DATA_OF_KIND)
+
+
 def data_and_model(cfg: dict, rt):
     """(data split, model) for ``cfg``; ``rt`` (a ``Runtime``) builds each MoE layer."""
     dcfg, mcfg = cfg["data"], dict(cfg["model"])
     kind, layers, heads = mcfg.pop("kind"), mcfg.pop("layers"), mcfg.pop("heads")
-    wants = {"lm": "corpus", "image": "fashion_mnist", "text": "text_tasks"}
+    wants = {k: v for k, v in DATA_OF_KIND.items() if v is not None}
     if wants.get(kind) != (dcfg["name"] if dcfg["name"] in wants.values() else None):
         raise ValueError(f"model.kind={kind!r} needs data.name={wants.get(kind, 'a keel dataset')}, "
                          f"got {dcfg['name']!r}")

@@ -17,7 +17,9 @@ from dist_moe.experts import KINDS as EXPERT_KINDS
 from dist_moe.gar.config import GARConfig
 from dist_moe.integrations.megatron import DISPATCHERS as MEGATRON_DISPATCHERS
 from dist_moe.routing.registry import GAR_MOVED
+from dist_moe.train.build import MODEL_KINDS
 from dist_moe.train.engines import ENGINES
+from placement.placement import NAMED as PLACEMENTS
 from placement.plan import DEDUP_MODES
 
 
@@ -91,10 +93,8 @@ _RULES = {
     "name": (str, False, ("a non-empty name", lambda v: bool(v.strip()))),
     "seed": (int, False, ("an int in [0, 2**63 - 1]", lambda v: 0 <= v < 2**63)),
     "engine": (str, False, _one_of(ENGINES)),
-    "parallel.placement": (str, False, ("one of contiguous, round_robin, tree_prefix or a placement .yaml "
-                                        "(dist-moe place --out)",
-                                        lambda v: v in ("contiguous", "round_robin", "tree_prefix")
-                                        or v.endswith((".yaml", ".yml")))),
+    "parallel.placement": (str, False, (f"one of {', '.join(PLACEMENTS)} or a placement .yaml (dist-moe place --out)",
+                                        lambda v: v in PLACEMENTS or v.endswith((".yaml", ".yml")))),
     "parallel.dedup": (str, False, _one_of(DEDUP_MODES)),
     "parallel.megatron_dispatcher": (str, False, _one_of(MEGATRON_DISPATCHERS)),
     "parallel.timeout_s": (float, False, ("a finite number > 0", lambda v: 0 < v < float("inf"))),
@@ -104,7 +104,7 @@ _RULES = {
     "data.val_fraction": (float, False, ("a number in (0, 1)", lambda v: 0 < v < 1)),
     "data.max_rows": (int, True, ("an int >= 10", lambda v: v >= 10)),
     "data.categories": (str, True, None),  # the loader names the valid category sets
-    "model.kind": (str, False, ("tabular, image, lm or text", lambda v: v in ("tabular", "image", "lm", "text"))),
+    "model.kind": (str, False, _one_of(MODEL_KINDS)),
     "model.layers": (int, False, _POSITIVE),
     "model.heads": (int, False, _POSITIVE),
     "data.seq_len": (int, False, ("an int >= 2", lambda v: v >= 2)),
