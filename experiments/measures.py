@@ -131,9 +131,9 @@ def after_exchange_time(model, data, rt) -> dict:
     import torch.distributed as dist
 
     from dist_moe.dispatch.calibrate import replay_dispatch, slowest
-    from dist_moe.layer import MoELayer
+    from dist_moe.moe_view import moe_layers
 
-    layers = [m for m in model.modules() if isinstance(m, MoELayer) and m.dispatcher is not None]
+    layers = [m for m in moe_layers(model) if getattr(m, "dispatcher", None) is not None]  # dist-moe's, exchanging
     if not layers:
         return {}
     batch = data.x_train[torch.randperm(len(data.x_train))[:STEP_BATCH]].to(rt.device)

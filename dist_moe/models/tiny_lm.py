@@ -62,11 +62,6 @@ class TinyMoELM(nn.Module):
             aux = aux + a
         return self.ln(x) @ self.embed.weight.t(), aux
 
-    @property
-    def moe(self) -> nn.Module:
-        """The first MoE layer (what the trainer's routing metrics read)."""
-        return self.blocks[0].moe
-
 
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
