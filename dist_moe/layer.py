@@ -22,7 +22,7 @@ from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher, routing_pairs
 from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.experts import Experts, SharedExpert, apply_experts
 from dist_moe.routing import Router, Routing, build_router
-from dist_moe.routing.capacity import capacity_for, capacity_step
+from dist_moe.routing.capacity import capacity_for, capacity_step, check_one_capacity
 from dist_moe.seeding import fork_rng
 from placement import Placement, Topology, Traffic
 from placement.plan import check_dedup
@@ -67,6 +67,7 @@ class MoELayer(nn.Module):
             router = build_router(cfg, stats_group=group if world > 1 else None)
         if not isinstance(router, Router):
             raise ValueError(f"router must be a Router or a config dict, got {type(router).__name__}")
+        check_one_capacity(router, capacity_factor)
         e = router.num_experts
         # every check below happens before the first collective
         topology = topology if topology is not None else Topology.launched(world)

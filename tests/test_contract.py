@@ -139,6 +139,9 @@ def test_numpy_ints_and_layer_arguments():
     assert r.num_experts == 8 and isinstance(r.num_experts, int)
     with pytest.raises(ValueError, match="capacity_factor"):
         MoELayer(H, 16, CONFIGS["switch"], capacity_factor="1.0")
+    with pytest.raises(ValueError, match="capacity is set twice"):  # the router's own and the layer's
+        MoELayer(H, 16, CONFIGS["switch_capacity"], capacity_factor=1.0)
+    MoELayer(H, 16, CONFIGS["switch_capacity"])  # the router's alone is fine
     with pytest.raises(ValueError, match="ffn_hidden_size"):
         MoELayer(H, 0, CONFIGS["switch"])
     with pytest.raises(ValueError, match="token_ids"):

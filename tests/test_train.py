@@ -103,6 +103,7 @@ def test_router_gar_still_works_for_one_release_and_names_train_gar():
         (["engine=megatron", "model.capacity_factor=null", "parallel.pipeline_chunks=2"], "parallel.pipeline_chunks=2"),
         (["train.max_skipped_steps=-1"], "train.max_skipped_steps"),
         (["router.type=switch", "train.gar.lamda=1"], "'lamda'"),
+        (["router.type=switch", "router.capacity_factor=0.5"], "capacity is set twice"),
         (["router.type=hash", "train.gar.lambda=1"], "'train.gar' needs a differentiable router"),
         (["router.type=switch", "train.gar=3"], "'train.gar' must be a mapping"),
         (["router.type=specdrop", "router.num_categories=4"], "categories"),

@@ -45,7 +45,7 @@ from dist_moe.integrations import deepspeed_patches
 from dist_moe.integrations.context import routing_extras
 from dist_moe.integrations.hosted import HostedMoE
 from dist_moe.routing import Router, build_router
-from dist_moe.routing.capacity import apply_capacity, capacity_for, slot_positions
+from dist_moe.routing.capacity import apply_capacity, capacity_for, check_one_capacity, slot_positions
 from dist_moe.seeding import fork_rng
 from placement import Placement
 
@@ -83,6 +83,7 @@ class DistMoEGate(nn.Module):
                              f"{uneven[0]} {len(placement.local_experts(uneven[0]))}")
         if capacity_factor is not None:
             capacity_for(1, 1, 1, capacity_factor)  # validates
+        check_one_capacity(router, capacity_factor)
         if isinstance(min_capacity, bool) or not isinstance(min_capacity, int) or min_capacity < 0:
             raise ValueError(f"min_capacity must be an int >= 0, got {min_capacity!r}")
         if topology is not None:
