@@ -7,39 +7,13 @@ import itertools
 
 import numpy as np
 import pytest
-import torch
 
 pytest.importorskip("ortools", reason="OR-Tools is not installed (the 'exact' extra; make installs it)")
 
-from placement import Placement, Topology
-from placement.exact import EXACT_MAX_EXPERTS, exact_balanced_partition, exact_placement
-from placement.placement import balanced_partition, cut_weight, symmetric_coactivation
-
-
-def random_c(m, seed, density=1.0):
-    g = torch.Generator().manual_seed(seed)
-    c = torch.rand(m, m, generator=g, dtype=torch.float64) * (torch.rand(m, m, generator=g) < density)
-    return symmetric_coactivation(c)
-
-
-def planted_c(m, blocks, seed):
-    g = torch.Generator().manual_seed(seed)
-    b = torch.randperm(m, generator=g) % blocks
-    return symmetric_coactivation((b[:, None] == b[None, :]) * 5.0 + torch.rand(m, m, generator=g))
-
-
-def recorded_c(m, router_type, seed=0):
-    """Co-activation of a real router's top-4 choices on the MAGIC telescope rows (dist_moe.data)."""
-    from dist_moe.data.tabular import tabular_split
-    from dist_moe.routing import build_router
-
-    data = tabular_split("magic", 0.2, 0, 4000, None)
-    torch.manual_seed(seed)
-    router = build_router({"type": router_type, "hidden_size": data.x_train.shape[1], "num_experts": m, "top_k": 4})
-    with torch.no_grad():
-        idx = router(data.x_train).expert_idx
-    onehot = torch.nn.functional.one_hot(idx, m).sum(1).double()
-    return symmetric_coactivation(onehot.t() @ onehot)
+from benchmarks.exact_partition import planted_c, random_c, recorded_c  # noqa: E402
+from placement import Placement, Topology  # noqa: E402
+from placement.exact import EXACT_MAX_EXPERTS, exact_balanced_partition, exact_placement  # noqa: E402
+from placement.placement import balanced_partition, cut_weight  # noqa: E402
 
 
 def brute_force_cut(c, n):
