@@ -102,12 +102,14 @@ def _place(args) -> int:
         raise ValueError(f"{record.num_experts} experts do not divide over {topo.world_size} ranks")
     if args.exact_seconds < 0:
         raise ValueError(f"--exact-seconds must be >= 0, got {args.exact_seconds}")
-    optimized = Placement.optimized(record.coactivation(), topo)
-    if args.exact_seconds and record.num_experts <= EXACT_MAX_EXPERTS:
-        if importlib.util.find_spec("ortools") is None:
-            print("exact partition skipped: OR-Tools is not installed (pip install -e '.[exact]'; make does)")
-        else:
-            optimized = _exact_place(record.coactivation(), topo, args.exact_seconds)
+    coactivation = record.coactivation()
+    exact = bool(args.exact_seconds) and record.num_experts <= EXACT_MAX_EXPERTS
+    if exact and importlib.util.find_spec("ortools") is None:
+        print("exact partition skipped: OR-Tools is not installed (pip install -e '.[exact]'; make does)")
+        exact = False
+    # the exact placement refines each of the heuristic's splits, so it replaces Placement.optimized
+    optimized = (_exact_place(coactivation, topo, args.exact_seconds) if exact
+                 else Placement.optimized(coactivation, topo))
     contiguous = Placement.contiguous(record.num_experts, topo.world_size)
     src = record.expert_idx.new_tensor(range(record.expert_idx.shape[0])) % topo.world_size
     optimized.to_yaml(args.out)

@@ -110,7 +110,7 @@ class LevelSplit:
 def exact_placement(coactivation, topology, time_limit_s: float = 10.0, sweeps: int = 200):
     """(Placement, [LevelSplit]): ``Placement.optimized``'s level-by-level splits, each solved by the ILP
     from the heuristic's split (so never worse than it); ``time_limit_s`` per split."""
-    from placement.placement import Placement, balanced_partition, cut_weight, split_by_levels, \
+    from placement.placement import Placement, balanced_partition, cut_weight, shares_of, split_by_levels, \
         symmetric_coactivation
 
     c = symmetric_coactivation(coactivation)
@@ -125,7 +125,7 @@ def exact_placement(coactivation, topology, time_limit_s: float = 10.0, sweeps: 
         result = exact_balanced_partition(sub, n, heuristic, time_limit_s)
         level = topology.levels[_depth(len(experts), c.shape[0], topology)]
         splits.append(LevelSplit(level, len(experts), n, cut_weight(sub, heuristic), result))
-        return [[x for x, p in zip(experts, result.parts) if p == u] for u in range(n)]
+        return shares_of(experts, result.parts, n)
 
     return Placement(split_by_levels(c.shape[0], topology, exact_shares), topology.world_size), splits
 

@@ -119,8 +119,7 @@ class Placement:
         c = symmetric_coactivation(coactivation)
 
         def min_cut_shares(experts: list[int], n: int) -> list[list[int]]:
-            parts = balanced_partition(c[experts][:, experts], n, sweeps)
-            return [[x for x, p in zip(experts, parts) if p == u] for u in range(n)]
+            return shares_of(experts, balanced_partition(c[experts][:, experts], n, sweeps), n)
 
         return cls(split_by_levels(c.shape[0], topology, min_cut_shares), topology.world_size)
 
@@ -148,6 +147,11 @@ def symmetric_coactivation(coactivation) -> torch.Tensor:
 
 # the strategies a training config or `dist-moe simulate` names (optimized needs co-activation: a file)
 NAMED = ("contiguous", "round_robin", "tree_prefix")
+
+
+def shares_of(experts: list[int], parts, n: int) -> list[list[int]]:
+    """The ``n`` shares of ``experts`` that ``parts`` (each expert's part) names."""
+    return [[x for x, p in zip(experts, parts) if p == u] for u in range(n)]
 
 
 def split_by_levels(num_experts: int, topology: Topology, split) -> list[int]:

@@ -3,7 +3,7 @@
 Li et al., "Routing in Gradient Space: Balanced Usage Is Not Expert Specialization",
 section 5.2, Algorithm 1 (appendix G.1) and the factorized Gram
 form of appendix G.2. For observation units m (same-task example groups by
-default; examples or tokens as options, see ``gar_observe``):
+default; examples or tokens as options, see ``dist_moe.gar.observe``):
 
   g_m      = sum_e grad_{theta_e} l_m  in a common parameter template, detached
   p_m      = the unit's router summary, recomputed from detached router inputs
@@ -101,5 +101,5 @@ def gar_train_step(
 
 
 def rank_local_param_ids(sites) -> set[int]:
-    """ids of the parameters each rank holds alone: its MoE layers' experts (``moe_layers(model)``)."""
+    """ids of the parameters each rank holds alone: its MoE layers' experts (``moe_views(model)``)."""
     return {id(p) for site in sites for p in site.local_params}

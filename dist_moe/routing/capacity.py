@@ -62,4 +62,3 @@ def check_one_capacity(router, capacity_factor) -> None:
     if capacity_factor is not None and own is not None:
         raise ValueError(f"capacity is set twice: the layer's capacity_factor={capacity_factor} (model.capacity_factor "
                          f"in a training config) and the router's capacity_factor={own}; set one of them")
-

@@ -36,6 +36,8 @@ VARIANTS = ("soft", "bernoulli", "hard", "uniform")
 
 
 class SpecDropRouter(Router):
+    inputs = frozenset({"categories"})
+
     def __init__(
         self,
         num_experts: int,
@@ -131,8 +133,6 @@ class SpecDropRouter(Router):
             )
 
     # --- schedule ------------------------------------------------------------
-    inputs = frozenset({"categories"})
-
     @property
     def scheduled(self) -> bool:
         """Moved by the trainer, unless it counts its own steps (``total_steps``)."""

@@ -265,8 +265,8 @@ def run_name(name: str, overrides) -> str:
     if any(k == "name" or k.startswith("output.") for k in keys):
         return name
     named = (*MODEL_SECTIONS, "seed", "engine")
-    tags = [item.strip() for item, k in zip(overrides, keys) if k.split(".")[0] in named or k.startswith("train.gar.")
-            or k == "train.gar"]
+    tags = [item.strip() for item, k in zip(overrides, keys)
+            if k.split(".")[0] in named or k.split(".")[:2] == ["train", "gar"]]
     return name + "".join("+" + t.replace("/", "_").replace(" ", "") for t in tags)
 
 

@@ -43,6 +43,7 @@ def layers_metrics(per_layer: list[dict]) -> dict:
     layer's own as ``layer<i>_<key>`` (as the bytes are logged)."""
     if len(per_layer) == 1:
         return per_layer[0]
+
     def mean(values):  # a number, or a list of them (each node's share) averaged position by position
         if isinstance(values[0], (list, tuple)):
             return [mean(column) for column in zip(*values)]
