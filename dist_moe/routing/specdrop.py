@@ -94,9 +94,10 @@ class SpecDropRouter(Router):
             amp = torch.ones(num_categories, dtype=torch.float64)
         else:
             amp = ((1 - freqs) / (1 - 1 / num_categories)) ** self.imbalance_beta
-        self.register_buffer("gap_scale", amp.float())
-        assigned = torch.arange(num_categories) % k
-        self.register_buffer("assigned_expert", assigned)
+        # Both tables follow from the config: not checkpoint state (a resume re-derives them, so a
+        # crafted checkpoint cannot point a category at an expert that does not exist).
+        self.register_buffer("gap_scale", amp.float(), persistent=False)
+        self.register_buffer("assigned_expert", torch.arange(num_categories) % k, persistent=False)
         self.register_buffer("progress", torch.zeros((), dtype=torch.float64))
         self.register_buffer("step", torch.zeros((), dtype=torch.long))
         self._check_no_clipping(amp)

@@ -4,15 +4,13 @@ Layout under ``DIR``: ``step-<N>/`` (a DCP checkpoint) and ``latest`` (the name 
 the newest complete one). A save writes ``.tmp-step-<N>/`` and renames it once
 every rank has finished, then replaces ``latest``; a crash mid-save leaves a
 ``.tmp-`` directory that is never loaded. Before the rename rank 0 writes
-``manifest.json``: the size and SHA-256 of every file DCP wrote. Every load checks
-it first (each rank, so all ranks agree before any collective), and a missing,
-truncated, corrupted or unexpected file is a clear error with nothing loaded.
-Checkpoint directories are 0700 and their files 0600: they hold the run's state.
-DCP pickles its ``.metadata``: its bytes are read once, checked against the manifest and
-unpickled here against an exact allow-list of (module, name) pairs (DCP's metadata
-classes, torch dtypes and sizes, paths); DCP gets that object and never opens the file,
-so a planted pickle is refused instead of run, and nothing can swap the file between
-the check and the read.
+``manifest.json``: the size and SHA-256 of every file DCP wrote. Every load verifies
+the checkpoint first (each rank, so all ranks agree before any collective;
+``checkpoint_files`` says what is refused: unlisted, damaged or non-regular files,
+pickled globals outside an allow-list, bytes entries, storage outside the listed
+shards), so a damaged or crafted checkpoint is a clear error with nothing loaded,
+nothing run and nothing read from elsewhere. Checkpoint directories are 0700 and
+their files 0600: they hold the run's state.
 
 What is saved: the model state (router buffers included: BRANCH anchors and EMA
 step, DeepSeek-V3 biases, SpecDrop progress), Adam state, each rank's RNG state
@@ -28,11 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
-import io
 import json
 import os
-import pickle
 import re
 import shutil
 from pathlib import Path
@@ -40,125 +35,29 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch import nn
 
 from dist_moe.dispatch.process_group import barrier
+from dist_moe.train.checkpoint_files import (CONFIG, MANIFEST, SAFE_GLOBALS, CheckedFileSystem, CheckpointError,
+                                             checked_bytes, manifest_files, read_json, read_regular, verify,
+                                             write_manifest)
+
+__all__ = ["CONFIG", "LATEST", "MANIFEST", "SAFE_GLOBALS", "CheckpointError", "latest", "load", "save",
+           "saved_config", "state_of", "verify", "write_manifest"]
 
 LATEST = "latest"
-MANIFEST = "manifest.json"
-CONFIG = "config.json"  # the run's config at the save: a resume that would change the model is refused
 _STEP_NAME = re.compile(r"step-[0-9]+")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be trusted: incomplete, truncated, corrupted or foreign."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def write_manifest(path: Path) -> None:
-    """Record size and SHA-256 of every file under ``path`` (rank 0, once DCP is done)."""
-    files = {}
-    for f in sorted(p for p in path.rglob("*") if p.is_file() and p.name != MANIFEST):
-        os.chmod(f, 0o600)
-        files[str(f.relative_to(path))] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
-    tmp = path / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps({"format": 1, "files": files}, indent=1) + "\n")
-    os.chmod(tmp, 0o600)
-    tmp.replace(path / MANIFEST)
-
-
-_DCP_METADATA = "torch.distributed.checkpoint.metadata"
-_DTYPES = ("float64", "float32", "float16", "bfloat16", "complex128", "complex64", "int64", "int32", "int16",
-           "int8", "uint8", "uint16", "uint32", "uint64", "bool", "float8_e4m3fn", "float8_e5m2")
-# Exact (module, qualified name) pairs: what torch 2.13's DCP writes into .metadata, nothing else.
-# A name is never resolved through a module's namespace: (_DCP_METADATA, "os.system") is refused.
-SAFE_GLOBALS = frozenset({
-    *((_DCP_METADATA, n) for n in ("Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
-                                   "ChunkStorageMetadata", "TensorProperties", "StorageMeta",
-                                   "_MEM_FORMAT_ENCODING")),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
-    ("torch", "Size"), *(("torch", d) for d in _DTYPES), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"),
-})
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-        if (module, name) in SAFE_GLOBALS:
-            return super().find_class(module, name)
-        raise CheckpointError(f"refusing to unpickle {module}.{name} (module {module!r}, name {name!r}) from a "
-                              "checkpoint's .metadata: DCP metadata holds only its own classes, dtypes, sizes and "
-                              "paths")
-
-    def persistent_load(self, pid):
-        raise CheckpointError(f"refusing a persistent id in a checkpoint's .metadata ({str(pid)[:80]!r})")
-
-
-def _unpickle_metadata(raw: bytes, where: Path):
-    """DCP's Metadata from the bytes that were checked; nothing outside SAFE_GLOBALS is ever called."""
-    try:
-        metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
-    except CheckpointError as e:
-        raise CheckpointError(f"checkpoint {where}: {e}") from None
-    except Exception as e:  # a truncated or garbled pickle
-        raise CheckpointError(f"checkpoint {where}: .metadata does not unpickle ({e})") from None
-    if type(metadata).__name__ != "Metadata" or type(metadata).__module__ != _DCP_METADATA:
-        raise CheckpointError(f"checkpoint {where}: .metadata holds a {type(metadata).__name__}, not DCP's Metadata")
-    return metadata
-
-
-def verify(path: str | Path):
-    """Check every file against the manifest; returns DCP's Metadata, unpickled (allow-listed) from
-    the very bytes whose SHA-256 was checked, for ``load`` to hand to DCP: the file is read once and
-    never unpickled by code that has not checked it. Raises ``CheckpointError`` on any mismatch."""
-    path = Path(path)
-    manifest = path / MANIFEST
-    if not manifest.is_file():
-        raise CheckpointError(f"checkpoint {path} has no {MANIFEST}: an incomplete save, or not written by dist-moe")
-    try:
-        files = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable ({e})") from None
-    present = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != MANIFEST}
-    extra = sorted(present - set(files))
-    if extra:
-        raise CheckpointError(f"checkpoint {path} holds files its manifest does not list: {extra}")
-    if ".metadata" not in files:
-        raise CheckpointError(f"checkpoint {path} has no .metadata (not a DCP checkpoint)")
-    metadata = None
-    root = path.resolve()
-    for name, want in files.items():
-        f = path / name
-        if Path(name).is_absolute() or ".." in Path(name).parts or root not in f.resolve().parents:
-            raise CheckpointError(f"checkpoint {path}: its manifest names {name!r}, outside the checkpoint")
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint {path} is missing {name}")
-        raw = f.read_bytes() if name == ".metadata" else None  # the bytes DCP will get
-        size = len(raw) if raw is not None else f.stat().st_size
-        if size != want["bytes"]:
-            raise CheckpointError(f"checkpoint {path}: {name} is {size} bytes, the manifest says {want['bytes']} "
-                                  "(truncated or overwritten)")
-        digest = hashlib.sha256(raw).hexdigest() if raw is not None else _sha256(f)
-        if digest != want["sha256"]:
-            raise CheckpointError(f"checkpoint {path}: {name} fails its SHA-256 check (corrupted)")
-        if raw is not None:
-            metadata = _unpickle_metadata(raw, path)
-    return metadata
-
-
 class _VerifiedReader(dcp.FileSystemReader):
-    """DCP's file reader, handed the Metadata ``verify`` unpickled instead of reading .metadata itself."""
+    """DCP's file reader, handed the Metadata ``verify`` unpickled instead of reading .metadata itself,
+    and opening shards only through ``CheckedFileSystem`` (the files verify hashed, unchanged)."""
 
-    def __init__(self, path: Path, metadata):
+    def __init__(self, path: Path, metadata, identities: dict):
         super().__init__(str(path))
+        self.fs = CheckedFileSystem(Path(path), identities)
         self._verified = metadata
 
     def read_metadata(self, *args, **kwargs):
@@ -169,6 +68,16 @@ class _VerifiedReader(dcp.FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class _TensorsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's planner, except that it never unpickles: DCP's own ``load_bytes`` hands a bytes entry to
+    torch's loader with weights_only off. ``verify`` already refuses bytes entries; this is the second
+    lock on the same door."""
+
+    def load_bytes(self, read_item, value):
+        raise CheckpointError(f"refusing to unpickle checkpoint entry {read_item.dest_index.fqn!r}: dist-moe "
+                              "checkpoints hold tensors only")
 
 
 def _expert_keys(model: nn.Module) -> dict[str, tuple[list[int], str, bool]]:
@@ -196,6 +105,10 @@ def state_of(model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str
     experts = _expert_keys(model)
     state = {}
     for key, t in model.state_dict().items():
+        if t is None:  # Megatron's `_extra_state` (TE compatibility): nothing to keep, and never a pickle
+            continue
+        if not torch.is_tensor(t):
+            raise TypeError(f"model state {key!r} is a {type(t).__name__}: dist-moe checkpoints hold tensors only")
         if key in experts:
             ids, stem, stacked = experts[key]
             state.update(_split(f"model.{stem}", t, ids, stacked))
@@ -227,7 +140,7 @@ def save(directory: str | Path, step: int, model: nn.Module, optimizer, extra: d
     tmp = directory / f".tmp-step-{step}"
     if _rank(group) == 0:
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        shutil.rmtree(tmp, ignore_errors=True)  # a save that died earlier
+        _remove(tmp)  # a save that died earlier
         tmp.mkdir(mode=0o700)
     barrier(group)
     _materialise_optimizer_state(model, optimizer)  # a save before the first step still loads
@@ -238,63 +151,96 @@ def save(directory: str | Path, step: int, model: nn.Module, optimizer, extra: d
         if config is not None:
             (tmp / CONFIG).write_text(json.dumps(config, indent=1, default=str) + "\n")
         write_manifest(tmp)
-        shutil.rmtree(final, ignore_errors=True)
+        _remove(final)
         tmp.rename(final)
         pointer = directory / f".{LATEST}.tmp"
-        pointer.write_text(final.name + "\n")
-        os.chmod(pointer, 0o600)
+        _remove(pointer)  # a planted symlink is removed, never written through
+        fd = os.open(pointer, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(final.name + "\n")
         pointer.replace(directory / LATEST)
     barrier(group)
     return final
 
 
+def _remove(path: Path) -> None:
+    """Remove a leftover file, symlink (never its target) or directory tree at ``path``."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+
+
 def latest(directory: str | Path) -> Path | None:
-    """The newest complete checkpoint under ``directory``, or None. ``latest`` may only name a
-    ``step-<N>`` directory of this very directory (no path, no link out of it)."""
+    """The newest complete checkpoint under ``directory``, or None. ``latest`` is a small regular file
+    that may only name a ``step-<N>`` directory of this very directory (no path, no link out of it)."""
     directory = Path(directory)
     pointer = directory / LATEST
-    if not pointer.exists():
+    if not pointer.exists() and not pointer.is_symlink():
         return None
-    name = pointer.read_text(errors="replace").strip()
+    name = read_regular(pointer, 4096).decode(errors="replace").strip()
     path = directory / name
     if not _STEP_NAME.fullmatch(name) or path.resolve().parent != directory.resolve():
         raise CheckpointError(f"{pointer} names {name[:80]!r}, not a step-<N> checkpoint of {directory}")
-    if not path.is_dir():
-        raise CheckpointError(f"{pointer} names {name}, which does not exist")
+    if path.is_symlink() or not path.is_dir():
+        raise CheckpointError(f"{pointer} names {name}, which is not a checkpoint directory here (missing, "
+                              "or a symlink)")
     return path
 
 
 def saved_config(path: str | Path) -> dict | None:
-    """The run config a checkpoint was saved with (None for checkpoints written before it was kept)."""
-    f = Path(path) / CONFIG
-    return json.loads(f.read_text()) if f.is_file() else None
+    """The run config a checkpoint was saved with, checked against its manifest (None for checkpoints
+    written before it was kept)."""
+    path = Path(path)
+    files = manifest_files(path)
+    if CONFIG not in files:
+        return None
+    config = read_json(path / CONFIG, checked_bytes(path, CONFIG, files, 1 << 20))
+    if not isinstance(config, dict):
+        raise CheckpointError(f"checkpoint {path}: {CONFIG} holds a {type(config).__name__}, not a run config")
+    return config
 
 
 def load(path: str | Path, model: nn.Module, optimizer, extra: dict, group=None) -> dict:
     """Fill ``model``, ``optimizer`` (its state created by one zero step first) and the tensors
     in ``extra`` from ``path``; keys in ``extra`` missing from the checkpoint are left as they are.
-    The manifest is checked first: a damaged checkpoint raises ``CheckpointError`` and loads nothing."""
-    metadata = verify(path)
+    The checkpoint is verified first (``checkpoint_files``): an untrusted or damaged one raises
+    ``CheckpointError`` and loads nothing; a loaded tensor that is not finite raises it too."""
+    metadata, identities = verify(path)
     _materialise_optimizer_state(model, optimizer)
     state = state_of(model, optimizer, {})
-    present = set(metadata.state_dict_metadata)
+    present = metadata.state_dict_metadata
     missing = sorted(k for k in state if k not in present)
     if missing:
         raise ValueError(f"checkpoint {path} lacks {len(missing)} entries this model needs, e.g. {missing[0]!r} "
                          "(another model, or experts this checkpoint never held)")
     wanted = {k: v for k, v in extra.items() if k in present}
+    for key, t in {**state, **wanted}.items():
+        props = present[key]
+        if props.properties.dtype != t.dtype or tuple(props.size) != tuple(t.shape):
+            raise CheckpointError(f"checkpoint {path} does not fit this model: {key!r} is {props.properties.dtype} "
+                                  f"{list(props.size)} there and {t.dtype} {list(t.shape)} here (another model size, "
+                                  "router or expert count than the run that saved it)")
     try:
         with _unwrapped():
-            dcp.load({**state, **wanted}, storage_reader=_VerifiedReader(Path(path), metadata), process_group=group,
-                     no_dist=group is None)
-        _write_back(model, optimizer, state)
-    except (RuntimeError, AssertionError, ValueError) as e:  # DCP's and load_state_dict's size checks
+            dcp.load({**state, **wanted}, storage_reader=_VerifiedReader(Path(path), metadata, identities),
+                     planner=_TensorsOnlyPlanner(), process_group=group, no_dist=group is None)
+    except (RuntimeError, AssertionError) as e:  # DCP's own size checks
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if isinstance(e, CheckpointError) or not any(w in str(e).lower() for w in ("size", "shape", "mismatch")):
-            raise
-        raise CheckpointError(f"checkpoint {path} does not fit this model ({first[:300]}): another model size, "
-                              "router or expert count than the run that saved it") from None
+        raise CheckpointError(f"checkpoint {path} does not fit this model ({first[:300]})") from None
+    _check_values(path, {**state, **wanted})
+    _write_back(model, optimizer, state)
     return wanted
+
+
+def _check_values(path, state: dict) -> None:
+    """Training never saves a NaN or Inf (such steps are skipped) nor a negative count (steps, EMA
+    steps): a loaded tensor holding one comes from a damaged or forged file."""
+    for key, t in state.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"checkpoint {path}: {key!r} holds NaN or Inf")
+        if not t.is_floating_point() and t.dtype not in (torch.bool, torch.uint8) and bool((t < 0).any()):
+            raise CheckpointError(f"checkpoint {path}: {key!r} holds a negative count ({int(t.min())})")
 
 
 @contextlib.contextmanager
@@ -328,7 +274,7 @@ def _write_back(model: nn.Module, optimizer, state: dict) -> None:
             rows = [state[f"model.{stem}.expert{e}"] for e in ids]
             model_state[key] = torch.stack(rows) if stacked else rows[0]
         else:
-            model_state[key] = state[f"model.{key}"]
+            model_state[key] = t if t is None else state[f"model.{key}"]
     model.load_state_dict(model_state)
     names = {id(p): n for n, p in model.named_parameters()}
     for p, s in optimizer.state.items():

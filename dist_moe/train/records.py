@@ -141,12 +141,20 @@ def resume(path: Path, model, opt, cursor: DataCursor, rt) -> int:
         steps = math.ceil(cursor.n / cursor.global_batch)
         epoch, batch = divmod(int(loaded["step"]), steps)
         loaded["data.samples"] = torch.tensor(epoch * cursor.n + batch * cursor.global_batch)
-    cursor.load(loaded)
+    for key in ("step", "data.samples"):  # counts: a forged -10**15 would be reported as samples trained
+        if not 0 <= int(loaded[key]) < 2**62:
+            raise checkpoint.CheckpointError(f"checkpoint {path}: {key} is {int(loaded[key])}, not a count in "
+                                             "[0, 2**62)")
     rng = f"rng.world{rt.world}.rank{rt.rank}"
-    if rng in loaded:  # the same world size: every rank continues its own random stream
-        torch.set_rng_state(loaded[rng])
-    if f"cuda_{rng}" in loaded:
-        torch.cuda.set_rng_state(loaded[f"cuda_{rng}"], rt.device)
+    try:  # the generators check a state's size and contents themselves
+        cursor.load(loaded)
+        if rng in loaded:  # the same world size: every rank continues its own random stream
+            torch.set_rng_state(loaded[rng])
+        if f"cuda_{rng}" in loaded:
+            torch.cuda.set_rng_state(loaded[f"cuda_{rng}"], rt.device)
+    except RuntimeError as e:
+        raise checkpoint.CheckpointError(f"checkpoint {path}: a saved random-generator state is not valid "
+                                         f"({str(e)[:200]})") from None
     return int(loaded["step"])
 
 

@@ -6,11 +6,14 @@ import json
 import os
 import pickle
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from dist_moe import MoELayer
 from dist_moe.train import checkpoint
@@ -48,11 +51,14 @@ def _saved(tmp_path):
     return checkpoint.save(tmp_path / "ckpt", 1, model, opt, {}), model, opt
 
 
-def _plant(path: Path, raw: bytes) -> None:
-    """Replace .metadata and fix the manifest, as an attacker with write access would."""
+def _plant(path: Path, raw: bytes, also=()) -> None:
+    """Replace .metadata and fix the manifest (for it and the files ``also``), as an attacker with write
+    access would."""
     (path / ".metadata").write_bytes(raw)
     manifest = json.loads((path / checkpoint.MANIFEST).read_text())
-    manifest["files"][".metadata"] = {"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    for name in (".metadata", *also):
+        data = (path / name).read_bytes()
+        manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (path / checkpoint.MANIFEST).write_text(json.dumps(manifest))
 
 
@@ -123,12 +129,28 @@ def test_a_planted_checkpoint_stops_a_resumed_training_run(tmp_path):
     assert subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env).returncode == 0
     marker = tmp_path / "pwned"
     latest = checkpoint.latest(out / "checkpoints")
+    genuine = tmp_path / "genuine"
+    shutil.copytree(latest, genuine)
     _plant(latest, b"\x80\x04" + _call("torch.distributed.checkpoint.metadata", "os.system", f"touch {marker}") + b".")
-    r = subprocess.run(args + ["train.resume=true", "train.max_steps=6"], capture_output=True, text=True,
-                       timeout=300, cwd=ROOT, env=env)
+    resume = args + ["train.resume=true", "train.max_steps=6"]
+    r = subprocess.run(resume, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "refusing to unpickle torch.distributed.checkpoint.metadata.os.system" in r.stderr
     assert "Traceback" not in r.stderr
+    assert not marker.exists()
+    # the genuine metadata, but `step` declared as a bytes entry holding a pickle (DCP would run it)
+    shutil.rmtree(latest)
+    shutil.copytree(genuine, latest)
+    payload = pickle.dumps(_Payload(marker))
+    (latest / "extra.distcp").write_bytes(payload)
+    md = pickle.loads((latest / ".metadata").read_bytes())
+    md.state_dict_metadata["step"] = BytesStorageMetadata()
+    md.storage_data = {k: v for k, v in md.storage_data.items() if k.fqn != "step"}
+    md.storage_data[MetadataIndex("step")] = _StorageInfo("extra.distcp", 0, len(payload))
+    _plant(latest, pickle.dumps(md), also=["extra.distcp"])
+    r = subprocess.run(resume, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "declares 'step' as BytesStorageMetadata" in r.stderr and "Traceback" not in r.stderr
     assert not marker.exists()
 
 
@@ -152,7 +174,7 @@ def test_sources_avoid_unsafe_loaders_and_shells():
         text = path.read_text()
         for pattern, what in patterns.items():
             for m in re.finditer(pattern, text):
-                if path.name == "checkpoint.py" and what == "pickle.load":
+                if path.name == "checkpoint_files.py" and what == "pickle.load":
                     continue
                 found.append(f"{path.relative_to(ROOT)}:{text[:m.start()].count(chr(10)) + 1}: {what}")
     assert not found, found
