@@ -265,12 +265,14 @@ def check_metadata(metadata, sizes: dict[str, int], where: Path) -> None:
     storage outside the listed shards (absolute, ``../``, a subdirectory, a file not in the manifest),
     ranges past a shard's end, stream transforms."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
     entries = metadata.state_dict_metadata
     if not isinstance(entries, dict):
         raise CheckpointError(f"checkpoint {where}: .metadata's state_dict_metadata is not a mapping")
     for key, entry in entries.items():
+        if type(entry) is BytesStorageMetadata and isinstance(key, str) and key.endswith("._extra_state"):
+            continue  # Megatron's None extra state, as dist-moe saved it until 2026-12: never requested, never read
         if type(entry) is not TensorStorageMetadata:
             raise CheckpointError(f"checkpoint {where}: .metadata declares {str(key)[:80]!r} as "
                                   f"{type(entry).__name__}: dist-moe checkpoints hold tensors only (a bytes entry "

@@ -148,6 +148,24 @@ def test_storage_outside_the_step_is_refused_and_never_read(tmp_path, outside, w
     _refused(path, model, opt, outside, match)
 
 
+def test_megatrons_old_extra_state_entries_are_tolerated_and_never_read(tmp_path):
+    """Checkpoints of Megatron-hosted runs saved before bytes entries were refused carry ``._extra_state``
+    bytes entries (None): they still resume, and those entries are never read (nothing requests them)."""
+    path, model, opt = _saved(tmp_path)
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(_Payload(marker))
+    md = pickle.loads((path / ".metadata").read_bytes())
+    md.state_dict_metadata["model.experts.local.0._extra_state"] = BytesStorageMetadata()
+    offset = (path / SHARD).stat().st_size
+    with (path / SHARD).open("ab") as f:
+        f.write(payload)
+    md.storage_data[MetadataIndex("model.experts.local.0._extra_state")] = _StorageInfo(SHARD, offset, len(payload))
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+    _reseal(path)
+    checkpoint.load(path, model, opt, {})
+    assert not marker.exists()
+
+
 def test_a_symlinked_path_in_the_metadata_alone_is_refused(tmp_path, outside):
     """The metadata's own check, without the directory listing's: a path into a subdirectory."""
     path, model, opt = _saved(tmp_path)
