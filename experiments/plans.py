@@ -37,8 +37,9 @@ class Plan:
 
     def add(self, run_id: str, labels: dict, overrides: list[str], config: str | None = None) -> None:
         self.runs.append({"id": run_id, "labels": labels, "config": config,
+                          # a run not in the results is trained afresh: a killed attempt's files go first
                           "overrides": [f"name={run_id}", f"output.dir=experiments/runs/{self.name}/{run_id}",
-                                        *overrides]})
+                                        "output.overwrite=true", *overrides]})
 
 
 def run_placement(arm: str) -> str:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from placement.files import replacing, write_atomic
 from placement.locality import node_share, random_pair_tree_distance, tree_distance
 from placement.placement import Placement, cut_weight
 from placement.simulate import RoutingRecord, recorded_layers
@@ -111,8 +112,8 @@ def write_report(run_dir: str | Path, topology: Topology, run_placement: str = "
                                     for k in sorted({k for r in steps for k in r if k.startswith("bytes_")})},
     }
     _plots(run_dir, report, topology)
-    (run_dir / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    (run_dir / "report.md").write_text(_markdown(report, topology))
+    write_atomic(run_dir / "report.json", json.dumps(report, indent=1) + "\n")
+    write_atomic(run_dir / "report.md", _markdown(report, topology))
     return report
 
 
@@ -165,6 +166,11 @@ def legend_below(fig, axes, space: float = 0.14) -> None:
     fig.tight_layout(rect=(0, space, 1, 1))
 
 
+def _save(fig, path: Path) -> None:
+    with replacing(path) as f:  # a PNG planted as a symlink is replaced, never written through
+        fig.savefig(f, format="png", dpi=100)
+
+
 def _plots(run_dir: Path, report: dict, topology: Topology) -> None:
     import matplotlib
 
@@ -183,7 +189,7 @@ def _plots(run_dir: Path, report: dict, topology: Topology) -> None:
     ax.set_yticks(ticks)
     fig.colorbar(im, ax=ax)
     fig.tight_layout()
-    fig.savefig(run_dir / "traffic_heatmap.png", dpi=100)
+    _save(fig, run_dir / "traffic_heatmap.png")
     plt.close(fig)
 
     groups = [(li, name) for li, layer in enumerate(report["layers"]) for name in layer["placements"]]
@@ -199,14 +205,14 @@ def _plots(run_dir: Path, report: dict, topology: Topology) -> None:
         ax.set_xticks([j + width for j in range(len(groups))], [f"L{li} {n}" for li, n in groups], rotation=20)
         ax.set(title=f"bytes per token crossing the {level} level", ylabel="B/token")
     legend_below(fig, axes[0])
-    fig.savefig(run_dir / "bytes_by_level.png", dpi=100)
+    _save(fig, run_dir / "bytes_by_level.png")
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 3))
     ax.bar(range(report["num_experts"]), report["expert_load"])
     ax.set(title="tokens per expert (validation)", xlabel="expert", ylabel="tokens")
     fig.tight_layout()
-    fig.savefig(run_dir / "expert_load.png", dpi=100)
+    _save(fig, run_dir / "expert_load.png")
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 3))
@@ -219,5 +225,5 @@ def _plots(run_dir: Path, report: dict, topology: Topology) -> None:
     ax.set(title="normalised tree distance over training", xlabel="step", ylabel="tree distance")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(run_dir / "tree_distance.png", dpi=100)
+    _save(fig, run_dir / "tree_distance.png")
     plt.close(fig)

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from placement.files import replacing, write_atomic
 from placement.placement import Placement
 from placement.topology import Topology
 from placement.traffic import DEDUP_MODES, dispatch_traffic
@@ -55,14 +56,13 @@ class RoutingRecord:
     def save(self, run_dir: str | Path, layer: int = 0) -> Path:
         """``routing.npz`` for the first MoE layer, ``routing.layer<i>.npz`` for the others."""
         path = Path(run_dir) / routing_file(layer)
-        tmp = path.with_name(path.name + ".tmp.npz")
         extra = {} if self.probs is None else {"probs": self.probs.float().cpu().numpy()}
-        np.savez(tmp, expert_idx=self.expert_idx.cpu().numpy(), src_rank=self.src_rank.cpu().numpy(),
-                 meta=np.array([self.num_experts, self.world_size, self.token_bytes]), **extra)
-        tmp.replace(path)
+        with replacing(path) as f:
+            np.savez(f, expert_idx=self.expert_idx.cpu().numpy(), src_rank=self.src_rank.cpu().numpy(),
+                     meta=np.array([self.num_experts, self.world_size, self.token_bytes]), **extra)
         side = path.with_suffix(".json")
         if self.dispatch is not None:
-            side.write_text(json.dumps(self.dispatch) + "\n")
+            write_atomic(side, json.dumps(self.dispatch) + "\n")
         elif side.exists():
             side.unlink()
         return path

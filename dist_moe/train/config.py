@@ -19,6 +19,7 @@ from dist_moe.integrations.megatron import DISPATCHERS as MEGATRON_DISPATCHERS
 from dist_moe.routing.registry import GAR_MOVED
 from dist_moe.train.build import MODEL_KINDS
 from dist_moe.train.engines import ENGINES
+from dist_moe.train.rundir import output_dir
 from placement.placement import NAMED as PLACEMENTS
 from placement.plan import DEDUP_MODES
 
@@ -82,15 +83,19 @@ DEFAULT_CONFIG: dict = {
               # the run stops once more than max_skipped_steps have been skipped
               "max_skipped_steps": 10},
     # tensorboard: also write TensorBoard scalars to <dir>/tensorboard (needs the tensorboard package)
-    # {name}: the config's name, plus any model-changing overrides of this run (+router.top_k=2)
-    "output": {"dir": "runs/{name}", "tensorboard": False},
+    # {name}: the config's name, plus any model-changing overrides of this run (+router.top_k=2); ~ expands
+    # overwrite: a dir that already holds a run is refused unless train.resume continues it or this is true,
+    # which removes that run's files first (dist-moe's own only: rundir.RUN_FILES and RUN_DIRS)
+    "output": {"dir": "runs/{name}", "tensorboard": False, "overwrite": False},
 }
 _OPEN_SECTIONS = {"router", "train.gar"}  # free-form here, checked by build_router and GARConfig
 
 _POSITIVE = ("a positive int", lambda v: v >= 1)
 # key -> (type, may be None, (description, predicate) or None)
 _RULES = {
-    "name": (str, False, ("a non-empty name", lambda v: bool(v.strip()))),
+    # the name is a directory under runs/: no separator or '..' may take it elsewhere
+    "name": (str, False, ("a non-empty name without '/', '\\' or '..'",
+                          lambda v: bool(v.strip()) and not any(c in v for c in ("/", "\\", "..", "\0")))),
     "seed": (int, False, ("an int in [0, 2**63 - 1]", lambda v: 0 <= v < 2**63)),
     "engine": (str, False, _one_of(ENGINES)),
     "parallel.placement": (str, False, (f"one of {', '.join(PLACEMENTS)} or a placement .yaml (dist-moe place --out)",
@@ -128,8 +133,9 @@ _RULES = {
     "train.checkpoint_every": (int, True, _POSITIVE),
     "train.max_skipped_steps": (int, False, ("an int >= 0", lambda v: v >= 0)),
     "train.resume": (bool, False, None),
-    "output.dir": (str, False, ("a non-empty path", lambda v: bool(v.strip()))),
+    "output.dir": (str, False, ("a non-empty path", lambda v: bool(v.strip()) and "\0" not in v)),
     "output.tensorboard": (bool, False, None),
+    "output.overwrite": (bool, False, None),
 }
 
 
@@ -151,6 +157,10 @@ def validate(cfg: dict) -> dict:
         cfg["output"]["dir"].format(name=cfg["name"])
     except (KeyError, IndexError, ValueError) as e:
         raise ValueError(f"config key 'output.dir' may use only {{name}}, got {cfg['output']['dir']!r} ({e})")
+    output_dir(cfg)  # a ~user that does not exist
+    if cfg["train"]["resume"] and cfg["output"]["overwrite"]:
+        raise ValueError("train.resume=true continues the run in output.dir and output.overwrite=true removes it: "
+                         "set one of them")
     if not isinstance(cfg["router"], dict) or "type" not in cfg["router"]:
         raise ValueError("config key 'router' must be a mapping with a 'type'")
     if cfg["train"]["gar"] is not None:
@@ -267,7 +277,8 @@ def run_name(name: str, overrides) -> str:
     named = (*MODEL_SECTIONS, "seed", "engine")
     tags = [item.strip() for item, k in zip(overrides, keys)
             if k.split(".")[0] in named or k.split(".")[:2] == ["train", "gar"]]
-    return name + "".join("+" + t.replace("/", "_").replace(" ", "") for t in tags)
+    return name + "".join("+" + t.replace("/", "_").replace("\\", "_").replace("..", "_").replace(" ", "")
+                          for t in tags)
 
 
 # Sections whose values make the model (or the data a position points into): a resume that

@@ -1,13 +1,43 @@
-"""A run's output directory: one run at a time, writable before training starts, and a metrics
-log that a resumed run continues instead of repeating."""
+"""A run's output directory: one run at a time, writable before training starts, a finished run never
+trained into again by accident, run files never written through a planted symlink, nothing left
+behind by a run that stopped before its first step, and a metrics log that a resumed run continues
+instead of repeating."""
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
+import re
+import shutil
+import stat
+import tempfile
 from pathlib import Path
 
+from placement.files import write_atomic
+
 LOCK = ".dist-moe.lock"
+METRICS = "metrics.jsonl"
+# What dist-moe writes into a run directory, and all that output.overwrite removes: the run's files and
+# folders, the routing record (records.record_routing) and dist-moe report's files.
+RUN_FILES = ("config.yaml", METRICS, "summary.json", "report.json", "report.md", "traffic_heatmap.png",
+             "bytes_by_level.png", "expert_load.png", "tree_distance.png")
+RUN_DIRS = ("checkpoints", "tensorboard")
+_ROUTING = re.compile(r"routing(\.layer[0-9]+)?\.(npz|json)")
+HOLDS_A_RUN = (METRICS, "checkpoints", "summary.json")  # any of these: a run trained here
+
+
+def _ours(name: str) -> bool:
+    return name in RUN_FILES or name in RUN_DIRS or name == LOCK or bool(_ROUTING.fullmatch(name))
+
+
+def output_dir(cfg: dict) -> Path:
+    """output.dir with ``{name}`` filled in and ``~`` expanded (never a literal ``./~``)."""
+    raw = cfg["output"]["dir"].format(name=cfg["name"])
+    path = os.path.expanduser(raw)
+    if path.startswith("~"):
+        raise ValueError(f"output.dir {raw!r}: {path.split('/')[0]!r} is no known user's home folder")
+    return Path(path)
 
 
 class RunLock:
@@ -22,7 +52,13 @@ class RunLock:
         self.directory, self.path, self.fd = Path(directory), Path(directory) / LOCK, None
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:  # O_NOFOLLOW: a lock planted as a symlink would have its target overwritten with our pid
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+        except OSError as e:
+            raise _link_refused(self.directory, LOCK) if e.errno == errno.ELOOP else e
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ValueError(f"output.dir {str(self.directory)!r}: {LOCK} is not a regular file; remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -30,9 +66,12 @@ class RunLock:
             os.close(fd)
             raise ValueError(f"output.dir {str(self.directory)!r} is in use by another dist-moe run (pid {holder}); "
                              "wait for it to finish or set another output.dir") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
         self.fd = fd
+
+    def mark(self) -> None:
+        """Write our pid, for a second run's message (once this run is sure to train here)."""
+        os.ftruncate(self.fd, 0)
+        os.write(self.fd, f"{os.getpid()}\n".encode())
 
     def release(self) -> None:
         if self.fd is not None:
@@ -40,16 +79,112 @@ class RunLock:
             self.fd = None
 
 
+class RunDir:
+    """Rank 0's hold on the output directory: ``open`` creates it (remembering what it created), refuses
+    symlinked run files, takes the lock and refuses a directory that already holds a run unless the
+    config resumes or overwrites it; ``discard`` removes what this run created when it stops before
+    its first step, and leaves whatever was there before untouched."""
+
+    def __init__(self, path: Path):
+        self.path, self.lock = Path(path), RunLock(path)
+        self.created: list[Path] = []  # directories this run made, outermost first
+        self.before: set[str] = set()  # names in the directory before this run wrote any
+        self.owned = False
+
+    def open(self, resume: bool, overwrite: bool) -> None:
+        d = str(self.path)
+        parents, p = [], self.path.parent
+        while not os.path.lexists(p):
+            parents.insert(0, p)
+            p = p.parent
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.mkdir(self.path)  # atomic: of two runs starting together, one made the directory
+                self.created = [*parents, self.path]
+            except FileExistsError:
+                pass
+            self.before = set(os.listdir(self.path))
+        except OSError as e:
+            raise ValueError(f"output.dir {d!r} is not writable: {e.strerror or e}") from None
+        for name in sorted(self.before):
+            if _ours(name) and (self.path / name).is_symlink():
+                raise _link_refused(self.path, name)
+        self.lock.acquire()
+        self.owned = True  # from here on this run may remove what it created (before: another run's)
+        held = [name for name in HOLDS_A_RUN if name in self.before]
+        if held and not resume:
+            if not overwrite:
+                raise ValueError(f"output.dir {d!r} already holds a run ({', '.join(held)}): set train.resume=true "
+                                 "to continue it or output.overwrite=true to replace it, or choose another output.dir")
+            self._remove({name for name in self.before if _ours(name) and name != LOCK})
+        self.lock.mark()
+
+    def _remove(self, names) -> None:
+        for name in sorted(names):
+            path = self.path / name
+            if path.is_symlink():  # never remove through a link (open refused one; this one came since)
+                raise _link_refused(self.path, name)
+            if path.is_dir():
+                shutil.rmtree(path)  # rmtree unlinks symlinks inside without following them
+            elif path.exists():
+                path.unlink()
+
+    def discard(self) -> None:
+        """Remove what this run created: the directory when it made it (and the parents it made, while
+        they are empty: another run may be starting beside it), else only the run files that were not
+        there before (a pre-existing directory keeps all it held). Best effort: the error that stopped
+        the run is the one to report."""
+        if not self.owned:
+            return
+        try:
+            if self.created:
+                if self.path.is_dir() and not self.path.is_symlink():
+                    shutil.rmtree(self.path)
+                for parent in reversed(self.created[:-1]):
+                    if os.path.isdir(parent):
+                        os.rmdir(parent)  # fails, and stops here, once a parent holds anything else
+            elif self.path.is_dir():
+                self._remove({name for name in os.listdir(self.path) if _ours(name) and name not in self.before})
+        except (OSError, ValueError):
+            pass
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        self.lock.release()
+
+
+def _link_refused(directory: Path, name: str) -> ValueError:
+    return ValueError(f"output.dir {str(directory)!r}: {name} is a symbolic link; dist-moe writes its run files "
+                      "only in place, never through a link: remove it or choose another output.dir")
+
+
 def check_writable(directory: Path) -> None:
     """Create ``directory`` and a file in it, or raise a ValueError that names it (every rank writes there:
     checkpoints are sharded)."""
-    probe = Path(directory) / f".write-test-{os.getpid()}"
     try:
         Path(directory).mkdir(parents=True, exist_ok=True)
-        probe.write_text("")
-        probe.unlink()
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".write-test-")  # O_EXCL: never through a link
+        os.close(fd)
+        os.unlink(probe)
     except OSError as e:
         raise ValueError(f"output.dir {str(directory)!r} is not writable: {e.strerror or e}") from None
+
+
+def open_metrics(path: Path, append: bool):
+    """metrics.jsonl for writing rows: appended to (a resumed run) or new, never through a symlink."""
+    if not append:
+        path.unlink(missing_ok=True)  # a link is removed, not followed; O_EXCL then makes a new file
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if append else os.O_EXCL)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        raise _link_refused(path.parent, path.name) if e.errno in (errno.ELOOP, errno.EEXIST) else e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"output.dir {str(path.parent)!r}: {path.name} is not a regular file; remove it")
+    return os.fdopen(fd, "a" if append else "w")
 
 
 def truncate_metrics(path: Path, step: int) -> int:
@@ -61,9 +196,7 @@ def truncate_metrics(path: Path, step: int) -> int:
     rows = path.read_text().splitlines()
     kept = [r for r in rows if _step_of(r) is not None and _step_of(r) <= step]
     if len(kept) != len(rows):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(r + "\n" for r in kept))
-        tmp.replace(path)
+        write_atomic(path, "".join(r + "\n" for r in kept))
     return len(rows) - len(kept)
 
 

@@ -31,10 +31,11 @@ from dist_moe.train.build import data_and_model
 from dist_moe.train.config import model_changes, validate
 from dist_moe.train.evaluate import evaluate
 from dist_moe.train.metrics import layer_metrics, layers_metrics
-from dist_moe.train.rundir import RunLock, check_writable, truncate_metrics
+from dist_moe.train.rundir import RunDir, check_writable, open_metrics, output_dir, truncate_metrics
 from dist_moe.train.runtime import Runtime
 from dist_moe.train.steps import step_strategy
 from placement import random_pair_tree_distance
+from placement.files import write_atomic
 
 def json_safe(record: dict) -> dict:
     """NaN / inf (e.g. tree distance with top-1 routing) become null: strict JSON has no NaN."""
@@ -46,7 +47,6 @@ class JsonlLogger:
     record's step, in ``<run>/tensorboard``; needs the optional ``tensorboard`` package)."""
 
     def __init__(self, path: Path, append: bool = False, tensorboard: bool = False):
-        path.parent.mkdir(parents=True, exist_ok=True)
         self._tb = None
         if tensorboard:
             try:
@@ -54,7 +54,7 @@ class JsonlLogger:
             except ImportError as e:  # torch's writer imports the tensorboard package
                 raise ValueError(f"output.tensorboard needs the tensorboard package (pip install tensorboard): {e}")
             self._tb = SummaryWriter(str(path.parent / "tensorboard"))
-        self._f = path.open("a" if append else "w")
+        self._f = open_metrics(path, append)
 
     def log(self, record: dict) -> None:
         self._f.write(json.dumps(json_safe(record)) + "\n")
@@ -94,18 +94,23 @@ def train(cfg: dict, quiet: bool = False, after=None) -> dict:
         runtime.shutdown(failed=failed)
 
 
-def _open_run(cfg: dict, rt: Runtime):
-    """Every rank's start-up checks, agreed before any training collective: the output directory is
-    writable, no other run holds it (rank 0 takes its lock), and a resumed checkpoint fits this config.
-    Returns (output directory, the lock or None, the checkpoint to resume or None)."""
-    out_dir = Path(cfg["output"]["dir"].format(name=cfg["name"]))
-    lock = RunLock(out_dir) if rt.is_main else None
-    found = []
+def _open_run(cfg: dict, rt: Runtime, run_dir: RunDir | None):
+    """The start-up checks, agreed before any training collective. First rank 0 alone (``run_dir``)
+    creates the output directory, takes its lock and refuses a directory whose run files are symlinks
+    or that holds a run this config neither resumes nor overwrites; then every rank checks that it
+    can write there and that a resumed checkpoint fits this config. Returns the checkpoint to resume
+    or None."""
+    out_dir, found = output_dir(cfg), []
+    group = rt.group if rt.world > 1 else None
+
+    def claim():  # rank 0 alone; the others wait for its verdict
+        if run_dir is not None:
+            run_dir.open(cfg["train"]["resume"], cfg["output"]["overwrite"])
+
+    agree_on_errors(claim, group)
 
     def check():
         check_writable(out_dir)
-        if lock is not None:
-            lock.acquire()
         path = checkpoint.latest(out_dir / "checkpoints") if cfg["train"]["resume"] else None
         if path is not None:
             saved = checkpoint.saved_config(path)
@@ -115,26 +120,28 @@ def _open_run(cfg: dict, rt: Runtime):
                                  "value, or train into a new output.dir")
         found.append(path)
 
-    try:
-        agree_on_errors(check, rt.group if rt.world > 1 else None)
-    except ValueError:
-        if lock is not None:
-            lock.release()
-        raise
-    return out_dir, lock, found[0]
+    agree_on_errors(check, group)
+    return found[0]
 
 
 def _train(cfg: dict, rt: Runtime, quiet: bool, after=None) -> dict:
-    out_dir, lock, resume_from = _open_run(cfg, rt)
+    run_dir = RunDir(output_dir(cfg)) if rt.is_main else None
+    run = None
     try:
-        return _train_in(cfg, rt, quiet, after, out_dir, resume_from)
+        resume_from = _open_run(cfg, rt, run_dir)
+        run = _Run(cfg, rt, output_dir(cfg), resume_from, quiet)
+        return _train_in(run, after)
+    except BaseException:
+        if run_dir is not None and (run is None or run.step == run.first_step):
+            run_dir.discard()  # stopped before its first step: leave nothing it created behind
+        raise
     finally:
-        if lock is not None:
-            lock.release()
+        if run_dir is not None:
+            run_dir.release()
 
 
-def _train_in(cfg: dict, rt: Runtime, quiet: bool, after, out_dir: Path, resume_from) -> dict:
-    run = _Run(cfg, rt, out_dir, resume_from, quiet)
+def _train_in(run: "_Run", after) -> dict:
+    rt, out_dir = run.rt, run.out_dir
     try:
         if run.already_finished:  # nothing left to train: report the checkpoint's model as it is
             run.last_eval = run.evaluate()
@@ -181,9 +188,9 @@ class _Run:
         self.skipped = 0  # steps skipped for a non-finite loss or gradients
         if resume_from is not None:
             self.step = records.resume(resume_from, self.model, self.step_fn.opt, self.cursor, rt)
-        self.resumed_at = self.cursor.consumed
+        self.first_step, self.resumed_at = self.step, self.cursor.consumed
         if rt.is_main:
-            (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+            write_atomic(out_dir / "config.yaml", yaml.safe_dump(cfg, sort_keys=False))
             if resume_from is not None:  # rows a killed run logged after this checkpoint are trained again
                 truncate_metrics(out_dir / "metrics.jsonl", self.step)
         self.logger = (JsonlLogger(out_dir / "metrics.jsonl", resume_from is not None, cfg["output"]["tensorboard"])
@@ -285,7 +292,7 @@ class _Run:
             **extra,
         })
         if rt.is_main:
-            (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            write_atomic(self.out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         return summary
 
 

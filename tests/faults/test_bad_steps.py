@@ -108,6 +108,7 @@ def _two_rank_worker(rank, world, out):
     monkey.undo()
     _inject(monkey, {4: "grad_nan"} if rank == 0 else {4: "grad_nan", 6: "input_nan", 7: "input_inf"}, [])
     cfg["train"]["max_skipped_steps"] = 2  # the same run again must stop on both ranks together
+    cfg["output"]["overwrite"] = True
     with pt.raises(ValueError, match="3 steps had a non-finite"):
         trainer.train(cfg, quiet=True)
     monkey.undo()

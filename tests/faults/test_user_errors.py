@@ -41,10 +41,13 @@ def _one_line(err: str, *fragments: str) -> None:
     (["place", "--topology", "node=2,gpu=4", "--stats", "x", "--out", "/no/such/folder/p.yaml"],
      ["'/no/such/folder' does not exist"]),
 ])
-def test_bad_input_is_one_line_and_exit_2(capsys, args, fragments):
+def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, args, fragments):
+    if args[0] == "train" and not any(a.startswith("output.dir=") for a in args):
+        args = [*args, f"output.dir={tmp_path / 'run'}"]  # never ./runs; and a refused run leaves no directory
     code, err = _cli(capsys, *args)
     assert code == 2
     _one_line(err, *fragments)
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_huge_simulated_cluster_is_refused_before_allocating(capsys, tmp_path):
@@ -63,9 +66,9 @@ def test_non_utf8_yaml_names_the_file(capsys, tmp_path):
     _one_line(err, str(bad), "not UTF-8")
 
 
-def test_debug_shows_the_traceback(capsys):
+def test_debug_shows_the_traceback(capsys, tmp_path):
     with pytest.raises(ValueError, match="num_experts"):
-        main(["train", "--debug", "router.num_experts=0"])
+        main(["train", "--debug", "router.num_experts=0", f"output.dir={tmp_path / 'run'}"])
 
 
 def test_a_full_disk_is_one_line_and_exit_1(capsys, tmp_path, monkeypatch):
