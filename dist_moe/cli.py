@@ -35,8 +35,16 @@ def _print_summary(s: dict) -> None:
     print(f"  metrics: {s['output_dir']}/metrics.jsonl")
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad argument ends as dist-moe's one line and exit 2, not argparse's usage block (printed by every
+    rank under a launcher); subcommand parsers are made of this class too."""
+
+    def error(self, message):
+        raise ValueError(f"{message} (see {self.prog} --help)")
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="dist-moe", description="distributed Mixture-of-Experts training")
+    parser = _Parser(prog="dist-moe", description="distributed Mixture-of-Experts training")
     # the deepspeed launcher inserts --local_rank=N before the command; the rank comes from the environment
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     debug = argparse.ArgumentParser(add_help=False)
@@ -55,18 +63,17 @@ def main(argv=None) -> int:
     cli_cost.add_parsers(sub, debug)
     cli_plan.add_parser(sub, debug)
     cli_calibrate.add_parser(sub, debug)
-    args, extra = parser.parse_known_args(argv)
+    args = None
     try:
+        args, extra = parser.parse_known_args(argv)
         if args.command != "train":
             if extra:
                 parser.error(f"unrecognized arguments: {' '.join(extra)}")
             commands = {"plan": cli_plan, "calibrate": cli_calibrate}
             return commands.get(args.command, cli_cost).run(args)
         return _train(parser, args, extra)
-    except Exception as e:  # every failure ends as one line and an exit code (dist_moe/errors.py)
-        return report(e, args.debug)
-    except KeyboardInterrupt as e:
-        return report(e, args.debug)
+    except (Exception, KeyboardInterrupt) as e:  # every failure ends as one line and an exit code (errors.py)
+        return report(e, getattr(args, "debug", False))
 
 
 def _train(parser, args, extra) -> int:

@@ -8,19 +8,41 @@
 #   each node on its own:  launch/deepspeed.sh --hostfile H --no_ssh --node_rank I --master_addr A -- --config C
 # Options before `--` go to the deepspeed launcher unchanged (--num_gpus, --master_port, ...);
 # the rest to `dist-moe train`, with engine=deepspeed added. The topology comes from the
-# launcher's LOCAL_SIZE / CROSS_SIZE; on CPU-only nodes DeepSpeed runs on gloo.
+# launcher's LOCAL_SIZE / CROSS_SIZE; on CPU-only nodes DeepSpeed runs on gloo. A --hostfile
+# that does not exist is refused (the launcher would train one local process instead).
 set -euo pipefail
+# shellcheck source=launch/lib.sh
+. "$(dirname "$0")/lib.sh"
 LAUNCHER_ARGS=()
+HOSTFILE=""
+NO_SSH=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --) shift; break ;;
     -h|--help) sed -n '4,9p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -H|--hostfile) need_value "$1" $#; HOSTFILE="$2"; LAUNCHER_ARGS+=("$1" "$2"); shift 2 ;;
+    --hostfile=*) HOSTFILE="${1#*=}"; LAUNCHER_ARGS+=("$1"); shift ;;
+    --master_port) need_value "$1" $#; check_port "$1" "$2"; LAUNCHER_ARGS+=("$1" "$2"); shift 2 ;;
+    --master_port=*) check_port --master_port "${1#*=}"; LAUNCHER_ARGS+=("$1"); shift ;;
+    --no_ssh) NO_SSH=1; LAUNCHER_ARGS+=("$1"); shift ;;
     *) LAUNCHER_ARGS+=("$1"); shift ;;
   esac
 done
-# shellcheck source=launch/lib.sh
-. "$(dirname "$0")/lib.sh"
+if [ -n "$HOSTFILE" ] && [ ! -f "$HOSTFILE" ]; then
+  usage_error "--hostfile '$HOSTFILE': no such file (without one the launcher would train one local process)"
+fi
+PY=$(venv_tool python) || exit 2
 DEEPSPEED=$(venv_tool deepspeed) || exit 2
 DIST_MOE=$(venv_tool dist-moe) || exit 2
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-run_launcher "$DEEPSPEED" "${LAUNCHER_ARGS[@]}" "$DIST_MOE" train engine=deepspeed "$@"
+# a pdsh/ssh launch from node 0 brings every rank's output back through the launcher: show it as is
+[ -z "$HOSTFILE" ] && [ -f /job/hostfile ] && HOSTFILE=/job/hostfile  # DeepSpeed's default hostfile
+PASS=()
+if [ "$NO_SSH" = 0 ] && [ -n "$HOSTFILE" ] && [ "$(grep -cvE '^[[:space:]]*(#|$)' "$HOSTFILE")" -gt 1 ]; then
+  PASS=(--passthrough)
+fi
+start_run
+status=0
+run_launcher "${PASS[@]}" "$DEEPSPEED" "${LAUNCHER_ARGS[@]}" "$RANK_PY" "$DIST_MOE" train engine=deepspeed "$@" ||
+  status=$?
+exit "$status"

@@ -8,24 +8,28 @@
 # torchrun's variables (WORLD_SIZE, LOCAL_WORLD_SIZE), or DIST_MOE_TOPOLOGY=node=2,gpu=2
 # to describe a layout the launcher cannot see. Uses the project's .venv (made by
 # `make test` / `make demo`), else the python and dist-moe on PATH. Ctrl-C or kill stop
-# every rank; a failed run ends with the first rank's error line.
+# every rank, and so does a kill -9 of this script; a failed run ends with the first failing
+# rank's error line alone (torchrun's own report is kept out of sight, see launch/README.md).
 set -euo pipefail
+# shellcheck source=launch/lib.sh
+. "$(dirname "$0")/lib.sh"
 NPROC=2
 PORT=29500
 while [ $# -gt 0 ]; do
   case "$1" in
-    --nproc) NPROC="$2"; shift 2 ;;
-    --port) PORT="$2"; shift 2 ;;
+    --nproc) need_value "$1" $#; NPROC="$2"; shift 2 ;;
+    --port) need_value "$1" $#; PORT="$2"; shift 2 ;;
     -h|--help) sed -n '4,5p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) break ;;
   esac
 done
-case "$NPROC" in ''|*[!0-9]*|0*) echo "torchrun.sh: --nproc takes a positive integer, got '$NPROC'" >&2; exit 2 ;; esac
-case "$PORT" in ''|*[!0-9]*) echo "torchrun.sh: --port takes a port number, got '$PORT'" >&2; exit 2 ;; esac
-# shellcheck source=launch/lib.sh
-. "$(dirname "$0")/lib.sh"
+case "$NPROC" in ''|*[!0-9]*|0*) usage_error "--nproc takes a positive integer, got '$NPROC'" ;; esac
+check_port --port "$PORT"
 PY=$(venv_tool python) || exit 2
 DIST_MOE=$(venv_tool dist-moe) || exit 2
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+start_run
+status=0
 run_launcher "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" --master-port "$PORT" \
-  "$DIST_MOE" train "$@"
+  --log-dir "$RUN_DIR/torchrun" "$RANK_PY" "$DIST_MOE" train "$@" || status=$?
+exit "$status"

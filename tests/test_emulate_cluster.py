@@ -1,13 +1,17 @@
-"""launch/emulate_cluster.sh: 2 namespaces x 2 ranks form one gloo world and leave nothing behind."""
+"""launch/emulate_cluster.sh: 2 namespaces x 2 ranks form one gloo world and leave nothing behind, not even
+after a kill -9 of the script; a later run removes what a dead run left."""
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.dist_utils import free_port
+from tests.faults.launch import wait_gone
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "launch" / "emulate_cluster.sh"
@@ -37,24 +41,74 @@ def _run(*args, timeout=120, **extra_env):
     return subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
+def _dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
 @needs_netns
 def test_two_nodes_two_ranks_then_clean():
+    """Also: the namespaces of a run whose script is gone (named dm<its pid>...) are removed by this run."""
     before = _namespaces()
-    r = _run("--nodes", "2", "--procs-per-node", "2", "--port", "29611", str(ROOT / "tests/scripts/cluster_check.py"))
+    stale = f"dm{_dead_pid()}n0"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    r = _run("--nodes", "2", "--procs-per-node", "2", "--port", str(free_port()),
+             str(ROOT / "tests/scripts/cluster_check.py"))
+    after = _namespaces()
+    subprocess.run(["ip", "netns", "del", stale], capture_output=True)  # left if the run did not remove it
     assert r.returncode == 0, r.stdout + r.stderr
     assert "CLUSTER OK node=2,gpu=2" in r.stdout
     assert "inter-node link 400mbit" in r.stderr
-    assert _namespaces() == before
+    assert after == before and stale not in before
+
+
+@needs_netns
+def test_kill_9_of_the_script_stops_every_rank_and_removes_its_namespaces(tmp_path):
+    """A kill -9 runs no trap: each node's supervise.py (the script's child) stops its launcher, the ranks
+    die with their launcher (launch/rank.py), and a watcher removes the namespaces and the run's folder.
+    Before: the namespaces stayed and all ranks went on training."""
+    before = _namespaces()
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
+           "MARK_DIR": str(tmp_path), "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([str(SCRIPT), "--nodes", "2", "--procs-per-node", "1", "--port", str(free_port()),
+                             str(ROOT / "tests/scripts/sleep_forever.py")], env=env, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 90
+    while len(list(tmp_path.glob("rank*.pid"))) < 2:  # both ranks are up
+        assert proc.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.2)
+    pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
+    assert _namespaces() - before
+    start = time.monotonic()
+    proc.kill()  # the script alone, not its process group
+    proc.wait()
+    left = wait_gone(pids, 30)
+    print(f"\nkill -9 of emulate_cluster.sh: both ranks gone {time.monotonic() - start:.1f} s later")
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert left == [], "ranks still running after the script's kill -9"
+    while (_namespaces() != before or list(tmp_path.glob("dist-moe-launch*"))) and time.monotonic() < deadline + 30:
+        time.sleep(0.2)
+    assert _namespaces() == before and not list(tmp_path.glob("dist-moe-launch*"))
+    print(f"namespaces and the run's folder gone {time.monotonic() - start:.1f} s after the kill")
 
 
 @needs_netns
 def test_a_failing_node_fails_the_run_and_cleans_up(tmp_path):
+    """A rank that exits non-zero without a dist-moe line: one line saying which, naming torchrun's report,
+    which is kept with the node logs; the rest of the run's folder is removed."""
     bad = tmp_path / "fail_on_node1.py"
     bad.write_text("import os, sys\nsys.exit(3 if os.environ['GROUP_RANK'] == '1' else 0)\n")
     before = _namespaces()
-    r = _run("--nodes", "2", "--procs-per-node", "1", "--port", "29612", str(bad))
+    r = _run("--nodes", "2", "--procs-per-node", "1", "--port", str(free_port()), str(bad), TMPDIR=str(tmp_path))
     assert r.returncode != 0
     assert "node<i>.log" in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("dist-moe: error: rank 1 exited with code 3 without an error line"), r.stderr
+    kept = sorted(p.name for p in tmp_path.glob("dist-moe-launch*/*"))
+    assert kept[-1] == "node1.log" and kept[:-1] and all(k.startswith("launcher-") for k in kept[:-1]), kept
+    assert kept[0] in last  # the report it names
     assert _namespaces() == before
 
 
@@ -70,3 +124,6 @@ def test_usage_errors():
     assert r.returncode == 2 and "integers" in r.stderr
     r = _run()
     assert r.returncode == 2 and "no SCRIPT" in r.stderr
+    r = _run("--rate", "bogus", "script.py")  # before: exit 1 with tc's text, after building the namespaces
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "emulate_cluster.sh: --rate takes a rate such as 400mbit, 1gbit or 50mbps, got 'bogus'"]

@@ -1,6 +1,10 @@
 """Bad configuration and launch: every rank stops at once with exit code 2 and an error naming the
 bad value, before any training collective (no rank is left waiting for a peer)."""
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -44,6 +48,28 @@ def test_every_rank_stops_with_the_bad_value_named(tmp_path, overrides, env, mes
         assert "a collective failed" not in log  # refused up front, not discovered by a peer's timeout
     print(f"\n{message[:40]!r}: both ranks exited 2 after {took:.1f} s (process start included)")
     assert took < 45, took  # far inside parallel.timeout_s=60: nobody waited for a peer
+
+
+def test_bare_torchrun_reports_the_ranks_line_not_a_traceback(tmp_path):
+    """Under torchrun itself (no launch script) each rank writes torchrun's error file
+    (TORCHELASTIC_ERROR_FILE, in torch's ErrorHandler format), so the failure report shows our line as
+    the rank's traceback. Before: `traceback : To enable traceback see: https://pytorch.org/...`.
+    torchrun's own traceback (its ChildFailedError) above the report is torchrun's, and stays."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DIST_MOE_DATA": str(tmp_path / "data"),
+           "DIST_MOE_TOPOLOGY": "node=2,gpu=4"}
+    for name in ("WORLD_SIZE", "RANK", "DIST_MOE_ERROR_DIR"):
+        env.pop(name, None)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "--log-dir", str(tmp_path / "torchrun"), str(Path(sys.executable).parent / "dist-moe"),
+                        "train", "--quiet", f"output.dir={tmp_path / 'run'}", *BASE], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr[-3000:]
+    message = "topology node=2,gpu=4 has 8 ranks but WORLD_SIZE=2"
+    report = r.stderr[r.stderr.index("Root Cause (first observed failure):"):]
+    assert "traceback : dist-moe: error" in report and message in report, r.stderr[-3000:]
+    assert "To enable traceback" not in r.stderr
+    ranks_lines = [line for line in r.stderr.splitlines() if line.startswith("dist-moe: error")]
+    assert len(ranks_lines) >= 1 and all(message in line for line in ranks_lines)  # each one write, whole
 
 
 def test_a_matching_placement_file_is_used(tmp_path):
