@@ -5,16 +5,21 @@ exit 1   the run itself failed: a collective (a peer died, the network broke), t
          or a bug in dist-moe (then the line says so and ``--debug`` shows the traceback)
 exit 130 interrupted (Ctrl-C)
 
-Under a launcher every rank prints its line; with ``DIST_MOE_ERROR_DIR`` set (the launch
-scripts set it) each rank also writes its exit code and line to ``rank<N>.err`` there, so the
-script can repeat the first rank's line as its own last line, below the launcher's noise, and
-exit with that rank's code (torchrun's own is 1 for any failure).
+Each line is written with one write() call, so two ranks sharing a terminal never mix their lines.
+Under the launch scripts (``DIST_MOE_ERROR_DIR`` set) a rank writes its exit code, the time and its
+line to ``rank<N>.err`` there instead of printing it (``DIST_MOE_ERROR_ECHO=1``: print it too, for the
+emulated cluster's node logs): the script prints the first failure's line alone and exits with that
+rank's code (torchrun's own is 1 for any failure). Under bare torchrun (``TORCHELASTIC_ERROR_FILE`` set)
+the line also goes to torchrun's error file, so its failure summary shows it where it would show a
+traceback.
 """
 from __future__ import annotations
 
 import errno
+import json
 import os
 import sys
+import time
 from pathlib import Path
 
 USER, RUNTIME, INTERRUPTED = 2, 1, 130
@@ -49,11 +54,38 @@ def report(e: BaseException, debug: bool = False) -> int:
     text = " ".join(text.split())  # one line, whatever the message held
     rank = os.environ.get("RANK")
     line = f"dist-moe: error: {text}" if rank in (None, "0") else f"dist-moe: error (rank {rank}): {text}"
-    print(line, file=sys.stderr, flush=True)
-    folder = os.environ.get("DIST_MOE_ERROR_DIR")
-    if folder:
-        try:
-            Path(folder, f"rank{rank or 0}.err").write_text(f"{code}\n{line}\n")
-        except OSError:
-            pass  # the line is on stderr already
+    if not _leave_to_launch_script(line, code, rank) or os.environ.get("DIST_MOE_ERROR_ECHO") == "1":
+        sys.stderr.write(line + "\n")  # one write: under `python -u` print() writes the newline apart
+        sys.stderr.flush()
+    _torchelastic_error_file(line)
     return code
+
+
+def _leave_to_launch_script(line: str, code: int, rank: str | None) -> bool:
+    """Write the line for a launch script to print (lib.sh's first_error); False if it cannot."""
+    folder = os.environ.get("DIST_MOE_ERROR_DIR")
+    if not folder:
+        return False
+    try:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+        fd = os.open(Path(folder, f"rank{rank or 0}.err"), flags, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{code} {time.time_ns()}\n{line}\n")
+        return True
+    except OSError:
+        return False  # then the line goes to stderr
+
+
+def _torchelastic_error_file(line: str) -> None:
+    """The error file torchrun's agent reads for this rank, in the JSON of torch's own
+    ``ErrorHandler.record_exception`` (torch/distributed/elastic/multiprocessing/errors/error_handler.py)
+    with this line where that puts the traceback: torchrun's summary prints ``py_callstack`` as the
+    rank's ``traceback`` and takes the earliest ``timestamp`` (whole seconds) as the root cause."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    try:
+        Path(path).write_text(json.dumps(data))
+    except OSError:
+        pass  # the line is on stderr (or with the launch script) already
