@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import time
 from pathlib import Path
 
 from placement import Placement, Topology
 from placement.exact import EXACT_MAX_EXPERTS, exact_placement
+from placement.files import read_yaml
 from placement.placement import NAMED as PLACEMENTS
 from placement.report import write_report
 from placement.simulate import RoutingRecord, simulate
@@ -69,13 +71,15 @@ def run(args) -> int:
 
 
 def _run_placement(run_dir: Path) -> str:
-    import yaml
-
     cfg = run_dir / "config.yaml"
-    if cfg.exists():
-        data = yaml.safe_load(cfg.read_text()) or {}
-        return (data.get("parallel") or {}).get("placement", "contiguous")
-    return "contiguous"
+    if not cfg.exists():
+        return "contiguous"
+    data = read_yaml(cfg, "run config") or {}
+    parallel = data.get("parallel") or {} if isinstance(data, dict) else None
+    placement = parallel.get("placement", "contiguous") if isinstance(parallel, dict) else None
+    if not isinstance(placement, str):
+        raise ValueError(f"run config {cfg}: parallel.placement must be a placement name or file")
+    return placement
 
 
 def _report(args) -> int:
@@ -100,8 +104,8 @@ def _place(args) -> int:
     topo = topology_of(args.topology)
     if record.num_experts % topo.world_size:
         raise ValueError(f"{record.num_experts} experts do not divide over {topo.world_size} ranks")
-    if args.exact_seconds < 0:
-        raise ValueError(f"--exact-seconds must be >= 0, got {args.exact_seconds}")
+    if not 0 <= args.exact_seconds < math.inf:
+        raise ValueError(f"--exact-seconds must be a finite number >= 0, got {args.exact_seconds}")
     coactivation = record.coactivation()
     exact = bool(args.exact_seconds) and record.num_experts <= EXACT_MAX_EXPERTS
     if exact and importlib.util.find_spec("ortools") is None:

@@ -23,6 +23,19 @@ import time
 from pathlib import Path
 
 USER, RUNTIME, INTERRUPTED = 2, 1, 130
+MAX_LINE = 1000  # characters of one error line
+
+
+def shown(value) -> str:
+    """``repr(value)`` for a message, cut to a few hundred characters without walking all of a huge
+    value (a YAML list of millions of items once cost 800 MB of stderr)."""
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = r.maxlong = 200
+    r.maxlist = r.maxtuple = r.maxdict = r.maxset = 10
+    r.maxlevel = 3
+    return r.repr(value)
 
 
 def _line(e: BaseException) -> tuple[str, int]:
@@ -51,7 +64,9 @@ def report(e: BaseException, debug: bool = False) -> int:
     if debug:
         raise e
     text, code = _line(e)
-    text = " ".join(text.split())  # one line, whatever the message held
+    text = " ".join(text[:4 * MAX_LINE].split())  # one line, whatever the message held
+    if len(text) > MAX_LINE:  # a message that echoes a pasted file or a huge value
+        text = text[:MAX_LINE] + " ... (message cut)"
     rank = os.environ.get("RANK")
     line = f"dist-moe: error: {text}" if rank in (None, "0") else f"dist-moe: error (rank {rank}): {text}"
     if not _leave_to_launch_script(line, code, rank) or os.environ.get("DIST_MOE_ERROR_ECHO") == "1":

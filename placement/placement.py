@@ -29,6 +29,7 @@ better result is kept, so it is never worse than contiguous on this objective.
 """
 from __future__ import annotations
 
+import reprlib
 from pathlib import Path
 
 import torch
@@ -130,7 +131,14 @@ class Placement:
     @classmethod
     def from_yaml(cls, path: str | Path) -> "Placement":
         data = read_yaml_mapping(path, "placement", required=("world_size", "expert_to_rank"))
-        return cls(data["expert_to_rank"], data["world_size"])
+        etr, world = data["expert_to_rank"], data["world_size"]
+        is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731  (int() would truncate 1.7)
+        if not is_int(world):
+            raise ValueError(f"placement file {path}: 'world_size' must be an int, got {reprlib.repr(world)}")
+        if not isinstance(etr, list) or not all(is_int(r) for r in etr):
+            raise ValueError(f"placement file {path}: 'expert_to_rank' must be a list of int ranks, one per expert, "
+                             f"got {reprlib.repr(etr)}")
+        return cls(etr, world)
 
 
 def symmetric_coactivation(coactivation) -> torch.Tensor:

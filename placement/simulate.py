@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from placement.files import replacing, write_atomic
+from placement.files import read_npz, replacing, write_atomic
 from placement.placement import Placement
 from placement.topology import Topology
 from placement.traffic import DEDUP_MODES, dispatch_traffic
@@ -72,13 +72,33 @@ class RoutingRecord:
         path = Path(run_dir) / routing_file(layer)
         if not path.exists():
             raise ValueError(f"{path} not found: train with dist-moe (it writes {ROUTING_FILE} at the end of a run)")
-        z = np.load(path, allow_pickle=False)
-        e, w, b = (int(v) for v in z["meta"])
-        side = path.with_suffix(".json")
-        dispatch = json.loads(side.read_text()) if side.exists() else None
-        probs = torch.from_numpy(z["probs"]) if "probs" in z.files else None
-        return cls(torch.from_numpy(z["expert_idx"]).long(), torch.from_numpy(z["src_rank"]).long(), e, w, b,
-                   dispatch, probs)
+        arrays = {"expert_idx": ("iu", 2), "src_rank": ("iu", 1), "meta": ("iu", 1), "probs": ("f", 2)}
+        z = read_npz(path, arrays, ("expert_idx", "src_rank"), "routing record", optional=("probs",))
+        idx, src, meta = z["expert_idx"], z["src_rank"], z["meta"]
+        if meta.shape != (3,):
+            raise ValueError(f"routing record {path}: 'meta' must hold [num_experts, world_size, token_bytes], "
+                             f"got {meta.size} values")
+        e, w, b = (int(v) for v in meta)
+        from dist_moe.routing.base import MAX_EXPERTS  # the most any router takes
+
+        # every rank of a recorded run held an expert: its world is at most its expert count
+        for name, value, top in (("num_experts", e, MAX_EXPERTS), ("world_size", w, MAX_EXPERTS),
+                                 ("token_bytes", b, 1 << 30)):
+            if not 1 <= value <= top:
+                raise ValueError(f"routing record {path}: {name} (in 'meta') must lie in [1, {top}], got {value}")
+        bad = [(what, a, lo, hi) for what, a, lo, hi in (("expert_idx", idx, -1, e), ("src_rank", src, 0, w))
+               if a.size and (a.min() < lo or a.max() >= hi)]
+        if bad:
+            what, a, lo, hi = bad[0]
+            raise ValueError(f"routing record {path}: {what} holds ids outside [{lo}, {hi}) "
+                             f"(min {a.min()}, max {a.max()})")
+        if idx.shape[1] > e:
+            raise ValueError(f"routing record {path}: {idx.shape[1]} experts per token of {e}")
+        probs = z.get("probs")
+        if probs is not None and (probs.shape != (len(idx), e) or not np.isfinite(probs).all()):
+            raise ValueError(f"routing record {path}: 'probs' must be finite [{len(idx)}, {e}], got {probs.shape}")
+        return cls(torch.from_numpy(idx).long(), torch.from_numpy(src).long(), e, w, b, _dispatch(path),
+                   None if probs is None else torch.from_numpy(probs).float())
 
     def sample(self, n: int, replicas: int, generator: torch.Generator):
         """``n`` recorded tokens drawn with replacement, each in a uniform replica block of the
@@ -91,10 +111,32 @@ class RoutingRecord:
     def coactivation(self) -> torch.Tensor:
         """[E, E] counts of tokens that selected both experts (diagonal: selections)."""
         e = self.num_experts
+        check_memory(4 * (e + 1) * (2 * e + self.expert_idx.shape[0]), f"the co-activation of {e} recorded experts",
+                     "record a run with fewer experts")
         onehot = torch.zeros(self.expert_idx.shape[0], e + 1)
         onehot.scatter_(1, torch.where(self.expert_idx >= 0, self.expert_idx, e), 1.0)
         onehot = onehot[:, :e]
         return onehot.t() @ onehot
+
+
+def _dispatch(routing: Path) -> dict | None:
+    """The JSON beside a routing record (how an expert-parallel run moved its tokens), or None."""
+    side = routing.with_suffix(".json")
+    if not side.exists():
+        return None
+    if not side.is_file() or side.stat().st_size > 16 << 20:
+        raise ValueError(f"routing record {side} is not a file of at most 16 MiB")
+    try:
+        data = json.loads(side.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"routing record {side} is not valid JSON ({type(e).__name__})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("topology"), str):
+        raise ValueError(f"routing record {side} must hold a JSON object with a 'topology' string")
+    try:
+        Topology.parse(data["topology"])
+    except ValueError as e:
+        raise ValueError(f"routing record {side}: {e}") from None
+    return data
 
 
 def replicas_for(num_experts: int, world: int) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -133,7 +134,7 @@ class Topology:
         spec = override or env.get("DIST_MOE_TOPOLOGY")
         world = env.get("WORLD_SIZE")
         if spec:
-            topo = cls.parse(spec)
+            topo = cls.parse_env(spec) if not override else cls.parse(spec)
         else:
             if world is None:
                 raise ValueError("no topology: WORLD_SIZE is not set (not under torchrun/deepspeed); "
@@ -158,7 +159,17 @@ class Topology:
         """The launcher's topology when ``world`` is the launched world, else one node of ``world``."""
         if world > 1 and os.environ.get("WORLD_SIZE") == str(world):
             return cls.from_env()
+        if os.environ.get("DIST_MOE_TOPOLOGY"):  # unused here, but a typo in it must not pass unnoticed
+            cls.parse_env(os.environ["DIST_MOE_TOPOLOGY"])
         return cls.flat(world)
+
+    @classmethod
+    def parse_env(cls, spec: str) -> "Topology":
+        """``DIST_MOE_TOPOLOGY``'s value, or a ValueError naming the variable."""
+        try:
+            return cls.parse(spec)
+        except ValueError as e:
+            raise ValueError(f"DIST_MOE_TOPOLOGY={reprlib.repr(spec)}: {e}") from None
 
     @classmethod
     def parse(cls, spec: str) -> "Topology":
@@ -177,9 +188,28 @@ class Topology:
         """levels: [node, gpu]; sizes: [2, 4]; optional cost: {level: {alpha_s:, bandwidth_Bps:, shared:}}
         and exchange: {latency_s:, overlap:, chunked:} (``dist-moe calibrate`` writes both)."""
         data = read_yaml_mapping(path, "topology", required=("levels", "sizes"), optional=("cost", "exchange"))
+        def refuse(key, want, value):
+            raise ValueError(f"topology file {path}: {key!r} must be {want}, got {reprlib.repr(value)}")
+
+        for key in ("levels", "sizes"):
+            if not isinstance(data[key], list):
+                refuse(key, "a list", data[key])
         levels = tuple(data["levels"])
-        cost = CostModel.default(levels).updated(data.get("cost") or {})
-        exchange = data.get("exchange") or {}
+        if not all(isinstance(n, str) and n for n in levels) or len(set(levels)) != len(levels):
+            refuse("levels", "distinct names", levels)
+        costs, exchange = data.get("cost") or {}, data.get("exchange") or {}
+        for key, value in (("cost", costs), ("exchange", exchange)):
+            if not isinstance(value, dict):
+                refuse(key, "a mapping", value)
+        for name, c in costs.items():
+            if not isinstance(c, dict):
+                refuse(f"cost.{name}", "a mapping", c)
+        numbers = [(f"cost.{n}.{k}", v) for n, c in costs.items() for k, v in c.items() if k != "shared"]
+        numbers += [(f"exchange.{k}", v) for k, v in exchange.items() if k != "calibrated"]
+        for key, value in numbers:  # NaN and inf would price every exchange at NaN or inf
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) < 1e300:
+                refuse(key, "a finite number", value)
+        cost = CostModel.default(levels).updated(costs)
         unknown = sorted(set(exchange) - {"latency_s", "overlap", "chunked", "calibrated"})
         if unknown:
             raise ValueError(f"{path}: unknown exchange key {unknown[0]!r}; valid: latency_s, overlap, chunked")

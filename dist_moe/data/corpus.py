@@ -52,13 +52,20 @@ def load_corpus(seq_len: int = 64, per_domain: int = 2000, seed: int = 0) -> Cor
     if seq_len < 2 or per_domain < 1:
         raise ValueError(f"seq_len must be >= 2 and per_domain >= 1, got {seq_len}, {per_domain}")
     cache = data_dir() / f"corpus_{seq_len}_{per_domain}_{seed}.npz"
-    cached = load_cache(cache)
+    cached = load_cache(cache, {"tokens": ("u", 2), "domain": ("iu", 1)}, same_rows=("tokens", "domain"))
     if cached is not None:
-        return Corpus(torch.from_numpy(cached["tokens"]), torch.from_numpy(cached["domain"]))
+        tokens, domain = cached["tokens"], cached["domain"]
+        if tokens.dtype != np.uint8 or tokens.shape[1] != seq_len + 1 or not np.isin(domain, range(len(DOMAINS))).all():
+            raise ValueError(f"data cache {cache} does not hold uint8 sequences of {seq_len + 1} bytes with "
+                             f"domains 0-{len(DOMAINS) - 1}: delete it and the next run rebuilds it")
+        return Corpus(torch.from_numpy(tokens), torch.from_numpy(domain.astype(np.int64)))
     chunks = []
-    for text in (domain_text(d) for d in DOMAINS):
+    for name, text in ((d, domain_text(d)) for d in DOMAINS):
         data = np.frombuffer(text.encode("utf-8", errors="replace"), dtype=np.uint8)
         n = len(data) // (seq_len + 1)
+        if n < 3:  # every domain gives as many as the smallest: 3 x 4 sequences, at least tabular.MIN_ROWS
+            raise ValueError(f"data.seq_len={seq_len} cuts domain {name!r} ({len(data)} bytes) into fewer than 3 "
+                             f"sequences of {seq_len + 1} bytes: set it to at most {len(data) // 3 - 1}")
         chunks.append(data[: n * (seq_len + 1)].reshape(n, seq_len + 1))
     take = min(per_domain, min(len(c) for c in chunks))
     rng = np.random.default_rng(seed)

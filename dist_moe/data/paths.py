@@ -6,6 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
+from placement.files import read_npz
+
 
 def data_dir() -> Path:
     """Project data directory: $DIST_MOE_DATA, else ./data."""
@@ -22,9 +24,9 @@ def save_cache(cache: Path, **arrays) -> None:
     tmp.replace(cache)
 
 
-def load_cache(cache: Path) -> dict | None:
-    """The arrays of ``cache``, or None if there is none yet."""
+def load_cache(cache: Path, arrays: dict[str, tuple[str, int]], same_rows=()) -> dict | None:
+    """The arrays of ``cache``, or None if there is none yet; a cache that is not an .npz, lacks a key or
+    holds another type or shape is refused naming the file and the key (``placement.files.read_npz``)."""
     if not cache.exists():
         return None
-    with np.load(cache, allow_pickle=False) as z:
-        return {k: z[k] for k in z.files}
+    return read_npz(cache, arrays, same_rows, "data cache", "delete it and the next run rebuilds it")

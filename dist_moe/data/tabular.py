@@ -78,9 +78,9 @@ def load_keel(name: str) -> tuple[np.ndarray, np.ndarray, list[str]]:
         known = (*DATASETS, "fashion_mnist", "wordnet_glosses", "corpus", "text_tasks")
         raise ValueError(f"data.name must be one of {known}, got {name!r}")
     cache = data_dir() / f"keel_{name}.npz"
-    cached = load_cache(cache)
+    cached = load_cache(cache, {"x": ("fiu", 2), "y": ("iu", 1), "classes": ("U", 1)}, same_rows=("x", "y"))
     if cached is not None:
-        return cached["x"], cached["y"], list(cached["classes"])
+        return cached["x"].astype(np.float32, copy=False), cached["y"].astype(np.int64), list(cached["classes"])
     rows = [line.strip().split(",") for line in _keel_raw_path(name).read_text().splitlines() if line.strip()]
     x = np.array([[float(v) for v in r[:-1]] for r in rows], dtype=np.float32)
     labels = [r[-1].strip() for r in rows]
@@ -90,10 +90,15 @@ def load_keel(name: str) -> tuple[np.ndarray, np.ndarray, list[str]]:
     return x, y, classes
 
 
+MIN_ROWS = 10  # as data.max_rows: fewer leave a validation split of one or two rows
+
+
 def check_table(x: np.ndarray, y: np.ndarray, num_classes: int, source: str) -> None:
-    """Refuse a table with non-finite cells or labels outside [0, num_classes), naming the file, the
-    column and the count: one NaN cell turns its whole column NaN once standardised, and every
+    """Refuse a table with too few rows, non-finite cells or labels outside [0, num_classes), naming the
+    file, the column and the count: one NaN cell turns its whole column NaN once standardised, and every
     training step would then be skipped."""
+    if len(x) < MIN_ROWS:
+        raise ValueError(f"data file {source} holds {len(x)} rows; a run needs at least {MIN_ROWS}")
     bad = ~np.isfinite(x)
     if bad.any():
         cols = np.flatnonzero(bad.any(0))
@@ -158,7 +163,8 @@ def tabular_split(name: str, val_fraction: float = 0.2, seed: int = 0, max_rows:
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"data.val_fraction must lie in (0, 1), got {val_fraction!r}")
     x, y, classes = load_keel(name)
-    check_table(x, y, len(classes), str(data_dir() / f"keel_{name}.npz") if name in DATASETS else name)
+    source = str(data_dir() / f"keel_{name}.npz") if name in DATASETS else name
+    check_table(x, y, len(classes), source)
     class_category, category_names = class_categories(categories, name, classes) if categories else (None, None)
     perm = np.random.default_rng(seed).permutation(len(x))
     if max_rows is not None:
@@ -167,9 +173,23 @@ def tabular_split(name: str, val_fraction: float = 0.2, seed: int = 0, max_rows:
     if len(perm) - n_val < 2:
         raise ValueError(f"data.val_fraction={val_fraction} leaves {len(perm) - n_val} training rows of {len(perm)}")
     val, train = perm[:n_val], perm[n_val:]
-    mean = x[train].mean(0)
-    var = x[train].var(0)
-    std = np.where(var < 1e-4, 1.0, np.sqrt(var))
-    norm = lambda a: torch.from_numpy(((a - mean) / std).astype(np.float32))  # noqa: E731
-    return TabularSplit(norm(x[train]), torch.from_numpy(y[train]), norm(x[val]), torch.from_numpy(y[val]),
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow is refused below, naming the column
+        mean = x[train].mean(0)
+        var = x[train].var(0)
+        std = np.where(var < 1e-4, 1.0, np.sqrt(var))
+        x_train, x_val = ((a - mean) / std for a in (x[train], x[val]))
+    _check_standardised(x, std, x_train, x_val, source)
+    return TabularSplit(torch.from_numpy(x_train.astype(np.float32)), torch.from_numpy(y[train]),
+                        torch.from_numpy(x_val.astype(np.float32)), torch.from_numpy(y[val]),
                         len(classes), classes, class_category, category_names)
+
+
+def _check_standardised(x, std, x_train, x_val, source: str) -> None:
+    """Refuse columns whose values overflow float32 while standardised (|x| near 3e38): their mean,
+    variance or z-scores turn inf or NaN, which the router would later report without naming the file."""
+    bad = ~np.isfinite(std) | ~np.isfinite(x_train).all(0) | ~np.isfinite(x_val).all(0)
+    if bad.any():
+        cols = np.flatnonzero(bad)
+        peaks = ", ".join(f"column {c}: up to {float(np.abs(x[:, c]).max()):.3g}" for c in cols[:5])
+        raise ValueError(f"data file {source} has {len(cols)} column(s) whose values overflow float32 when "
+                         f"standardised ({peaks}{', ...' if len(cols) > 5 else ''}); rescale them")

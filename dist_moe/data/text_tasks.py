@@ -99,11 +99,26 @@ def encode(texts: list[str], max_tokens: int, batch: int = 64) -> torch.Tensor:
     return out
 
 
+MAX_TOKENS = 512  # MiniLM's positions
+
+
+def _check_cached(cache, x, y, t, classes, max_tokens: int) -> None:
+    if (x.shape[1:] != (max_tokens, 384) or len(classes) != len(TASKS) or not ((0 <= t) & (t < len(TASKS))).all()
+            or not ((0 <= y) & (y < classes[t.clamp(0, len(TASKS) - 1)])).all()):
+        raise ValueError(f"data cache {cache} does not hold [N, {max_tokens}, 384] states with labels of its "
+                         f"{len(TASKS)} tasks: delete it and the next run rebuilds it")
+
+
 def text_split(per_task: int, max_tokens: int, val_fraction: float, seed: int) -> TextSplit:
+    if max_tokens > MAX_TOKENS:
+        raise ValueError(f"data.seq_len={max_tokens}: MiniLM reads at most {MAX_TOKENS} tokens per text")
     cache = data_dir() / f"text_tasks_{'-'.join(TASKS)}_{per_task}_{max_tokens}_{seed}.npz"
-    cached = load_cache(cache)
+    cached = load_cache(cache, {"x": ("f", 3), "y": ("iu", 1), "t": ("iu", 1), "classes": ("iu", 1)},
+                        same_rows=("x", "y", "t"))
     if cached is not None:
-        x, y, t, classes = (torch.from_numpy(cached[k]) for k in ("x", "y", "t", "classes"))
+        x, y, t, classes = (torch.from_numpy(cached[k]).to(torch.float16 if k == "x" else torch.int64)
+                            for k in ("x", "y", "t", "classes"))
+        _check_cached(cache, x, y, t, classes, max_tokens)
     else:
         rng = np.random.default_rng(seed)
         texts, labels, tasks, classes = [], [], [], []
@@ -114,6 +129,11 @@ def text_split(per_task: int, max_tokens: int, val_fraction: float, seed: int) -
             labels += [ty[i] for i in pick]
             tasks += [ti] * len(pick)
             classes.append(n)
+        from placement.simulate import check_memory
+
+        # the states of every text, float16, held twice (the cache and the split)
+        check_memory(2 * len(texts) * max_tokens * 384 * 2, f"{len(texts)} texts (data.per_domain={per_task}) x "
+                     f"data.seq_len={max_tokens} MiniLM states", "lower data.per_domain or data.seq_len")
         x = encode(texts, max_tokens)
         y, t, classes = torch.tensor(labels), torch.tensor(tasks), torch.tensor(classes)
         save_cache(cache, x=x.numpy(), y=y.numpy(), t=t.numpy(), classes=classes.numpy())

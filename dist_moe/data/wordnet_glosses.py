@@ -48,9 +48,9 @@ def glosses() -> tuple[list[str], list[int]]:
 def load_wordnet_glosses(per_class: int = PER_CLASS, seed: int = 0) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """(embeddings float32 [N, 384], lexfile labels [N], the 45 lexfile names); cached."""
     cache = data_dir() / f"wordnet_glosses_{per_class}_{seed}.npz"
-    cached = load_cache(cache)
-    if cached is not None:
-        return cached["x"], cached["y"], list(LEXNAMES)
+    cached = load_cache(cache, {"x": ("f", 2), "y": ("iu", 1)}, same_rows=("x", "y"))
+    if cached is not None:  # tabular_split checks the values, as any table's
+        return cached["x"].astype(np.float32, copy=False), cached["y"].astype(np.int64), list(LEXNAMES)
     if not (WORDNET / "data.noun").exists():
         raise ValueError(f"{WORDNET}/data.noun not found: install the Debian package wordnet-base (make does, as root)")
     texts, files = glosses()

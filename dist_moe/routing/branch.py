@@ -41,7 +41,7 @@ class BranchRouter(Router):
         super().__init__(num_experts, top_k, stats_group)
         num_experts = self.num_experts
         if num_experts < 2 or num_experts & (num_experts - 1):
-            raise ValueError(f"BranchRouter needs num_experts a power of two >= 2, got {num_experts!r}")
+            raise ValueError(f"num_experts must be a power of two >= 2 for BranchRouter, got {num_experts!r}")
         if not 0.0 < float(ema_decay) < 1.0:
             raise ValueError(f"ema_decay must lie in (0, 1), got {ema_decay!r}")
         if eta is None:

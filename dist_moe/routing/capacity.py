@@ -14,8 +14,9 @@ from torch import Tensor
 
 
 def capacity_for(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
-    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or not capacity_factor > 0:
-        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor!r}")
+    if (isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float))
+            or not 0 < capacity_factor < math.inf):  # inf: no cap, and ceil(inf) raises
+        raise ValueError(f"capacity_factor must be a finite number > 0, got {capacity_factor!r}")
     return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
 
 

@@ -244,7 +244,7 @@ class UniformRouter(Router):
     def __init__(self, num_experts: int, top_k: int | None = None, hidden_size: int | None = None):
         top_k = num_experts if top_k is None else top_k
         if top_k != num_experts:
-            raise ValueError(f"uniform routing is dense: top_k must equal num_experts={num_experts}, got {top_k!r}")
+            raise ValueError(f"top_k must equal num_experts={num_experts} (uniform routing is dense), got {top_k!r}")
         super().__init__(num_experts, top_k)
         self.hidden_size = hidden_size
 

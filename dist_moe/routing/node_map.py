@@ -29,6 +29,12 @@ class NodeMap(nn.Module):
             raise ValueError(f"mlp_hidden must be a positive int for node_map='mlp', got {mlp_hidden!r}")
         if kind == "linear" and mlp_hidden is not None:
             raise ValueError("mlp_hidden is only valid with node_map='mlp'")
+        if kind == "mlp":  # refused before allocating: weights, gradients and Adam's two moments in fp32
+            from placement.simulate import check_memory
+
+            check_memory(16 * num_outputs * mlp_hidden * (hidden_size + 2),
+                         f"mlp_hidden={mlp_hidden} ({num_outputs} node MLPs on hidden size {hidden_size}, to train)",
+                         "lower mlp_hidden")
         self.kind = kind
         self.hidden_size = hidden_size
         self.num_outputs = num_outputs

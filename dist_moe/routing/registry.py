@@ -8,10 +8,13 @@ config's ``train.gar``) is still read, with a deprecation warning, until the nex
 from __future__ import annotations
 
 import inspect
+import math
 import numbers
+import re
 import warnings
 from dataclasses import dataclass
 
+from dist_moe.errors import shown
 from dist_moe.routing.base import Router, check_shape
 from dist_moe.routing.branch import BranchRouter
 from dist_moe.routing.flat import DeepSeekV3Router, HashRouter, SkyworkRouter, SwitchRouter, UniformRouter
@@ -54,36 +57,77 @@ def accepted_keys(kind: str) -> set[str]:
     return set(_accepted(ROUTERS[kind])) - {"stats_group"}
 
 
+class RouterKeyError(ValueError):
+    """A bad router key. ``str(e)`` names the key as ``build_router``'s callers pass it (``num_experts``);
+    ``e.under("router")`` is the same error naming it as a training config does (``router.num_experts``)."""
+
+    def __init__(self, message: str, key: str):
+        super().__init__(message)
+        self.key = key
+
+    def under(self, section: str) -> ValueError:
+        msg, key, full = str(self), self.key, f"{section}.{self.key}"
+        if f"router key {key!r}" in msg:
+            msg = msg.replace(f"router key {key!r}", f"config key {full!r}")
+        elif re.match(rf"{key}\b", msg):
+            msg = full + msg[len(key):]
+        else:
+            msg = msg.replace(f"key {key!r}", f"key {full!r}")
+        return ValueError(msg)
+
+
+def _keyed(e: ValueError, keys) -> ValueError:
+    """``e`` as a RouterKeyError when its message names one of ``keys`` the way router messages do:
+    first (``top_k must be ...``) or as ``router key 'top_k'``."""
+    if isinstance(e, RouterKeyError):
+        return e
+    msg = str(e)
+    m = re.match(r"(\w+)\b", msg)
+    key = m.group(1) if m and m.group(1) in keys else next((k for k in keys if f"router key {k!r}" in msg), None)
+    return e if key is None else RouterKeyError(msg, key)
+
+
+def _finite(value) -> bool:
+    try:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    except OverflowError:  # an int beyond any float
+        return False
+
+
 def _check_type(key: str, value) -> None:
     if value is None:
         return
     if key in _INT_KEYS and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
-        raise ValueError(f"router key {key!r} must be an int, got {value!r}")
-    if key in _FLOAT_KEYS and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
-        raise ValueError(f"router key {key!r} must be a number, got {value!r}")
+        raise RouterKeyError(f"router key {key!r} must be an int, got {shown(value)}", key)
+    # NaN and inf pass the constructors' range checks (inf > 0): refused here for every number key
+    if key in _FLOAT_KEYS and not _finite(value):
+        raise RouterKeyError(f"router key {key!r} must be a finite number, got {shown(value)}", key)
     if key in _STR_KEYS and not isinstance(value, str):
-        raise ValueError(f"router key {key!r} must be a string, got {value!r}")
+        raise RouterKeyError(f"router key {key!r} must be a string, got {shown(value)}", key)
     if key in _BOOL_KEYS and not isinstance(value, bool):
-        raise ValueError(f"router key {key!r} must be true or false, got {value!r}")
+        raise RouterKeyError(f"router key {key!r} must be true or false, got {shown(value)}", key)
 
 
-def _checked(cfg: dict) -> tuple[str, dict, dict, object]:
-    """(type, accepted parameters, constructor arguments, the deprecated gar block) of a validated config."""
+def _checked(cfg: dict, given_later=()) -> tuple[str, dict, dict, object]:
+    """(type, accepted parameters, constructor arguments, the deprecated gar block) of a validated config;
+    the required keys ``given_later`` may be missing."""
     if not isinstance(cfg, dict):
         raise ValueError(f"router config must be a dict, got {type(cfg).__name__}")
     cfg = dict(cfg)
     kind = cfg.pop("type", None)
     if kind not in ROUTERS:
-        raise ValueError(f"router key 'type' must be one of {sorted(ROUTERS)}, got {kind!r}")
+        raise RouterKeyError(f"router key 'type' must be one of {sorted(ROUTERS)}, got {shown(kind)}", "type")
     accepted = _accepted(ROUTERS[kind])
     gar = cfg.pop("gar", None)
     allowed = set(accepted) - {"stats_group"}  # a process group, never from YAML
     unknown = sorted(set(cfg) - allowed)
     if unknown:
-        raise ValueError(f"unknown router key {unknown[0]!r} for type {kind!r}; valid keys: {sorted(allowed)}")
-    missing = [n for n, p in accepted.items() if p.default is inspect.Parameter.empty and n not in cfg]
+        raise RouterKeyError(f"unknown router key {shown(unknown[0])} for type {kind!r}; valid keys: "
+                             f"{sorted(allowed)}", str(unknown[0]))
+    missing = [n for n, p in accepted.items() if p.default is inspect.Parameter.empty and n not in cfg
+               and n not in given_later]
     if missing:
-        raise ValueError(f"router type {kind!r} requires key {missing[0]!r}")
+        raise RouterKeyError(f"router type {kind!r} requires key {missing[0]!r}", missing[0])
     for key, value in cfg.items():
         _check_type(key, value)
     return kind, accepted, cfg, gar
@@ -98,10 +142,11 @@ class RouterShape:
     aux_loss_coeff: float
 
 
-def router_shape(cfg: dict) -> RouterShape:
+def router_shape(cfg: dict, given_later=()) -> RouterShape:
     """The expert count, top-k and aux-loss coefficient ``build_router(cfg)`` would give, validated the
-    same way (placement and engine configs need them before the one build, inside the layer)."""
-    _, accepted, kwargs, _ = _checked(cfg)
+    same way (placement and engine configs need them before the one build, inside the layer). A training
+    config's router lacks the keys its layer and data give it (``given_later``: hidden_size, num_categories)."""
+    _, accepted, kwargs, _ = _checked(cfg, given_later)
 
     def given(name):
         default = accepted[name].default if name in accepted else None
@@ -109,18 +154,27 @@ def router_shape(cfg: dict) -> RouterShape:
 
     num_experts = given("num_experts")
     top_k = given("top_k")
-    num_experts, top_k = check_shape(num_experts, num_experts if top_k is None else top_k)  # None: dense
+    try:
+        num_experts, top_k = check_shape(num_experts, num_experts if top_k is None else top_k)  # None: dense
+    except ValueError as e:
+        raise _keyed(e, ("num_experts", "top_k")) from None
     return RouterShape(num_experts, top_k, float(given("aux_loss_coeff") or 0.0))
 
 
 def build_router(cfg: dict, stats_group=None) -> Router:
+    """The router ``cfg`` describes; a bad key raises ValueError naming it (a RouterKeyError when the
+    message names one key)."""
     kind, accepted, kwargs, gar = _checked(cfg)
     if "stats_group" in accepted:
         kwargs["stats_group"] = stats_group
-    router = ROUTERS[kind](**kwargs)
-    router.gar_config = None
+    try:
+        router = ROUTERS[kind](**kwargs)
+        router.gar_config = None
+        if gar is not None:
+            router.gar_config = GARConfig.for_router(gar, kind, "router key 'gar'")
+    except ValueError as e:
+        raise _keyed(e, {*accepted, "gar"}) from None
     if gar is not None:
-        router.gar_config = GARConfig.for_router(gar, kind, "router key 'gar'")
         warnings.warn(GAR_MOVED, FutureWarning, stacklevel=2)
     return router
 

@@ -27,7 +27,21 @@ MODEL_KINDS = tuple(DATA_OF_KIND)
 
 
 def data_and_model(cfg: dict, rt):
-    """(data split, model) for ``cfg``; ``rt`` (a ``Runtime``) builds each MoE layer."""
+    """(data split, model) for ``cfg``; ``rt`` (a ``Runtime``) builds each MoE layer. A bad router key
+    is named as the config names it (``router.mlp_hidden``)."""
+    from dist_moe.routing.registry import RouterKeyError
+
+    try:
+        data, model = _data_and_model(cfg, rt)
+    except RouterKeyError as e:
+        raise e.under("router") from None
+    if len(data.x_train) < rt.world:  # a rank without rows would train on nothing, every step
+        raise ValueError(f"data.name={cfg['data']['name']!r} leaves {len(data.x_train)} training rows for "
+                         f"{rt.world} ranks: every rank needs at least one (raise data.max_rows)")
+    return data, model
+
+
+def _data_and_model(cfg: dict, rt):
     dcfg, mcfg = cfg["data"], dict(cfg["model"])
     kind, layers, heads = mcfg.pop("kind"), mcfg.pop("layers"), mcfg.pop("heads")
     wants = {k: v for k, v in DATA_OF_KIND.items() if v is not None}

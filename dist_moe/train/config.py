@@ -1,25 +1,29 @@
 """Training configuration: an embedded default, YAML files and key=value overrides.
 
 Every section is validated against the default's keys, so a typo fails with the
-key's name instead of being ignored. Router keys are validated by build_router.
+key's name instead of being ignored. Router keys are checked here as far as they can be
+before the data and the layer are known (registry.router_shape), and in full by build_router.
+Files are read within placement.files' limits (size, nesting, aliases, no duplicate keys).
 """
 from __future__ import annotations
 
 import copy
-import re
+import math
 import warnings
 from pathlib import Path
 
 import yaml
 
 from dist_moe.dispatch.process_group import DEVICES
+from dist_moe.errors import shown
 from dist_moe.experts import KINDS as EXPERT_KINDS
 from dist_moe.gar.config import GARConfig
 from dist_moe.integrations.megatron import DISPATCHERS as MEGATRON_DISPATCHERS
-from dist_moe.routing.registry import GAR_MOVED
+from dist_moe.routing.registry import GAR_MOVED, RouterKeyError, router_shape
 from dist_moe.train.build import MODEL_KINDS
 from dist_moe.train.engines import ENGINES
 from dist_moe.train.rundir import output_dir
+from placement.files import parse_yaml, read_yaml, yaml_problem
 from placement.placement import NAMED as PLACEMENTS
 from placement.plan import DEDUP_MODES
 
@@ -28,20 +32,6 @@ def _one_of(choices: tuple) -> tuple:
     """A rule for a key whose values the owning module lists (its message names them)."""
     return f"one of {', '.join(choices)}", lambda v: v in choices
 
-
-class _Loader(yaml.SafeLoader):
-    """YAML 1.1 reads '3e-4' as a string; accept it as a float like every ML config does."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"),
-    list("-+0123456789."),
-)
-
-
-def _yaml(text: str):
-    return yaml.load(text, Loader=_Loader)
 
 DEFAULT_CONFIG: dict = {
     "name": "demo",
@@ -91,6 +81,7 @@ DEFAULT_CONFIG: dict = {
 _OPEN_SECTIONS = {"router", "train.gar"}  # free-form here, checked by build_router and GARConfig
 
 _POSITIVE = ("a positive int", lambda v: v >= 1)
+MAX_TIMEOUT_S = 7 * 24 * 3600
 # key -> (type, may be None, (description, predicate) or None)
 _RULES = {
     # the name is a directory under runs/: no separator or '..' may take it elsewhere
@@ -102,7 +93,9 @@ _RULES = {
                                         lambda v: v in PLACEMENTS or v.endswith((".yaml", ".yml")))),
     "parallel.dedup": (str, False, _one_of(DEDUP_MODES)),
     "parallel.megatron_dispatcher": (str, False, _one_of(MEGATRON_DISPATCHERS)),
-    "parallel.timeout_s": (float, False, ("a finite number > 0", lambda v: 0 < v < float("inf"))),
+    # beyond a week a hung peer is never reported; far beyond, the backends' own timers overflow
+    "parallel.timeout_s": (float, False, (f"a number of seconds in (0, {MAX_TIMEOUT_S}] (a week)",
+                                          lambda v: 0 < v <= MAX_TIMEOUT_S)),
     "parallel.device": (str, False, _one_of(DEVICES)),
     "parallel.pipeline_chunks": (int, False, ("an int >= 1", lambda v: v >= 1)),
     "data.name": (str, False, None),  # the loader names the valid datasets
@@ -116,14 +109,14 @@ _RULES = {
     "data.per_domain": (int, False, _POSITIVE),
     "model.ffn_hidden_size": (int, False, _POSITIVE),
     "model.d_model": (int, False, ("an int >= 0 (0: no input projection)", lambda v: v >= 0)),
-    "model.capacity_factor": (float, True, ("a number > 0", lambda v: v > 0)),
+    "model.capacity_factor": (float, True, ("a finite number > 0", lambda v: v > 0)),
     "model.expert_type": (str, False, _one_of(EXPERT_KINDS)),
     "model.post_norm": (bool, False, None),
     "model.label_mask": (bool, False, None),
     "train.epochs": (int, False, _POSITIVE),
     "train.batch_size": (int, False, _POSITIVE),
-    "train.lr": (float, False, ("a finite number > 0", lambda v: 0 < v < float("inf"))),
-    "train.max_grad_norm": (float, True, ("a number > 0", lambda v: v > 0)),
+    "train.lr": (float, False, ("a finite number > 0", lambda v: v > 0)),
+    "train.max_grad_norm": (float, True, ("a finite number > 0", lambda v: v > 0)),
     "train.log_every": (int, False, _POSITIVE),
     "train.max_steps": (int, True, _POSITIVE),
     "train.gar_group_size": (int, False, _POSITIVE),
@@ -148,21 +141,25 @@ def validate(cfg: dict) -> dict:
         if value is None and optional:
             continue
         ok_type = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
-        if kind is float:
-            ok_type = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+        if kind is float:  # NaN and inf pass every comparison a rule could make: refused for every key
+            ok_type = isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value)
         if not ok_type or (rule is not None and not rule[1](value)):
             want = rule[0] if rule else kind.__name__
-            raise ValueError(f"config key {key!r} must be {want}{' or null' if optional else ''}, got {value!r}")
+            raise ValueError(f"config key {key!r} must be {want}{' or null' if optional else ''}, got {shown(value)}")
     try:
         cfg["output"]["dir"].format(name=cfg["name"])
     except (KeyError, IndexError, ValueError) as e:
-        raise ValueError(f"config key 'output.dir' may use only {{name}}, got {cfg['output']['dir']!r} ({e})")
+        raise ValueError(f"config key 'output.dir' may use only {{name}}, got {shown(cfg['output']['dir'])} ({e})")
     output_dir(cfg)  # a ~user that does not exist
     if cfg["train"]["resume"] and cfg["output"]["overwrite"]:
         raise ValueError("train.resume=true continues the run in output.dir and output.overwrite=true removes it: "
                          "set one of them")
     if not isinstance(cfg["router"], dict) or "type" not in cfg["router"]:
         raise ValueError("config key 'router' must be a mapping with a 'type'")
+    try:  # what can be checked before the data and the layer give the router the rest
+        router_shape(cfg["router"], given_later=("hidden_size", "num_categories"))
+    except RouterKeyError as e:
+        raise e.under("router") from None
     if cfg["train"]["gar"] is not None:
         GARConfig.for_router(cfg["train"]["gar"], cfg["router"]["type"])
     chunks = cfg["parallel"]["pipeline_chunks"]
@@ -170,6 +167,13 @@ def validate(cfg: dict) -> dict:
         raise ValueError(f"parallel.pipeline_chunks={chunks} pipelines dist-moe's own dispatcher (engine torch); "
                          f"engine {cfg['engine']} exchanges through its own: set it to 1")
     return cfg
+
+
+def _finite(v) -> bool:
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:  # an int beyond any float
+        return False
 
 
 def _move_router_gar(cfg: dict, warn: bool) -> None:
@@ -195,10 +199,10 @@ def _merge(base: dict, update: dict, path: str = "") -> dict:
             out[key] = _merge_open(out.get(key), value)
             continue
         if key not in base:
-            raise ValueError(f"unknown config key {where!r}; valid keys here: {sorted(base)}")
+            raise ValueError(f"unknown config key {shown(where)}; valid keys here: {sorted(base)}")
         if isinstance(base[key], dict):
             if not isinstance(value, dict):
-                raise ValueError(f"config key {where!r} must be a mapping, got {value!r}")
+                raise ValueError(f"config key {shown(where)} must be a mapping, got {shown(value)}")
             if key in _OPEN_SECTIONS and "type" in value and value["type"] != base[key].get("type"):
                 out[key] = _switch_router_type(base[key], value)
                 continue
@@ -230,16 +234,16 @@ def _switch_router_type(old: dict, new: dict) -> dict:
 def parse_override(item: str) -> dict:
     """'train.lr=3e-4' -> {'train': {'lr': 0.0003}} (values parsed as YAML)."""
     if "=" not in item:
-        raise ValueError(f"override {item!r} must look like key.sub=value")
+        raise ValueError(f"override {shown(item)} must look like key.sub=value")
     key, raw = item.split("=", 1)
     try:
-        value = _yaml(raw) if raw else None
+        value = parse_yaml(raw) if raw else None
     except yaml.YAMLError as e:
-        raise ValueError(f"override {item!r}: the value is not valid YAML ({e})") from None
+        raise ValueError(f"override {shown(item)}: the value is not valid YAML ({yaml_problem(e)})") from None
     nested: dict = value
     for part in reversed(key.strip().split(".")):
         if not part:
-            raise ValueError(f"override {item!r} has an empty key component")
+            raise ValueError(f"override {shown(item)} has an empty key component")
         nested = {part: nested}
     return nested
 
@@ -247,17 +251,8 @@ def parse_override(item: str) -> dict:
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> dict:
     cfg = copy.deepcopy(DEFAULT_CONFIG)
     if path is not None:
-        path = Path(path)
-        if not path.exists():
-            raise ValueError(f"config file {str(path)!r} does not exist")
-        if not path.is_file():
-            raise ValueError(f"config path {str(path)!r} is not a file")
-        try:
-            loaded = _yaml(path.read_text(encoding="utf-8")) or {}
-        except UnicodeDecodeError as e:
-            raise ValueError(f"config file {str(path)!r} is not UTF-8 text (byte {e.start}: {e.reason})") from None
-        except yaml.YAMLError as e:
-            raise ValueError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+        loaded = read_yaml(path, "config")
+        loaded = {} if loaded is None else loaded
         if not isinstance(loaded, dict):
             raise ValueError(f"config file {str(path)!r} must hold a mapping")
         cfg = _merge(cfg, loaded)
