@@ -145,7 +145,7 @@ def worker(rank, world, args, out_path):
         mem = torch.tensor([float(memory[name]), float(sent[name][0]), float(sent[name][1] or 0)])
         dist.all_reduce(mem)
         totals[name] = (statistics.median(times[name]), *(mem / world).tolist(), sent[name][1] is not None)
-    parallel_state.destroy_model_parallel()
+    megatron_patches.release_parallel_state()  # destroy_model_parallel, and the groups 0.16.1 forgets
     if rank == 0:
         torch.save(totals, out_path)
 

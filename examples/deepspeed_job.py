@@ -18,7 +18,7 @@ import torch.distributed as dist
 from deepspeed.moe.layer import MoE
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
-from dist_moe.integrations.deepspeed import DistMoEGate, init_distributed
+from dist_moe.integrations.deepspeed import DistMoEGate, init_distributed, shutdown_distributed
 
 HIDDEN, EXPERTS, STEPS, BATCH, AUX = 16, 4, 5, 32, 0.01
 
@@ -83,6 +83,7 @@ def main() -> None:
     if rank == 0:
         for step, (a, b) in enumerate(zip(theirs, ours)):
             print(f"step {step}: loss TopKGate {a:.6f} DistMoEGate {b:.6f}")
+    shutdown_distributed()  # DeepSpeed's groups released with the process group, none left for exit
 
 
 if __name__ == "__main__":

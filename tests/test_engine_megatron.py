@@ -53,7 +53,7 @@ def _equivalence_worker(rank, world, routers, dispatcher):
                 remote = int(((pairs >= 0) & (placement.rank_tensor()[pairs.clamp_min(0)] != rank)).sum())
                 assert sent_bytes(mg) == remote * H * 4
     finally:
-        parallel_state.destroy_model_parallel()
+        megatron_patches.release_parallel_state()  # destroy_model_parallel, and the groups 0.16.1 forgets
 
 
 class _Grad:
@@ -98,7 +98,7 @@ def _gar_worker(rank, world, dispatcher):
 
         case.check(f"megatron-{dispatcher}", out, opt.seen, hosted, expert_grad)
     finally:
-        parallel_state.destroy_model_parallel()
+        megatron_patches.release_parallel_state()  # destroy_model_parallel, and the groups 0.16.1 forgets
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])

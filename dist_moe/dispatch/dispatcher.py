@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dist_moe.dispatch.all_to_all import Chunk, plan_hops
-from dist_moe.dispatch.groups import WeakGroup
+from dist_moe.dispatch.groups import WeakGroup, free_import_time_defaults
 from dist_moe.dispatch.pipeline import PipelineRun, chunk_bounds, run_pipeline
 from dist_moe.experts import Experts
 from placement import Placement, Topology
@@ -78,7 +78,9 @@ def node_subgroup(group, topology: Topology, timeout=None):
 
 
 def release_node_groups() -> None:
-    """Destroy the cached per-node groups (call before ``destroy_process_group`` at shutdown)."""
+    """Destroy the cached per-node groups and drop torch's import-time hold on WORLD (groups.py; call
+    before ``destroy_process_group`` at shutdown)."""
+    free_import_time_defaults()
     for sub in list(_NODE_GROUPS.values()):
         dist.destroy_process_group(sub)
     _NODE_GROUPS.clear()

@@ -215,6 +215,16 @@ def init_distributed(timeout_s: float | None = None, device: torch.device | None
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", **kwargs)
 
 
+def shutdown_distributed() -> None:
+    """The end of a job that ``init_distributed`` started: DeepSpeed's cached groups are dropped, then
+    the group is left (``dist_moe.dispatch.process_group.shutdown``), so none of them outlives it and
+    aborts the process at exit (dist_moe/dispatch/groups.py)."""
+    from dist_moe.dispatch.process_group import shutdown
+
+    deepspeed_patches.release_groups()
+    shutdown()
+
+
 class DeepSpeedHostedMoE(HostedMoE):
     """dist-moe's layer interface over a DeepSpeed-hosted MoE: ``(y, aux) = layer(x, categories, token_ids)``.
 

@@ -24,3 +24,14 @@ def apply(cpu: bool | None = None) -> None:
         # `torch` package re-exported by deepspeed.comm and patches the wrong module.
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     _APPLIED = True
+
+
+def release_groups() -> None:
+    """Drop DeepSpeed's cached process groups (its expert, expert-data, world and model-parallel
+    groups). 0.19.8 releases them only when the group is destroyed through deepspeed.comm; a run
+    whose group torch destroys would otherwise keep every one alive until interpreter exit, where
+    their threads can abort the process (dist_moe/dispatch/groups.py). Its dicts hold nothing but
+    groups, so the garbage collector cannot see them as referrers either."""
+    from deepspeed.utils import groups
+
+    groups._release_process_group_references(group=None)

@@ -44,6 +44,7 @@ DISPATCHERS = ("alltoall", "allgather")
 
 class DistMoERouter(nn.Module):
     agree_group = WeakGroup()  # the ranks that route their own tokens, held weakly (dispatch/groups.py)
+    track_group = WeakGroup()  # the aux-loss tracker's reduction group, held weakly too
 
     def __init__(self, *, config, pg_collection=None, router: Router | dict, placement: Placement | None = None,
                  topology=None):

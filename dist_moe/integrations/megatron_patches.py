@@ -72,3 +72,22 @@ def _splits_to_lists(self, point: str, tokens_per_expert=None):
         if isinstance(value, torch.Tensor):
             setattr(self, name, value.tolist())
     return tokens_per_expert
+
+
+def release_parallel_state() -> list[str]:
+    """``parallel_state.destroy_model_parallel()``, then drop the groups it forgets (0.16.1:
+    ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP`` and its ``_GLOO`` twin stay set). A group kept
+    past ``destroy_process_group`` lives until interpreter exit, where its threads can abort the
+    process (dist_moe/dispatch/groups.py). Runs on CPU and GPU alike; returns the names it cleared."""
+    from megatron.core import parallel_state
+    from torch.distributed import ProcessGroup
+
+    parallel_state.destroy_model_parallel()
+    cleared = []
+    for name, value in vars(parallel_state).items():
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if not name.startswith("_") or not any(isinstance(v, ProcessGroup) for v in items):
+            continue
+        setattr(parallel_state, name, None)
+        cleared.append(name)
+    return cleared

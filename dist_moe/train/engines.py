@@ -97,6 +97,11 @@ class DeepSpeedEngine(Engine):
 
         return DeepSpeedStepper(model, lr, max_grad_norm, micro_batch)
 
+    def shutdown(self):
+        from dist_moe.integrations.deepspeed_patches import release_groups
+
+        release_groups()
+
 
 class MegatronEngine(Engine):
     name = "megatron"
@@ -119,9 +124,9 @@ class MegatronEngine(Engine):
                                  expert_type, device=rt.device, topology=rt.topology())
 
     def shutdown(self):
-        from megatron.core import parallel_state
+        from dist_moe.integrations.megatron_patches import release_parallel_state
 
-        parallel_state.destroy_model_parallel()
+        release_parallel_state()
 
 
 ENGINES: dict[str, type[Engine]] = {e.name: e for e in (TorchEngine, DeepSpeedEngine, MegatronEngine)}

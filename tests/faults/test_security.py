@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from dist_moe import MoELayer
 from dist_moe.train import checkpoint
 from dist_moe.train.config import load_config
+from tests.dist_utils import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = [p for d in ("dist_moe", "placement", "experiments", "benchmarks") for p in (ROOT / d).rglob("*.py")]
@@ -185,7 +186,7 @@ def test_config_strings_never_reach_a_shell(tmp_path):
     argument: it is refused as a bad value, and nothing it names runs."""
     marker = tmp_path / "pwned"
     value = f"x$(touch {marker});touch {marker}`touch {marker}`"
-    r = subprocess.run(["bash", str(ROOT / "launch/torchrun.sh"), "--nproc", "1", "--port", "29877",
+    r = subprocess.run(["bash", str(ROOT / "launch/torchrun.sh"), "--nproc", "1", "--port", str(free_port()),
                         f"data.name={value}"], capture_output=True, text=True, timeout=120, cwd=ROOT,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode != 0

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist_utils import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 SLEEPER = str(ROOT / "tests/scripts/sleep_forever.py")
 DRIVER = "import sys; from experiments.run import run_forwarding, ROOT; sys.exit(run_forwarding(sys.argv[1:], " \
@@ -39,7 +41,7 @@ def test_stopping_the_driver_stops_its_ranks_and_cleans_up(tmp_path, launcher, s
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", SLEEPER]
     else:
         cmd = ["bash", str(ROOT / "launch/emulate_cluster.sh"), "--nodes", "2", "--procs-per-node", "1",
-               "--port", "29731", SLEEPER]
+               "--port", str(free_port()), SLEEPER]
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, *cmd], env=env, cwd=ROOT)
     deadline = time.monotonic() + 60
     while len(list(tmp_path.glob("rank*.pid"))) < 2:  # both ranks are up
@@ -50,6 +52,6 @@ def test_stopping_the_driver_stops_its_ranks_and_cleans_up(tmp_path, launcher, s
         assert _namespaces() - before, "no namespaces while the emulated cluster runs"
     driver.send_signal(sig)
     assert driver.wait(timeout=60) != 0
-    time.sleep(0.5)
+    # no grace period: the driver waits for its launcher, and the launcher for its ranks
     assert not [p for p in pids if _alive(p)], "ranks still running after the driver exited"
     assert _namespaces() == before
