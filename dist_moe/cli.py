@@ -22,6 +22,10 @@ def _print_summary(s: dict) -> None:
     if s.get("skipped_steps"):
         print(f"  skipped steps (non-finite loss or gradients): {s['skipped_steps']}")
     print(f"  validation loss {num('val_loss')}  accuracy {num('val_acc', 100, 2)}%")
+    layers = sum(k.startswith("val_layer") and k.endswith("_load_cv") for k in s)
+    if layers > 1:  # evaluate's layers_metrics: the mean at the top, each layer's as val_layer<i>_<key>
+        print(f"  validation routing, mean over the {layers} MoE layers (each layer's: val_layer<i>_* in "
+              f"{s['output_dir']}/summary.json):")
     print(f"  load CV {num('val_load_cv', 1, 3)}  dropped {num('val_dropped_fraction', 100, 2)}% of slots")
     if td is not None and rp:  # None with top-1 routing: no co-selected pairs
         closer = 100 * (1 - td / rp)
@@ -29,7 +33,8 @@ def _print_summary(s: dict) -> None:
         print(f"  tree distance {td:.3f} (random pairs {rp:.3f}: co-selected experts {side})")
     if s.get("val_node_share"):
         print(f"  node share {' / '.join(f'{v:.3f}' for v in s['val_node_share'])} "
-              f"(CV {num('val_node_share_cv', 1, 3)}) of the routed slots")
+              f"(CV {num('val_node_share_cv', 1, 3)}): each node's share of the router's validation load, "
+              "before capacity drops (dist-moe report: of the slots dispatched after them)")
     if s.get("val_align") is not None:
         print(f"  Align {s['val_align']:.3f} (share of categories hurt most by ablating their own expert)")
     print(f"  metrics: {s['output_dir']}/metrics.jsonl")
@@ -43,7 +48,8 @@ class _Parser(argparse.ArgumentParser):
         raise ValueError(f"{message} (see {self.prog} --help)")
 
 
-def main(argv=None) -> int:
+def build_parser() -> _Parser:
+    """The ``dist-moe`` parser with every subcommand (tests/test_cli_help.py walks it)."""
     parser = _Parser(prog="dist-moe", description="distributed Mixture-of-Experts training")
     # the deepspeed launcher inserts --local_rank=N before the command; the rank comes from the environment
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -63,6 +69,13 @@ def main(argv=None) -> int:
     cli_cost.add_parsers(sub, debug)
     cli_plan.add_parser(sub, debug)
     cli_calibrate.add_parser(sub, debug)
+    return parser
+
+
+def main(argv=None) -> int:
+    from dist_moe import cli_calibrate, cli_cost, cli_plan
+
+    parser = build_parser()
     args = None
     try:
         args, extra = parser.parse_known_args(argv)

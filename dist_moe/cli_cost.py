@@ -11,7 +11,8 @@ from placement import Placement, Topology
 from placement.exact import EXACT_MAX_EXPERTS, exact_placement
 from placement.files import read_yaml
 from placement.placement import NAMED as PLACEMENTS
-from placement.report import write_report
+from placement.cost import CostModel
+from placement.report import link_rates, write_report
 from placement.simulate import RoutingRecord, simulate
 from placement.traffic import DEDUP_MODES, dispatch_traffic
 
@@ -19,24 +20,38 @@ from placement.traffic import DEDUP_MODES, dispatch_traffic
 def add_parsers(sub, debug) -> None:
     rp = sub.add_parser("report", parents=[debug],
                         help="report.json, report.md and PNG plots of a run's communication cost")
-    rp.add_argument("run_dir")
-    rp.add_argument("--topology", help="node=2,gpu=4 or a topology YAML (default: the run's ranks, else 2x2)")
+    rp.add_argument("run_dir", help="a run directory written by dist-moe train (its routing.npz and config.yaml); "
+                                    "the report files are written into it")
+    rp.add_argument("--topology", help="node=2,gpu=4 or a topology YAML such as dist-moe calibrate's, whose link "
+                                       "rates then price the exchanges (default: the topology the run recorded, "
+                                       f"else the run directory's {CALIBRATION}, else an assumed 2 nodes x 2 GPUs, "
+                                       "which the report says)")
     pl = sub.add_parser("place", parents=[debug], help="an expert placement optimized from a run's co-activation")
     pl.add_argument("--topology", required=True, help="node=2,gpu=4 or a topology YAML")
     pl.add_argument("--stats", required=True, help="a run directory (its routing.npz)")
-    pl.add_argument("--out", default="placement.yaml")
+    pl.add_argument("--out", default="placement.yaml",
+                    help="the placement file to write, for parallel.placement=FILE (default: %(default)s)")
     pl.add_argument("--exact-seconds", type=float, default=5.0,
-                    help="time limit of each level's exact partition (CP-SAT, up to 64 experts); 0: heuristic only")
+                    help="time limit of each level's exact partition (CP-SAT, up to 64 experts); 0: heuristic only "
+                         "(default: %(default)s)")
     sm = sub.add_parser("simulate", parents=[debug], help="replay a run's routing on a simulated cluster")
-    sm.add_argument("--nodes", type=int, required=True, help="nodes (per rack with --racks)")
-    sm.add_argument("--gpus-per-node", type=int, required=True)
-    sm.add_argument("--racks", type=int, help="racks of --nodes nodes each (a rack x node x gpu topology)")
+    sm.add_argument("--topology", help="node=128,gpu=8 (rack=...,node=...,gpu=...) or a topology YAML such as "
+                                       "dist-moe calibrate's, whose link rates then price the exchanges (default: "
+                                       "--nodes x --gpus-per-node on the cost model's default link rates)")
+    sm.add_argument("--nodes", type=int, help="nodes (per rack with --racks); with --topology FILE, its link rates at "
+                                              "these sizes (default: --topology's sizes)")
+    sm.add_argument("--gpus-per-node", type=int, help="ranks per node (default: --topology's)")
+    sm.add_argument("--racks", type=int, help="racks of --nodes nodes each (a rack x node x gpu topology; "
+                                              "default: no rack level, node x gpu)")
     sm.add_argument("--subtree-limit", help="replay the recorded probabilities with BRANCH's subtree limit too: "
-                                            "M (the node level) or level=M[,level=M], e.g. rack=1,node=2")
+                                            "M (the node level) or level=M[,level=M], e.g. rack=1,node=2 "
+                                            "(default: the recorded routing only)")
     sm.add_argument("--stats", required=True, help="a run directory (its routing.npz)")
-    sm.add_argument("--placement", default="tree_prefix", choices=PLACEMENTS)
-    sm.add_argument("--tokens-per-rank", type=int, default=256)
-    sm.add_argument("--json", action="store_true")
+    sm.add_argument("--placement", default="tree_prefix", choices=PLACEMENTS,
+                    help="how the simulated experts are placed (default: %(default)s)")
+    sm.add_argument("--tokens-per-rank", type=int, default=256,
+                    help="recorded tokens drawn for each simulated rank (default: %(default)s)")
+    sm.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def _limit(spec: str | None):
@@ -54,10 +69,15 @@ def _limit(spec: str | None):
     return out
 
 
+CALIBRATION = "calibrated_topology.yaml"  # dist-moe calibrate's --out default; a run directory's is its links'
+
+
 def topology_of(spec: str | None, record: RoutingRecord | None = None) -> Topology:
-    """The given topology; else the run's own (expert-parallel runs record it); else 2 nodes x 2."""
+    """The given topology (node=2,gpu=4 or a YAML); else the run's own (expert-parallel runs record it); else
+    2 nodes x 2."""
     if spec:
-        return Topology.from_yaml(spec) if Path(spec).is_file() else Topology.parse(spec)
+        return Topology.from_yaml(spec) if Path(spec).is_file() or spec.endswith((".yaml", ".yml")) else \
+            Topology.parse(spec)
     if record is not None and record.dispatch is not None:
         return Topology.parse(record.dispatch["topology"])
     w = record.world_size if record is not None else 1
@@ -82,16 +102,59 @@ def _run_placement(run_dir: Path) -> str:
     return placement
 
 
+def rates_origin(path: str | Path) -> str:
+    """How a topology YAML's link rates were had: calibrate stamps its fits."""
+    stamp = (read_yaml(path, "topology").get("exchange") or {}).get("calibrated")
+    return f"calibrated {stamp} ({path})" if stamp else str(path)
+
+
+def report_topology(spec: str | None, record: RoutingRecord, run_dir: Path) -> tuple[Topology, str, str | None]:
+    """The report's topology, where it comes from, and where its link rates do (None: the defaults). Link
+    rates: a given YAML's, else the run directory's calibration when it has the topology's shape."""
+    calibration = run_dir / CALIBRATION
+    if calibration.is_symlink():  # a run file that leads elsewhere is not the run's
+        raise ValueError(f"{calibration} is a symlink: put the calibration file itself there")
+    if spec and (Path(spec).is_file() or spec.endswith((".yaml", ".yml"))):
+        return Topology.from_yaml(spec), f"given ({spec})", rates_origin(spec)
+    calibrated = Topology.from_yaml(calibration) if calibration.exists() else None
+    if spec:
+        topo, source = Topology.parse(spec), f"given (--topology {spec})"
+    elif record.dispatch is not None:
+        topo, source = Topology.parse(record.dispatch["topology"]), "the run's own, recorded with its routing"
+    elif calibrated is not None:
+        topo, source = calibrated, f"the run's calibration ({calibration})"
+    else:
+        topo = topology_of(None, record)
+        processes = "1 process" if record.world_size == 1 else f"{record.world_size} processes"
+        source = (f"assumed, as the run ({processes}) recorded none"
+                  + (f" (its tokens are dealt round-robin over these {topo.world_size} ranks)"
+                     if record.world_size != topo.world_size else "")
+                  + f"; give the real one with `dist-moe report {run_dir} --topology node=N,gpu=G` (or a "
+                    "topology YAML)")
+    if calibrated is not None and (calibrated.levels, calibrated.sizes) == (topo.levels, topo.sizes):
+        return Topology(topo.levels, topo.sizes, calibrated.cost), source, rates_origin(calibration)
+    return topo, source, None
+
+
 def _report(args) -> int:
     run_dir = Path(args.run_dir)
-    topo = topology_of(args.topology, RoutingRecord.load(run_dir))
-    report = write_report(run_dir, topo, _run_placement(run_dir))
+    topo, source, rates = report_topology(args.topology, RoutingRecord.load(run_dir), run_dir)
+    report = write_report(run_dir, topo, _run_placement(run_dir), source, rates)
     outer = topo.levels[0]
-    print(f"{report['tokens']} tokens, {report['num_experts']} experts on {report['topology']}: "
-          f"B/token crossing {outer} (none / rank / node dedup)")
-    for name, p in report["placements"].items():
-        cells = " / ".join(f"{p['modes'][d]['bytes_per_token_by_level'][outer]:.1f}" for d in DEDUP_MODES)
-        print(f"  {name:<12} {cells}")
+    print(f"topology {report['topology']}: {source}")
+    print(f"{report['tokens']} tokens, {report['num_experts']} experts: B/token crossing {outer} "
+          "(none / rank / node dedup)")
+    own = report["run_placement_shown"]
+    for li, layer in enumerate(report["layers"]):
+        for name, p in layer["placements"].items():
+            cells = " / ".join(f"{p['modes'][d]['bytes_per_token_by_level'][outer]:.1f}" for d in DEDUP_MODES)
+            print(f"  layer {li} {name + (' (run)' if name == own else ''):<18} {cells}")
+    if own is None:
+        print(f"  (the run's placement {report['run_placement']} is not shown: it does not place its experts on "
+              f"{report['topology']})")
+    rates = report["link_rates"]
+    print(f"time estimates (report.md): {'default link rates' if rates['default'] else rates['source']} "
+          f"({rates['levels']})")
     print(f"report: {run_dir / 'report.md'} (report.json, 4 PNG plots beside it)")
     return 0
 
@@ -139,16 +202,41 @@ def _exact_place(coactivation, topo, seconds: float) -> Placement:
     return placement
 
 
-def _simulate(args) -> int:
-    start = time.time()
-    for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node),
-                        ("--tokens-per-rank", args.tokens_per_rank), ("--racks", 1 if args.racks is None else args.racks)):
+def simulated_topology(args) -> Topology:
+    """--topology as given; --nodes / --gpus-per-node (/ --racks) alone: those sizes on the default links;
+    both: the given file's link rates at those sizes."""
+    sized = [(f, v) for f, v in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node),
+                                 ("--racks", args.racks)) if v is not None]
+    if not args.topology and not sized:
+        raise ValueError("simulate needs the cluster: --topology node=N,gpu=G (or a topology YAML), or --nodes N "
+                         "--gpus-per-node G")
+    if sized and (args.nodes is None or args.gpus_per_node is None):
+        raise ValueError("give --nodes and --gpus-per-node together (or --topology alone)")
+    for flag, value in (*sized, ("--tokens-per-rank", args.tokens_per_rank)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    given = topology_of(args.topology) if args.topology else None
+    if not sized:
+        return given
+    levels, sizes = (("rack", "node", "gpu"), (args.racks, args.nodes, args.gpus_per_node)) if args.racks else \
+        (("node", "gpu"), (args.nodes, args.gpus_per_node))
+    if given is None:
+        return Topology(levels, sizes)
+    if given.levels != levels:
+        flags = " ".join(f for f, _ in sized)
+        raise ValueError(f"--topology {args.topology} has levels {list(given.levels)}, but {flags} give "
+                         f"{list(levels)}: give --topology alone, or sizes for its levels")
+    return Topology(levels, sizes, given.cost)
+
+
+def _simulate(args) -> int:
+    start = time.time()
+    topo = simulated_topology(args)
     record = RoutingRecord.load(args.stats)
-    topo = (Topology(("rack", "node", "gpu"), (args.racks, args.nodes, args.gpus_per_node))
-            if args.racks is not None else Topology(("node", "gpu"), (args.nodes, args.gpus_per_node)))
     out = simulate(record, topo, args.placement, args.tokens_per_rank, subtree_limit=_limit(args.subtree_limit))
+    default = topo.cost == CostModel.default(topo.levels)
+    out["link_rates"] = {"source": "the cost model's defaults" if default else rates_origin(args.topology),
+                         "default": default, "levels": link_rates(topo)}
     out["seconds_to_simulate"] = round(time.time() - start, 2)
     if args.json:
         print(json.dumps(out, indent=1))
@@ -165,5 +253,8 @@ def _simulate(args) -> int:
         for dedup, m in out[key].items():
             levels = ", ".join(f"{k} {v:.1f}" for k, v in m["bytes_per_token_by_level"].items())
             print(f"  dedup={dedup:<5} B/token: {levels}; est. all-to-all {1e3 * m['estimated_seconds']:.3f} ms")
+    rates = out["link_rates"]
+    print(f"est. all-to-all: one dispatch exchange on {'default link rates' if rates['default'] else rates['source']}"
+          f" ({rates['levels']})")
     print(f"simulated in {out['seconds_to_simulate']} s")
     return 0

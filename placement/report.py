@@ -13,9 +13,13 @@ tree_distance.png     normalised tree distance of co-selected experts over train
 
 Bytes are exact (``dispatch_traffic``) for the recorded tokens on ``topology``;
 a run recorded on another number of ranks has its tokens dealt round-robin over
-the topology's ranks. Times are the topology's alpha-beta estimate per
-all-to-all. Placements compared: the run's, tree-prefix, and one optimized from
-the recorded co-activation.
+the topology's ranks. Times are the alpha-beta estimate of one dispatch all-to-all
+on the topology's link rates, which are the cost model's defaults unless the
+topology came with measured ones (``dist-moe calibrate``): the report says which.
+Placements compared: the run's own first (a placement file's as the run's
+dispatch recorded it), tree-prefix, and one optimized from the recorded
+co-activation. Node shares here are of the slots dispatched after capacity drops;
+the training summary's are of the router's load before them.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from placement.cost import CostModel
 from placement.files import replacing, write_atomic
 from placement.locality import node_share, random_pair_tree_distance, tree_distance
 from placement.placement import Placement, cut_weight
@@ -32,15 +37,45 @@ from placement.topology import Topology
 from placement.traffic import DEDUP_MODES, dispatch_traffic
 
 
+def placement_name(run_placement: str) -> str:
+    """The report's name for the run's placement: its name, or its file's name."""
+    return Path(run_placement).name if run_placement.endswith((".yaml", ".yml")) else run_placement
+
+
 def _placements(record: RoutingRecord, topology: Topology, run_placement: str) -> dict:
+    """The run's own placement first, then tree-prefix (a power-of-two expert count) and one optimized from the
+    recorded co-activation."""
     e, w = record.num_experts, topology.world_size
     out = {}
-    if run_placement == "tree_prefix" or e & (e - 1) == 0:
+    if run_placement == "tree_prefix":
         out["tree_prefix"] = Placement.tree_prefix(e, topology)
-    if run_placement in ("contiguous", "round_robin"):
+    elif run_placement in ("contiguous", "round_robin"):
         out[run_placement] = getattr(Placement, run_placement)(e, w)
+    else:
+        own = _file_placement(record, w, run_placement)
+        if own is not None:
+            out[placement_name(run_placement)] = own
+    if not e & (e - 1):
+        out.setdefault("tree_prefix", Placement.tree_prefix(e, topology))
     out["optimized"] = Placement.optimized(record.coactivation(), topology)
     return out
+
+
+def _file_placement(record: RoutingRecord, world: int, path: str) -> Placement | None:
+    """A placement file's experts as the run's dispatch recorded them (the file may have changed or moved
+    since), else as the file holds them; None when neither is for ``world`` ranks."""
+    run = record.dispatch
+    if run is not None and Topology.parse(run["topology"]).world_size == world:
+        placement = Placement(run["expert_to_rank"], world)
+        if placement.num_experts != record.num_experts:
+            raise ValueError(f"routing record: its dispatch places {placement.num_experts} experts, its routing "
+                             f"chose among {record.num_experts}")
+        return placement
+    if Path(path).is_file():
+        placement = Placement.from_yaml(path)
+        if (placement.num_experts, placement.world_size) == (record.num_experts, world):
+            return placement
+    return None
 
 
 def analyze(record: RoutingRecord, topology: Topology, run_placement: str = "contiguous") -> dict:
@@ -50,13 +85,16 @@ def analyze(record: RoutingRecord, topology: Topology, run_placement: str = "con
                          "pick a topology whose rank count divides the expert count, or use `dist-moe simulate`")
     t = record.expert_idx.shape[0]
     src = record.src_rank if record.world_size == w else torch.arange(t) % w
+    placements = _placements(record, topology, run_placement)
+    name = placement_name(run_placement)
     out = {"topology": topology.describe(), "tokens": t, "token_bytes": record.token_bytes,
-           "num_experts": record.num_experts, "run_placement": run_placement, "placements": {}}
+           "num_experts": record.num_experts, "run_placement": run_placement,
+           "run_placement_shown": name if name in placements else None, "placements": {}}
     lower = record.token_bytes * (1 - 1 / topology.num_nodes) if topology.num_nodes > 1 else 0.0
     out["node_lower_bound_bytes_per_token"] = lower
     heat = record.dispatch["dedup"] if record.dispatch is not None else "rank"  # the heatmap shows the run's mode
     out["heatmap_dedup"] = heat
-    for name, placement in _placements(record, topology, run_placement).items():
+    for name, placement in placements.items():
         modes = {}
         for dedup in DEDUP_MODES:
             traffic = dispatch_traffic(record.expert_idx, src, placement, topology, record.token_bytes, dedup)
@@ -94,63 +132,107 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def write_report(run_dir: str | Path, topology: Topology, run_placement: str = "contiguous") -> dict:
+def write_report(run_dir: str | Path, topology: Topology, run_placement: str = "contiguous",
+                 topology_source: str = "given", rates_source: str | None = None) -> dict:
     """Write report.json, report.md and the PNGs into ``run_dir``; returns the report (the first MoE
-    layer's analysis at the top, every layer's under "layers")."""
+    layer's analysis at the top, every layer's under "layers"). ``topology_source`` says where the
+    topology came from (given, the run's own, assumed); ``rates_source`` where its link rates did
+    when they are not the cost model's defaults: a file, "calibrated <date> (file)" for calibrate's."""
     run_dir = Path(run_dir)
     layers = [analyze(RoutingRecord.load(run_dir, i), topology, run_placement)
               for i in range(max(1, recorded_layers(run_dir)))]
     report = dict(layers[0])
     report["layers"] = [{k: v for k, v in a.items() if k in ("placements", "run_dispatch", "expert_load",
                                                               "tree_distance")} for a in layers]
-    report["heatmap_dedup"] = layers[0]["heatmap_dedup"]
+    report["topology_source"] = topology_source
+    default = topology.cost == CostModel.default(topology.levels)
+    source = "the cost model's defaults" if default else rates_source or "given"
+    kind = "default link rates" if default else "calibrated" if source.startswith("calibrated") else "given link rates"
+    report["link_rates"] = {"source": source, "kind": kind, "default": default, "levels": link_rates(topology)}
     steps = [r for r in _metrics(run_dir) if "loss" in r]
     report["training"] = {
         "steps": [r["step"] for r in steps],
-        "tree_distance": [r.get("tree_distance") for r in steps],
+        "tree_distance": [r.get("tree_distance") for r in steps],  # the mean over MoE layers when several
         "measured_bytes_by_level": {k[len("bytes_"):]: sum(r.get(k, 0) for r in steps)
                                     for k in sorted({k for r in steps for k in r if k.startswith("bytes_")})},
     }
+    shown = report["run_placement_shown"] or next(iter(report["placements"]))
+    whose = " (the run's)" if shown == report["run_placement_shown"] else ""
+    report["heatmap"] = {"placement": shown, "dedup": report["heatmap_dedup"],
+                         "title": f"dispatch KiB, layer 0, {shown} placement{whose}, {report['heatmap_dedup']} dedup"}
     _plots(run_dir, report, topology)
     write_atomic(run_dir / "report.json", json.dumps(report, indent=1) + "\n")
     write_atomic(run_dir / "report.md", _markdown(report, topology))
     return report
 
 
+def _rate(bytes_per_s: float) -> str:
+    return f"{bytes_per_s / 1e9:.3g} GB/s" if bytes_per_s >= 1e9 else f"{bytes_per_s / 1e6:.3g} MB/s"
+
+
+def link_rates(topology: Topology) -> str:
+    """The links an estimate prices, per level: bandwidth, alpha per peer, and whether the link is shared."""
+    return "; ".join(f"{name} {_rate(c.bandwidth_Bps)}{' shared' if c.shared else ' per rank'}, "
+                     f"{1e6 * c.alpha_s:.3g} us per peer" for name, c in topology.cost.levels.items())
+
+
+def rates_sentence(report: dict) -> str:
+    """Where the time estimates' link rates come from, and how to price them on the real links."""
+    rates = report["link_rates"]
+    if rates["default"]:
+        return (f"Times price one dispatch all-to-all on the cost model's default link rates ({rates['levels']}), "
+                "not on this cluster's: for those, run `dist-moe calibrate` on the cluster and give its YAML "
+                "to `dist-moe report --topology FILE` (or save it as calibrated_topology.yaml in the run "
+                "directory).")
+    return f"Times price one dispatch all-to-all on the link rates of {rates['source']} ({rates['levels']})."
+
+
 def _markdown(report: dict, topology: Topology) -> str:
     levels = list(topology.levels)
+    own = report["run_placement_shown"]
+    placed = (f"the run used `{report['run_placement']}` placement (rows marked *run*)" if own else
+              f"the run used `{report['run_placement']}` placement, which is not shown: neither the run's "
+              f"dispatch record nor that file places its experts on {report['topology']}'s ranks")
     lines = [f"# Communication report: {report['tokens']} tokens on {report['topology']}", "",
-             f"{report['num_experts']} experts, {report['token_bytes']} B per token copy; the run used "
-             f"`{report['run_placement']}` placement. Bytes per token in the dispatch direction (the combine "
-             "returns the same); estimated all-to-all time from the topology's alpha-beta model.", "",
-             "| layer | placement | dedup | " + " | ".join(f"{lv} B/token" for lv in levels) + " | est. all-to-all |",
+             f"Topology {report['topology']}: {report['topology_source']}.", "",
+             f"{report['num_experts']} experts, {report['token_bytes']} B per token copy; {placed}. Bytes per "
+             "token in the dispatch direction (the combine returns the same), for each MoE layer. "
+             + rates_sentence(report), "",
+             "| layer | placement | dedup | " + " | ".join(f"{lv} B/token" for lv in levels)
+             + f" | est. all-to-all ({report['link_rates']['kind']}) |",
              "|---|---|---|" + "---|" * len(levels) + "---|"]
     for li, layer in enumerate(report["layers"]):
         for name, p in layer["placements"].items():
             for dedup, m in p["modes"].items():
                 cells = " | ".join(f"{m['bytes_per_token_by_level'][lv]:.1f}" for lv in levels)
-                lines.append(f"| {li} | {name} | {dedup} | {cells} | {1e6 * m['estimated_seconds']:.1f} us |")
+                shown = f"{name} (*run*)" if name == own else name
+                lines.append(f"| {li} | {shown} | {dedup} | {cells} | {1e6 * m['estimated_seconds']:.1f} us |")
     lines += ["", f"Lower bound across nodes: {report['node_lower_bound_bytes_per_token']:.1f} B/token "
               "(one copy to one other node)."]
-    if topology.num_nodes > 1:
-        lines.append("Per-node share of the routed slots (layer 0): " + "; ".join(
-            f"{name} " + " / ".join(f"{v:.3f}" for v in p["node_share"]) + f" (CV {p['node_share_cv']:.3f})"
-            for name, p in report["placements"].items()) + ".")
-    if "tree_distance" in report:
-        lines.append(f"Tree distance of co-selected experts: {report['tree_distance']:.3f} "
-                     f"(random pairs {report['random_pair_tree_distance']:.3f}).")
+    if topology.num_nodes > 1:  # the slots the dispatch sends; the training summary's are the router's load
+        lines.append("Node share (each node's share of the validation slots dispatched, after capacity drops; "
+                     "the training summary's node share is of the router's load before them): " + "; ".join(
+                         f"layer {li} {name} " + " / ".join(f"{v:.3f}" for v in p["node_share"])
+                         + f" (CV {p['node_share_cv']:.3f})"
+                         for li, layer in enumerate(report["layers"]) for name, p in layer["placements"].items())
+                     + ".")
+    distances = [(li, layer["tree_distance"]) for li, layer in enumerate(report["layers"]) if "tree_distance" in layer]
+    if distances:
+        lines.append("Tree distance of co-selected experts (validation): "
+                     + ", ".join(f"layer {li} {d:.3f}" for li, d in distances)
+                     + f" (random pairs {report['random_pair_tree_distance']:.3f}).")
     run = report.get("run_dispatch")
     if run:
-        lines.append(f"The run's own dispatch (dedup={run['dedup']}) of these tokens: measured "
+        lines.append(f"The run's own dispatch (dedup={run['dedup']}) of these tokens, layer 0: measured "
                      + ", ".join(f"{k} {v:,} B" for k, v in run["measured_bytes_by_level"].items())
                      + "; analytic " + ", ".join(f"{k} {v:,} B" for k, v in run["analytic_bytes_by_level"].items())
                      + ".")
     measured = report["training"]["measured_bytes_by_level"]
     if measured:
-        lines.append("Measured during training (all ranks, all logged steps): "
+        lines.append("Measured during training (all ranks, all MoE layers, all logged steps): "
                      + ", ".join(f"{k} {v:,} B" for k, v in measured.items()) + ".")
-    lines += ["", "![rank x rank bytes](traffic_heatmap.png)", "![bytes per level](bytes_by_level.png)",
-              "![expert load](expert_load.png)", "![tree distance](tree_distance.png)", ""]
+    lines += ["", f"![{report['heatmap']['title']}](traffic_heatmap.png)", "![bytes per level](bytes_by_level.png)",
+              "![expert load, layer 0](expert_load.png)", "![tree distance](tree_distance.png)", ""]
     return "\n".join(lines)
 
 
@@ -177,13 +259,12 @@ def _plots(run_dir: Path, report: dict, topology: Topology) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    run_name = report["run_placement"] if report["run_placement"] in report["placements"] else "optimized"
-    dedup = report["heatmap_dedup"]  # the run's own dedup mode
-    matrix = torch.tensor(report["placements"][run_name]["modes"][dedup]["matrix"], dtype=torch.float64)
+    heat = report["heatmap"]
+    matrix = torch.tensor(report["placements"][heat["placement"]]["modes"][heat["dedup"]]["matrix"],
+                          dtype=torch.float64)
     fig, ax = plt.subplots(figsize=(5, 4))
     im = ax.imshow((matrix / 1024).numpy(), cmap="viridis")
-    ax.set(title=f"dispatch KiB, {run_name} placement, {dedup} dedup", xlabel="destination rank",
-           ylabel="source rank")
+    ax.set(title=heat["title"], xlabel="destination rank", ylabel="source rank")
     ticks = range(0, matrix.shape[0], max(1, matrix.shape[0] // 16))  # whole ranks, at most 16 labels
     ax.set_xticks(ticks)
     ax.set_yticks(ticks)
@@ -210,7 +291,7 @@ def _plots(run_dir: Path, report: dict, topology: Topology) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 3))
     ax.bar(range(report["num_experts"]), report["expert_load"])
-    ax.set(title="tokens per expert (validation)", xlabel="expert", ylabel="tokens")
+    ax.set(title="tokens per expert (validation, layer 0)", xlabel="expert", ylabel="tokens")
     fig.tight_layout()
     _save(fig, run_dir / "expert_load.png")
     plt.close(fig)
@@ -219,10 +300,11 @@ def _plots(run_dir: Path, report: dict, topology: Topology) -> None:
     tr = report["training"]
     pts = [(s, d) for s, d in zip(tr["steps"], tr["tree_distance"]) if d is not None]
     if pts:
-        ax.plot(*zip(*pts), label="co-selected experts")
+        n = len(report["layers"])  # with several MoE layers the logged value is their mean
+        ax.plot(*zip(*pts), label=f"co-selected experts, mean of {n} layers" if n > 1 else "co-selected experts")
     if "random_pair_tree_distance" in report:
         ax.axhline(report["random_pair_tree_distance"], color="k", ls="--", lw=1, label="random pairs")
-    ax.set(title="normalised tree distance over training", xlabel="step", ylabel="tree distance")
+    ax.set(title="normalised tree distance, training batches", xlabel="step", ylabel="tree distance")
     ax.legend()
     fig.tight_layout()
     _save(fig, run_dir / "tree_distance.png")

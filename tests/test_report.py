@@ -101,8 +101,9 @@ def test_report_errors_name_the_problem(tmp_path, capsys):
 
 
 def test_report_bytes_equal_the_bytes_the_run_measured(tmp_path):
-    """4 ranks as 2 nodes x 2 under torchrun, node dedup: the report's analytic bytes for the run's
-    own placement and dedup equal what the dispatcher measured sending those tokens."""
+    """4 ranks as 2 nodes x 2 under torchrun, node dedup, experts placed by a placement file: the report
+    shows that placement first, as the run's (in its heatmap too), on the run's own topology, and its
+    analytic bytes for the run's placement and dedup equal what the dispatcher measured sending those tokens."""
     import os
     import subprocess
     from pathlib import Path
@@ -111,17 +112,148 @@ def test_report_bytes_equal_the_bytes_the_run_measured(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "run"
+    placement = Placement((torch.randperm(16, generator=torch.Generator().manual_seed(0)) // 4).tolist(), 4)
+    placement.to_yaml(tmp_path / "placement.yaml")
     env = {**os.environ, "DIST_MOE_DATA": str(tmp_path / "data"), "OMP_NUM_THREADS": "1",
            "DIST_MOE_TOPOLOGY": "node=2,gpu=2"}
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run([str(root / "launch/torchrun.sh"), "--nproc", "4", "--port", str(free_port()), "--quiet",
                            f"output.dir={out}", "data.max_rows=1500", "train.epochs=1", "parallel.dedup=node",
-                           "parallel.placement=tree_prefix"], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=300)
+                           f"parallel.placement={tmp_path / 'placement.yaml'}"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "each node's share of the router's validation load, before capacity drops" in proc.stdout
     assert main(["report", str(out)]) == 0  # the run's own topology, recorded with its routing
     report = json.loads((out / "report.json").read_text())
+    assert list(report["placements"])[0] == report["run_placement_shown"] == "placement.yaml"
+    assert report["placements"]["placement.yaml"]["expert_to_rank"] == placement.expert_to_rank
+    assert report["heatmap"]["placement"] == "placement.yaml" and "(the run's)" in report["heatmap"]["title"]
+    assert "| 0 | placement.yaml (*run*) | node |" in (out / "report.md").read_text()
     run = report["run_dispatch"]
     assert report["topology"] == "node=2,gpu=2" and run["dedup"] == "node"
+    assert report["topology_source"] == "the run's own, recorded with its routing"
     assert run["measured_bytes_by_level"] == run["analytic_bytes_by_level"]
     assert run["measured_bytes_by_level"]["node"] > 0
+
+
+def _calibration(path, sizes=(2, 2), node_Bps=50e6):
+    """A topology YAML as `dist-moe calibrate` writes it, with a slow (400 mbit-like) node link."""
+    import yaml
+
+    from dist_moe.dispatch.calibrate import to_yaml
+
+    topo = Topology(("node", "gpu"), sizes)
+    cost = topo.cost.updated({"node": {"bandwidth_Bps": node_Bps, "alpha_s": 1e-4}})
+    path.write_text(yaml.safe_dump(to_yaml(topo, cost), sort_keys=False))
+    return Topology.from_yaml(path)
+
+
+def _estimate(report, placement="contiguous", dedup="rank"):
+    return report["placements"][placement]["modes"][dedup]["estimated_seconds"]
+
+
+def test_report_prices_exchanges_on_the_run_calibration_or_says_they_are_defaults(run_dir, tmp_path, capsys):
+    """No calibration: the time column says it prices the default link rates and names them; a calibration
+    given with --topology, or saved in the run directory, prices the exchanges with its fitted links."""
+    assert main(["report", str(run_dir), "--topology", "node=2,gpu=2"]) == 0
+    default = json.loads((run_dir / "report.json").read_text())
+    md = (run_dir / "report.md").read_text()
+    assert default["link_rates"]["default"] and "est. all-to-all (default link rates)" in md
+    assert "default link rates (node 25 GB/s per rank, 10 us per peer; gpu 150 GB/s per rank" in md
+    assert "dist-moe calibrate" in md and "default link rates" in capsys.readouterr().out
+
+    calibrated = _calibration(tmp_path / "cal.yaml")
+    assert main(["report", str(run_dir), "--topology", str(tmp_path / "cal.yaml")]) == 0
+    report = json.loads((run_dir / "report.json").read_text())
+    md = (run_dir / "report.md").read_text()
+    record = RoutingRecord.load(run_dir)
+    traffic = dispatch_traffic(record.expert_idx, torch.arange(400) % 4, Placement.contiguous(16, 4), calibrated, 40,
+                               "rank")
+    assert _estimate(report) == calibrated.cost.estimate(traffic, "rank") > 10 * _estimate(default)
+    assert not report["link_rates"]["default"] and report["link_rates"]["source"].startswith("calibrated 20")
+    assert "est. all-to-all (calibrated)" in md and "node 50 MB/s per rank, 100 us per peer" in md
+    assert "calibrated" in capsys.readouterr().out
+
+    own = run_dir / "calibrated_topology.yaml"  # the run's calibration, found beside its routing
+    own.write_bytes((tmp_path / "cal.yaml").read_bytes())
+    try:
+        for args, source in (([], f"the run's calibration ({own})"), (["--topology", "node=2,gpu=2"], "given")):
+            assert main(["report", str(run_dir), *args]) == 0
+            report = json.loads((run_dir / "report.json").read_text())
+            assert _estimate(report) == calibrated.cost.estimate(traffic, "rank"), args
+            assert str(own) in report["link_rates"]["source"] and report["topology_source"].startswith(source)
+        assert main(["report", str(run_dir), "--topology", "node=4,gpu=1"]) == 0  # another shape: not its links
+        assert json.loads((run_dir / "report.json").read_text())["link_rates"]["default"]
+    finally:
+        own.unlink()
+    capsys.readouterr()
+
+
+def test_report_says_when_its_topology_is_assumed(run_dir, capsys):
+    """A one-process run records no topology: the report says the 2 x 2 it uses is assumed and how to give
+    the real one; a given one is called given."""
+    assert main(["report", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    report = json.loads((run_dir / "report.json").read_text())
+    md = (run_dir / "report.md").read_text()
+    assert report["topology"] == "node=2,gpu=2" and report["topology_source"].startswith("assumed")
+    for text in (out, md):
+        assert "assumed, as the run (1 process) recorded none" in text and "--topology node=N,gpu=G" in text
+    assert main(["report", str(run_dir), "--topology", "node=2,gpu=2"]) == 0
+    assert "assumed" not in capsys.readouterr().out
+    assert json.loads((run_dir / "report.json").read_text())["topology_source"] == "given (--topology node=2,gpu=2)"
+
+
+def test_every_cost_command_takes_a_topology_file(run_dir, tmp_path, capsys):
+    """calibrate's YAML is read by plan, simulate, report and place alike; simulate prices its exchanges
+    with the file's links, at the file's sizes or at --nodes x --gpus-per-node."""
+    cal = str(tmp_path / "cal.yaml")
+    calibrated = _calibration(tmp_path / "cal.yaml")
+    assert main(["report", str(run_dir), "--topology", cal]) == 0
+    assert main(["place", "--topology", cal, "--stats", str(run_dir), "--out", str(tmp_path / "p.yaml"),
+                 "--exact-seconds", "0"]) == 0
+    assert main(["plan", "--topology", cal, "--hidden", "10", "--ffn", "8", "--experts", "16", "--top-k", "4",
+                 "--tokens-per-rank", "32", "--sample", "64"]) == 0
+    capsys.readouterr()
+    assert main(["simulate", "--topology", cal, "--stats", str(run_dir), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["world_size"] == 4 and out["topology"] == "node=2,gpu=2"
+    assert out["link_rates"]["source"].startswith("calibrated") and "node 50 MB/s" in out["link_rates"]["levels"]
+    assert main(["simulate", "--topology", cal, "--nodes", "8", "--gpus-per-node", "2", "--stats", str(run_dir),
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["world_size"] == 16 and not out["link_rates"]["default"]
+    assert main(["simulate", "--topology", "node=8,gpu=2", "--stats", str(run_dir)]) == 0
+    assert "default link rates" in capsys.readouterr().out
+    assert calibrated.cost != Topology(("node", "gpu"), (8, 2)).cost
+    for args, says in ((["--topology", cal, "--racks", "2", "--nodes", "2", "--gpus-per-node", "2"], "levels"),
+                       ([], "--topology node=N,gpu=G"), (["--nodes", "2"], "--gpus-per-node"),
+                       (["--topology", str(tmp_path / "none.yaml")], "none.yaml")):
+        assert main(["simulate", *args, "--stats", str(run_dir)]) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert says in err and len(err.splitlines()) == 1, err
+
+
+def test_report_shows_every_layer_and_the_summary_says_it_averages(tmp_path, capsys):
+    """Two MoE layers that route differently: the report prints each layer's node share and tree distance
+    (not layer 0's alone, unnamed); the training summary says its numbers are the mean over the layers,
+    and which slots its node share counts."""
+    from dist_moe.cli import _print_summary
+
+    RoutingRecord(torch.tensor([[0, 1], [0, 2], [3, 1], [3, -1]]), torch.arange(4), 4, 4, 16).save(tmp_path, 0)
+    RoutingRecord(torch.tensor([[0, 1], [0, 1], [0, 1], [2, 3]]), torch.arange(4), 4, 4, 16).save(tmp_path, 1)
+    assert main(["report", str(tmp_path), "--topology", "node=2,gpu=2"]) == 0
+    out = capsys.readouterr().out
+    md = (tmp_path / "report.md").read_text()
+    assert "layer 0 contiguous 0.571 / 0.429" in md and "layer 1 contiguous 0.750 / 0.250" in md
+    assert "after capacity drops" in md and "layer 0 0.833, layer 1 0.500" in md  # tree distances
+    assert "layer 1 contiguous" in out
+    _print_summary({"name": "lm", "router": "branch", "steps": 5, "seconds": 1.0, "output_dir": "runs/lm",
+                    "val_loss": 2.0, "val_acc": 0.3, "val_load_cv": 0.2, "val_dropped_fraction": 0.0,
+                    "val_node_share": [0.6, 0.4], "val_node_share_cv": 0.2, "val_layer0_load_cv": 0.1,
+                    "val_layer1_load_cv": 0.3, "val_layer0_node_share": [0.5, 0.5],
+                    "val_layer1_node_share": [0.7, 0.3]})
+    printed = capsys.readouterr().out
+    assert "mean over the 2 MoE layers" in printed and "val_layer<i>_* in runs/lm/summary.json" in printed
+    assert "node share 0.600 / 0.400 (CV 0.200): each node's share of the router's validation load, before " \
+           "capacity drops" in printed

@@ -212,8 +212,9 @@ def test_node_share_in_metrics_and_report(tmp_path):
     record.save(tmp_path)
     report = write_report(tmp_path, topo)
     assert report["placements"]["contiguous"]["node_share"] == m["node_share"]
-    assert "Per-node share of the routed slots (layer 0): tree_prefix 0.571 / 0.429 (CV 0.143); contiguous 0.571 " \
-        "/ 0.429 (CV 0.143); optimized" in (tmp_path / "report.md").read_text()
+    assert "slots dispatched, after capacity drops; the training summary's node share is of the router's load " \
+        "before them): layer 0 contiguous 0.571 / 0.429 (CV 0.143); layer 0 tree_prefix 0.571 / 0.429 (CV 0.143); " \
+        "layer 0 optimized" in (tmp_path / "report.md").read_text()
 
 
 def test_simulate_refuses_a_limit_its_placement_does_not_hold():
