@@ -5,6 +5,9 @@
 #
 #   launch/demo.sh [OUTPUT_DIR [key=value ...]]    (default runs/demo_lm; overrides go to dist-moe train)
 #
+# `make demo` run again trains the demo again: the previous demo run in OUTPUT_DIR is replaced
+# (output.overwrite=true; dist-moe removes only its own run files there).
+#
 # Without the corpus's Debian packages (fortunes-min, wordnet-base; make installs them as
 # root) it says so and trains the tabular BRANCH demo in one process instead.
 set -euo pipefail
@@ -16,9 +19,9 @@ export OMP_NUM_THREADS=1
 cd "$HERE"
 if [ ! -f /usr/share/wordnet/data.noun ] || [ ! -f /usr/share/games/fortunes/fortunes ]; then
   echo "demo: fortunes-min / wordnet-base not installed; training the tabular demo in one process instead" >&2
-  exec dist-moe train "output.dir=$OUT"
+  exec dist-moe train "output.dir=$OUT" output.overwrite=true
 fi
 launch/emulate_cluster.sh --nodes 2 --procs-per-node 2 --port "${DEMO_PORT:-29655}" \
-  "$HERE/.venv/bin/dist-moe" train --config configs/lm_branch.yaml "output.dir=$OUT" "$@"
+  "$HERE/.venv/bin/dist-moe" train --config configs/lm_branch.yaml "output.dir=$OUT" output.overwrite=true "$@"
 dist-moe report "$OUT"
 echo "demo: report at $OUT/report.md (plots beside it)"

@@ -184,8 +184,8 @@ def read_yaml_mapping(path, what: str, required=(), optional=()) -> dict:
 
 
 @contextlib.contextmanager
-def replacing(path):
-    """A binary file that becomes ``path`` when the block ends. It is written beside ``path`` under a
+def replacing(path, mode: int = 0o644):
+    """A binary file (permissions ``mode``) that becomes ``path`` when the block ends. It is written beside ``path`` under a
     fresh name (``mkstemp``: O_EXCL, so never through a planted link) and renamed over it: a reader
     never sees half a file, and a symlink planted at ``path`` is replaced, not written through."""
     path = Path(path)
@@ -193,7 +193,7 @@ def replacing(path):
     try:
         with os.fdopen(fd, "wb") as f:
             yield f
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -201,7 +201,7 @@ def replacing(path):
         raise
 
 
-def write_atomic(path, data: str | bytes) -> None:
+def write_atomic(path, data: str | bytes, mode: int = 0o644) -> None:
     """Replace ``path`` with ``data`` (text as UTF-8), never writing through a link (``replacing``)."""
-    with replacing(path) as f:
+    with replacing(path, mode) as f:
         f.write(data.encode() if isinstance(data, str) else data)

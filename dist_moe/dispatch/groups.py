@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import warnings
 import weakref
 
 # the packages whose functions may capture a live group in a default (torch 2.13, deepspeed 0.19.8)
@@ -82,7 +83,10 @@ def free_import_time_defaults() -> int:
     for name, module in list(sys.modules.items()):
         if module is None or not name.startswith(_CAPTURING_PACKAGES):
             continue
-        for fn in _functions_of(module):
+        with warnings.catch_warnings():  # looking at a deprecated name (torch.distributed.reduce_op) warns
+            warnings.simplefilter("ignore")
+            functions = _functions_of(module)
+        for fn in functions:
             held = [d for d in (*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values())
                     if isinstance(d, ProcessGroup)]
             if held:

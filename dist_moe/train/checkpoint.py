@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import os
 import re
 import shutil
 from pathlib import Path
@@ -43,6 +42,7 @@ from dist_moe.dispatch.process_group import barrier
 from dist_moe.train.checkpoint_files import (CONFIG, MANIFEST, SAFE_GLOBALS, CheckedFileSystem, CheckpointError,
                                              checked_bytes, manifest_files, read_json, read_regular, verify,
                                              write_manifest)
+from placement.files import write_atomic
 
 __all__ = ["CONFIG", "LATEST", "MANIFEST", "SAFE_GLOBALS", "CheckpointError", "latest", "load", "save",
            "saved_config", "state_of", "verify", "write_manifest"]
@@ -149,16 +149,11 @@ def save(directory: str | Path, step: int, model: nn.Module, optimizer, extra: d
     barrier(group)
     if _rank(group) == 0:
         if config is not None:
-            (tmp / CONFIG).write_text(json.dumps(config, indent=1, default=str) + "\n")
+            write_atomic(tmp / CONFIG, json.dumps(config, indent=1, default=str) + "\n", 0o600)
         write_manifest(tmp)
         _remove(final)
         tmp.rename(final)
-        pointer = directory / f".{LATEST}.tmp"
-        _remove(pointer)  # a planted symlink is removed, never written through
-        fd = os.open(pointer, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(final.name + "\n")
-        pointer.replace(directory / LATEST)
+        write_atomic(directory / LATEST, final.name + "\n", 0o600)  # never through a planted link
     barrier(group)
     return final
 

@@ -34,6 +34,8 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from placement.files import write_atomic
+
 MANIFEST = "manifest.json"
 CONFIG = "config.json"  # the run's config at the save: a resume that would change the model is refused
 METADATA = ".metadata"
@@ -137,10 +139,7 @@ def write_manifest(path: Path) -> None:
         os.chmod(path / name, 0o600)
         with open_regular(path / name) as f:
             files[name] = {"bytes": st.st_size, "sha256": _sha256(f)}
-    tmp = path / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps({"format": 1, "files": files}, indent=1) + "\n")
-    os.chmod(tmp, 0o600)
-    tmp.replace(path / MANIFEST)
+    write_atomic(path / MANIFEST, json.dumps({"format": 1, "files": files}, indent=1) + "\n", 0o600)
 
 
 def _sha256(f) -> str:

@@ -292,13 +292,14 @@ def test_a_non_finite_or_negative_model_tensor_is_refused(tmp_path):
 
 
 def test_a_planted_pointer_symlink_is_replaced_not_written_through(tmp_path):
-    """A save never writes through a symlink planted at its temporary pointer."""
+    """A save never writes through a symlink planted at its pointer (or the old fixed temporary name)."""
     victim = tmp_path / "victim"
     victim.write_text("keep me\n")
     model = MoELayer(8, 16, {"type": "switch", "num_experts": 4, "top_k": 2})
     opt = torch.optim.Adam(model.parameters())
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / ".latest.tmp").symlink_to(victim)
+    (tmp_path / "ckpt" / "latest").symlink_to(victim)
     checkpoint.save(tmp_path / "ckpt", 1, model, opt, {})
     assert victim.read_text() == "keep me\n"
     assert checkpoint.latest(tmp_path / "ckpt").name == "step-1"
