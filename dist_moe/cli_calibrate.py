@@ -8,9 +8,12 @@ def add_parser(sub, debug) -> None:
     cp = sub.add_parser("calibrate", parents=[debug],
                         help="fit link costs with all-to-all sweeps on the launched ranks; writes a topology YAML")
     cp.add_argument("--topology", help="node=2,gpu=4 (default: from the launcher, as training reads it)")
-    cp.add_argument("--out", default="calibrated_topology.yaml", help="where rank 0 writes the topology YAML")
-    cp.add_argument("--repeats", type=int, default=5, help="timed repeats per exchange (median of the slowest rank)")
-    cp.add_argument("--timeout-s", type=float, default=300.0, help="how long a collective may wait for a peer")
+    cp.add_argument("--out", default="calibrated_topology.yaml",
+                    help="where rank 0 writes the topology YAML (default: %(default)s)")
+    cp.add_argument("--repeats", type=int, default=5,
+                    help="timed repeats per exchange, the median of the slowest rank kept (default: %(default)s)")
+    cp.add_argument("--timeout-s", type=float, default=300.0,
+                    help="seconds a collective may wait for a peer (default: %(default)s)")
 
 
 def run(args) -> int:

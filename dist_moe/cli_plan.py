@@ -26,10 +26,15 @@ def add_parser(sub, debug) -> None:
     pp.add_argument("--link", action="append", default=[], metavar="LEVEL=RATE[@LATENCY]",
                     help="a level's link per rank, e.g. gpu=450GB/s, node=400Gb/s@5us (default: the cost model's)")
     pp.add_argument("--shared", action="append", default=[], metavar="LEVEL",
-                    help="that level's link is shared by the ranks of a unit inside it (one NIC per node)")
-    for name, default in (("hidden", None), ("ffn", None), ("experts", None), ("top-k", None),
-                          ("tokens-per-rank", None), ("layers", 1)):
-        pp.add_argument(f"--{name}", type=int, default=default, required=default is None)
+                    help="that level's link is shared by the ranks of a unit inside it (one NIC per node); "
+                         "repeatable (default: a topology YAML's setting, else a link per rank)")
+    for name, default, what in (("hidden", None, "the model's hidden size (values per token copy)"),
+                                ("ffn", None, "each expert's FFN hidden size (SwiGLU: 3 matrices of hidden x ffn)"),
+                                ("experts", None, "experts per MoE layer"),
+                                ("top-k", None, "experts each token is routed to"),
+                                ("tokens-per-rank", None, "tokens each rank routes per MoE layer and step"),
+                                ("layers", 1, "MoE layers per step (default: %(default)s)")):
+        pp.add_argument(f"--{name}", type=int, default=default, required=default is None, help=what)
     pp.add_argument("--dtype", default="bf16", help="bf16 (default), fp16, fp32 or fp8: bytes per hidden value")
     pp.add_argument("--routing", default="uniform",
                     help="uniform (default) or a run directory whose recorded routing (routing.npz) is tiled "
@@ -45,8 +50,9 @@ def add_parser(sub, debug) -> None:
     pp.add_argument("--overlap", type=float,
                     help="share of the shorter of exchanges and matmuls a pipelined layer hides, in [0, 1] "
                          "(default: the topology YAML's calibrated value, else 0: pipelining assumed to hide nothing)")
-    pp.add_argument("--plot", help="write a PNG of the predicted step time per placement and dedup here")
-    pp.add_argument("--json", action="store_true")
+    pp.add_argument("--plot", help="write a PNG of the predicted step time per placement and dedup here "
+                                   "(default: no plot)")
+    pp.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def _rate(text: str) -> float:
@@ -127,15 +133,19 @@ def run(args) -> int:
           f"{out['token_bytes']} B per copy, {args.routing} routing ({out['sample_per_rank']} sampled per rank)")
     print(f"experts' matmuls {1e3 * out['expert_seconds']:.2f} ms per layer (fwd+bwd at {args.tflops:g} TFLOP/s); "
           f"4 exchanges per layer (dispatch, combine; forward, backward); collective latency "
-          f"{1e6 * topo.cost.latency_s:g} us, pipelined overlap {topo.cost.overlap:g}")
+          f"{1e6 * topo.cost.latency_s:g} us, pipelined overlap {topo.cost.overlap:g}"
+          + (" (uncalibrated: pipelining hides nothing, so C > 1 rows equal C = 1 plus their extra collectives' "
+             "latency; set it with --overlap or a topology YAML from dist-moe calibrate)"
+             if topo.cost.overlap == 0 else ""))
     print(f"{'placement':<12}{'dedup':<6}{'C':>3}" + "".join(f"{lv + ' B/token':>15}" for lv in levels)
           + f"{'exchange ms':>13}{'step ms':>11}{'comm':>7}")
     for r in out["rows"]:
         cells = "".join(f"{r['bytes_per_token_by_level'][lv]:>15.1f}" for lv in levels)
         print(f"{r['placement']:<12}{r['dedup']:<6}{r['chunks']:>3}{cells}{1e3 * r['exchange_seconds']:>13.3f}"
               f"{1e3 * r['step_seconds']:>11.2f}{100 * r['comm_share']:>6.0f}%")
-    print(f"step = {shape.layers} MoE layer(s) x (exchanges + experts, C > 1 overlapped); comm = the exchanges' "
-          f"share of the layer; planned in {out['seconds_to_plan']} s" + (f"; plot: {args.plot}" if args.plot else ""))
+    print(f"exchange ms = one exchange, of the 4 per layer per step; step = {shape.layers} MoE layer(s) x "
+          f"(4 exchanges + experts, C > 1 overlapped); comm = the exchanges' share of the layer; planned in "
+          f"{out['seconds_to_plan']} s" + (f"; plot: {args.plot}" if args.plot else ""))
     return 0
 
 

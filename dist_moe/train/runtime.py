@@ -84,12 +84,17 @@ class Runtime:
 
 
 def _share_cpu_threads() -> None:
-    """Ranks that share a node share its cores: unless OMP_NUM_THREADS says otherwise, each takes
-    its share (torchrun sets 1; the deepspeed launcher sets nothing, and 2 ranks x 2 threads on 2
-    cores ran 5x slower than 1 thread each)."""
+    """Unless OMP_NUM_THREADS says otherwise, the ranks of a node share the cores this process may
+    run on, less one left to the rest of the machine, and never take more threads than torch's
+    default (a thread per physical core). torch's default splits every op over all cores and
+    waits for the slowest thread, so with one of 2 cores busy elsewhere the plain `dist-moe
+    train` trained 3-5x slower (README); the deepspeed launcher sets nothing either, and 2
+    ranks x 2 threads on 2 cores ran 5x slower than 1 thread each (torchrun sets 1)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
-    if local > 1 and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(min(torch.get_num_threads(), max(1, (cores - 1) // max(local, 1))))
 
 
 def _one_rank_defaults() -> list[str]:
