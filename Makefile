@@ -28,7 +28,7 @@ demo: $(STAMP)
 	launch/demo.sh
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 timeout 1200 $(PY) -m pytest -q
+	OMP_NUM_THREADS=1 timeout 2400 $(PY) -m pytest -q
 
 clean:
 	rm -rf .venv runs data
