@@ -82,6 +82,21 @@ def run_workers(fn, world_size: int = 2, args=(), timeout: float = 120.0) -> Non
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def run_cases(world_size: int, cases: list[tuple], timeout: float = 120.0) -> None:
+    """``run_workers`` for several ``(fn, *args)`` cases, ``fn(rank, world, *args)`` one after the
+    other on one set of ranks: a rank's start (spawn, imports, rendezvous) costs more than a small
+    case. A failing case is named."""
+    run_workers(_each_case, world_size, args=(cases,), timeout=timeout)
+
+
+def _each_case(rank, world_size, cases):
+    for fn, *args in cases:
+        try:
+            fn(rank, world_size, *args)
+        except AssertionError as e:
+            raise AssertionError(f"case {fn.__name__}{tuple(args)}: {e}") from e
+
+
 def _run(fn, world_size, args, timeout, store) -> None:
     ctx = mp.start_processes(_entry, args=(fn, world_size, store, args), nprocs=world_size, join=False,
                              start_method="spawn")

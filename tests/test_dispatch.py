@@ -1,7 +1,6 @@
 """Expert parallelism on 2 and 4 gloo ranks: equal to one process, bytes equal to the analytic count."""
-import pytest
 
-from tests.dist_utils import run_workers
+from tests.dist_utils import run_cases
 
 
 def _equivalence_worker(rank, world, sizes):
@@ -10,11 +9,6 @@ def _equivalence_worker(rank, world, sizes):
 
     n = run_all(Topology(("node", "gpu"), sizes))
     assert n > 0
-
-
-@pytest.mark.parametrize("sizes", [(2, 1), (1, 2), (2, 2)], ids=["2-nodes-x1", "1-node-x2", "2-nodes-x2"])
-def test_ep_layer_equals_single_process(sizes):
-    run_workers(_equivalence_worker, sizes[0] * sizes[1], args=(sizes,), timeout=240)
 
 
 def _property_worker(rank, world):
@@ -89,10 +83,6 @@ def _property_worker(rank, world):
     check()
 
 
-def test_dispatch_combine_properties():
-    run_workers(_property_worker, 4, timeout=300)
-
-
 def _edge_worker(rank, world):
     """Zero-token ranks, frozen routing with inputs that need no gradient, and two node layouts."""
     import torch
@@ -142,10 +132,6 @@ def _edge_worker(rank, world):
     y.sum().backward()
 
 
-def test_zero_tokens_frozen_inputs_and_two_node_layouts():
-    run_workers(_edge_worker, 4, timeout=120)
-
-
 def _bad_input_worker(rank, world):
     import pytest as pt
     import torch.distributed as dist
@@ -164,10 +150,6 @@ def _bad_input_worker(rank, world):
     with pt.raises(ValueError, match="integral"):
         MoELayer(4, 8, {"type": "switch", "num_experts": 5, "top_k": 2}, group=g)
     dist.barrier()  # nothing above started a collective: every rank is still in step
-
-
-def test_bad_ep_configuration_fails_before_any_collective():
-    run_workers(_bad_input_worker, 2, timeout=60)
 
 
 def _category_worker(rank, world):
@@ -201,5 +183,13 @@ def _category_worker(rank, world):
             assert torch.allclose(row, expected, atol=1e-6), (dedup, int(c))
 
 
-def test_categories_travel_with_their_tokens():
-    run_workers(_category_worker, 4, timeout=120)
+# The cases of one world share one set of ranks (their start costs more than most cases).
+def test_two_ranks_ep_layer_equals_one_process_and_bad_configurations_fail_before_any_collective():
+    run_cases(2, [(_equivalence_worker, (2, 1)), (_equivalence_worker, (1, 2)), (_bad_input_worker,)], timeout=300)
+
+
+def test_four_ranks_ep_layer_equals_one_process_dispatch_combine_properties_edges_and_categories():
+    """2 nodes x 2 equals one process; dispatch/combine properties; zero tokens, frozen inputs and
+    two-node layouts; categories travel with their tokens."""
+    run_cases(4, [(_equivalence_worker, (2, 2)), (_property_worker,), (_edge_worker,), (_category_worker,)],
+              timeout=600)

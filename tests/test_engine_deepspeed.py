@@ -1,7 +1,7 @@
 """dist-moe strategies hosted in DeepSpeed 0.19.8's MoE layer (2 gloo ranks)."""
 import pytest
 
-from tests.dist_utils import run_workers
+from tests.dist_utils import run_cases
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'dist-moe[deepspeed]')")
 
@@ -60,10 +60,6 @@ def _equivalence_worker(rank, world, routers):
         assert int(counts.sum()) == int((pairs >= 0).sum())
 
 
-def test_deepspeed_hosted_layer_equals_dist_moe_layer_for_every_strategy():
-    run_workers(_equivalence_worker, 2, args=(STRATEGIES,), timeout=240)
-
-
 def _gar_worker(rank, world, host):
     import os
 
@@ -90,9 +86,11 @@ def _gar_worker(rank, world, host):
     case.check(host, out, opt.seen, hosted, lambda name, j: opt.seen[id(getattr(experts[j].inner, name))][0])
 
 
-@pytest.mark.parametrize("host", ["own step", "deepspeed engine"])
-def test_gar_with_deepspeed_hosted_experts_equals_dist_moe(host):
-    run_workers(_gar_worker, 2, args=(host,), timeout=240)
+def test_deepspeed_hosted_layer_equals_dist_moe_for_every_strategy_and_gar_with_each_host():
+    """Every strategy's forward and gradients, then GAR on DeepSpeed-hosted experts with GAR's own
+    step and inside deepspeed.initialize (one set of ranks for the three cases)."""
+    run_cases(2, [(_equivalence_worker, STRATEGIES), (_gar_worker, "own step"), (_gar_worker, "deepspeed engine")],
+              timeout=420)
 
 
 def test_capacity_is_deepspeeds_own_rule_with_its_min_capacity():

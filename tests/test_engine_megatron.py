@@ -1,7 +1,7 @@
 """dist-moe strategies hosted as megatron-core 0.16.1 routers (2 gloo ranks, CPU patches)."""
 import pytest
 
-from tests.dist_utils import run_workers
+from tests.dist_utils import run_cases, run_workers
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'dist-moe[megatron]')")
 
@@ -66,11 +66,6 @@ class _Grad:
         return getattr(self.grad, name)
 
 
-@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
-def test_megatron_hosted_layer_equals_dist_moe_layer_for_every_strategy(dispatcher):
-    run_workers(_equivalence_worker, 2, args=(STRATEGIES, dispatcher), timeout=300)
-
-
 def _gar_worker(rank, world, dispatcher):
     from dist_moe.integrations import megatron_patches
 
@@ -101,9 +96,12 @@ def _gar_worker(rank, world, dispatcher):
         megatron_patches.release_parallel_state()  # destroy_model_parallel, and the groups 0.16.1 forgets
 
 
-@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
-def test_gar_with_megatron_hosted_experts_equals_dist_moe(dispatcher):
-    run_workers(_gar_worker, 2, args=(dispatcher,), timeout=240)
+def test_megatron_hosted_layer_equals_dist_moe_for_every_strategy_and_gar_with_each_dispatcher():
+    """Both of Megatron's dispatchers: every strategy's forward and gradients, then GAR on
+    Megatron-hosted experts (one set of ranks for the four cases)."""
+    run_cases(2, [(worker, *args) for dispatcher in ("alltoall", "allgather")
+                  for worker, *args in ((_equivalence_worker, STRATEGIES, dispatcher), (_gar_worker, dispatcher))],
+              timeout=480)
 
 
 def test_padding_mask_follows_megatrons_convention_true_is_padding():

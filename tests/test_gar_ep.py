@@ -2,7 +2,7 @@
 for every observation unit and both the materialized and the Gram form, pipelined or not."""
 import pytest
 
-from tests.dist_utils import run_workers
+from tests.dist_utils import run_cases
 
 
 def _gar_worker(rank, world, router_type, mode="materialized", unit="group", chunks=1):
@@ -81,19 +81,18 @@ def _gar_worker(rank, world, router_type, mode="materialized", unit="group", chu
         assert router and all(ref_grads[n].abs().sum() > 0 for n in router)
 
 
-# 2 ranks: every router; 4 ranks: branch here, switch in the units test below
-@pytest.mark.parametrize("world,router_type", [(2, "branch"), (2, "switch"), (2, "deepseek_v3"), (2, "skywork"),
-                                               (4, "branch")])
-def test_gar_expert_parallel_equals_single_process(world, router_type):
-    run_workers(_gar_worker, world, args=(router_type,), timeout=120)
+# 2 ranks: every router and every unit and form; 4 ranks: branch, and switch with the Gram form.
+# (router_type, mode, unit, chunks); the cases of one world share one set of ranks.
+CASES = {
+    2: [("branch", "materialized", "group", 1), ("switch", "materialized", "group", 1),
+        ("deepseek_v3", "materialized", "group", 1), ("skywork", "materialized", "group", 1),
+        ("switch", "gram", "group", 1), ("branch", "materialized", "example", 1),
+        ("branch", "gram", "token", 3),  # pipelined: factors and their row tags captured chunk by chunk
+        ("deepseek_v3", "materialized", "token", 1)],
+    4: [("branch", "materialized", "group", 1), ("switch", "gram", "example", 2)],
+}
 
 
-@pytest.mark.parametrize("world,router_type,mode,unit,chunks", [
-    (2, "switch", "gram", "group", 1),
-    (2, "branch", "materialized", "example", 1),
-    (2, "branch", "gram", "token", 3),  # pipelined: factors and their row tags captured chunk by chunk
-    (2, "deepseek_v3", "materialized", "token", 1),
-    (4, "switch", "gram", "example", 2),
-])
-def test_gar_units_and_gram_under_expert_parallelism(world, router_type, mode, unit, chunks):
-    run_workers(_gar_worker, world, args=(router_type, mode, unit, chunks), timeout=120)
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_gar_expert_parallel_equals_single_process_for_every_unit_and_form(world):
+    run_cases(world, [(_gar_worker, *case) for case in CASES[world]], timeout=240)

@@ -24,22 +24,16 @@ streams). Tensors only: loading never unpickles objects.
 """
 from __future__ import annotations
 
-import contextlib
-import copy
 import json
 import re
 import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import StorageMeta
 from torch import nn
 
 from dist_moe.dispatch.process_group import barrier
-from dist_moe.train.checkpoint_files import (CONFIG, MANIFEST, SAFE_GLOBALS, CheckedFileSystem, CheckpointError,
+from dist_moe.train.checkpoint_files import (CONFIG, MANIFEST, SAFE_GLOBALS, CheckpointError,
                                              checked_bytes, manifest_files, read_json, read_regular, verify,
                                              write_manifest)
 from placement.files import write_atomic
@@ -49,35 +43,6 @@ __all__ = ["CONFIG", "LATEST", "MANIFEST", "SAFE_GLOBALS", "CheckpointError", "l
 
 LATEST = "latest"
 _STEP_NAME = re.compile(r"step-[0-9]+")
-
-
-class _VerifiedReader(dcp.FileSystemReader):
-    """DCP's file reader, handed the Metadata ``verify`` unpickled instead of reading .metadata itself,
-    and opening shards only through ``CheckedFileSystem`` (the files verify hashed, unchanged)."""
-
-    def __init__(self, path: Path, metadata, identities: dict):
-        super().__init__(str(path))
-        self.fs = CheckedFileSystem(Path(path), identities)
-        self._verified = metadata
-
-    def read_metadata(self, *args, **kwargs):
-        if kwargs.get("rank") is not None:
-            raise CheckpointError(f"checkpoint {self.path}: per-rank metadata files are not read")
-        metadata = copy.deepcopy(self._verified)  # DCP stamps its load id into it
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class _TensorsOnlyPlanner(DefaultLoadPlanner):
-    """DCP's planner, except that it never unpickles: DCP's own ``load_bytes`` hands a bytes entry to
-    torch's loader with weights_only off. ``verify`` already refuses bytes entries; this is the second
-    lock on the same door."""
-
-    def load_bytes(self, read_item, value):
-        raise CheckpointError(f"refusing to unpickle checkpoint entry {read_item.dest_index.fqn!r}: dist-moe "
-                              "checkpoints hold tensors only")
 
 
 def _expert_keys(model: nn.Module) -> dict[str, tuple[list[int], str, bool]]:
@@ -144,8 +109,9 @@ def save(directory: str | Path, step: int, model: nn.Module, optimizer, extra: d
         tmp.mkdir(mode=0o700)
     barrier(group)
     _materialise_optimizer_state(model, optimizer)  # a save before the first step still loads
-    with _unwrapped():
-        dcp.save(state_of(model, optimizer, extra), checkpoint_id=tmp, process_group=group, no_dist=group is None)
+    from dist_moe.train.checkpoint_dcp import save_state  # torch.distributed.checkpoint: ~1.6 s to import
+
+    save_state(state_of(model, optimizer, extra), tmp, group)
     barrier(group)
     if _rank(group) == 0:
         if config is not None:
@@ -201,6 +167,8 @@ def load(path: str | Path, model: nn.Module, optimizer, extra: dict, group=None)
     in ``extra`` from ``path``; keys in ``extra`` missing from the checkpoint are left as they are.
     The checkpoint is verified first (``checkpoint_files``): an untrusted or damaged one raises
     ``CheckpointError`` and loads nothing; a loaded tensor that is not finite raises it too."""
+    from dist_moe.train.checkpoint_dcp import load_state
+
     metadata, identities = verify(path)
     _materialise_optimizer_state(model, optimizer)
     state = state_of(model, optimizer, {})
@@ -217,9 +185,7 @@ def load(path: str | Path, model: nn.Module, optimizer, extra: dict, group=None)
                                   f"{list(props.size)} there and {t.dtype} {list(t.shape)} here (another model size, "
                                   "router or expert count than the run that saved it)")
     try:
-        with _unwrapped():
-            dcp.load({**state, **wanted}, storage_reader=_VerifiedReader(Path(path), metadata, identities),
-                     planner=_TensorsOnlyPlanner(), process_group=group, no_dist=group is None)
+        load_state({**state, **wanted}, Path(path), metadata, identities, group)
     except (RuntimeError, AssertionError) as e:  # DCP's own size checks
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"checkpoint {path} does not fit this model ({first[:300]})") from None
@@ -236,19 +202,6 @@ def _check_values(path, state: dict) -> None:
             raise CheckpointError(f"checkpoint {path}: {key!r} holds NaN or Inf")
         if not t.is_floating_point() and t.dtype not in (torch.bool, torch.uint8) and bool((t < 0).any()):
             raise CheckpointError(f"checkpoint {path}: {key!r} holds a negative count ({int(t.min())})")
-
-
-@contextlib.contextmanager
-def _unwrapped():
-    """DCP wraps every rank's failure in a CheckpointException, a BaseException whose text is a
-    traceback: raise the first rank's own exception instead (an OSError, a size mismatch, ...)."""
-    try:
-        yield
-    except CheckpointException as e:
-        inner = next((exc for exc, _ in e.failures.values() if isinstance(exc, Exception)), None)
-        if inner is None:
-            raise
-        raise inner from None
 
 
 def _materialise_optimizer_state(model: nn.Module, optimizer) -> None:

@@ -15,7 +15,7 @@ elsewhere is what ``verify`` refuses:
   the listed files (absolute, ``../``, inside a subdirectory) or a transform: dist-moe
   writes none of these.
 
-DCP then opens shards only through ``CheckedFileSystem``, which accepts a listed file alone
+DCP then opens shards only through ``checkpoint_dcp.CheckedFileSystem``, which accepts a listed file alone
 and only if it is still the very file that was hashed (same inode, size and ctime).
 """
 from __future__ import annotations
@@ -32,8 +32,6 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch.distributed.checkpoint.filesystem import FileSystem
-
 from placement.files import write_atomic
 
 MANIFEST = "manifest.json"
@@ -49,7 +47,7 @@ class CheckpointError(ValueError):
 
 
 @dataclass(frozen=True)
-class _Identity:
+class Identity:
     """Which file was hashed: a reader that opens anything else is refused."""
     dev: int
     ino: int
@@ -57,8 +55,8 @@ class _Identity:
     ctime_ns: int
 
     @staticmethod
-    def of(st: os.stat_result) -> "_Identity":
-        return _Identity(st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns)
+    def of(st: os.stat_result) -> "Identity":
+        return Identity(st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns)
 
 
 @contextlib.contextmanager
@@ -211,7 +209,7 @@ def verify(path: str | Path):
             else:
                 digest = _sha256(f)
             _check(path, name, want, st.st_size, digest)
-            identities[name] = _Identity.of(st)
+            identities[name] = Identity.of(st)
         if name == METADATA:
             metadata = _unpickle_metadata(raw, path)
     check_metadata(metadata, {n: files[n]["bytes"] for n in files}, path)
@@ -295,25 +293,3 @@ def check_metadata(metadata, sizes: dict[str, int], where: Path) -> None:
         if info.transform_descriptors:
             raise CheckpointError(f"checkpoint {where}: .metadata stores {index.fqn[:80]!r} through stream "
                                   f"transforms {list(info.transform_descriptors)[:4]}: dist-moe writes none")
-
-
-class CheckedFileSystem(FileSystem):
-    """DCP's file system for a verified checkpoint: it opens the files ``verify`` checked, the same
-    inodes unchanged since, and refuses every other path."""
-
-    def __init__(self, root: Path, identities: dict):
-        super().__init__()
-        self.root, self.identities = Path(root), identities
-
-    @contextlib.contextmanager
-    def create_stream(self, path, mode: str):
-        path = Path(path)
-        if "r" not in mode or any(c in mode for c in "wa+x"):
-            raise CheckpointError(f"checkpoint {self.root}: a verified checkpoint is read, never written ({mode!r})")
-        if path.parent != self.root or path.name not in self.identities or path.name == METADATA:
-            raise CheckpointError(f"checkpoint {self.root}: refusing to read {str(path)[:200]}, not a verified shard "
-                                  "of this checkpoint")
-        with open_regular(path) as f:
-            if _Identity.of(os.fstat(f.fileno())) != self.identities[path.name]:
-                raise CheckpointError(f"checkpoint {self.root}: {path.name} changed after it was verified")
-            yield f

@@ -1,0 +1,97 @@
+"""DCP's side of a checkpoint: the reader, planner and file system that load a verified checkpoint
+(``checkpoint_files.verify``) and nothing else, and DCP's save and load around them.
+
+Its own module because ``torch.distributed.checkpoint`` takes ~1.6 s to import (its DTensor ops),
+paid by every rank at start: ``checkpoint`` imports this only when a run saves or resumes.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from pathlib import Path
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import StorageMeta
+
+from dist_moe.train.checkpoint_files import METADATA, CheckpointError, Identity, open_regular
+
+
+class CheckedFileSystem(FileSystem):
+    """DCP's file system for a verified checkpoint: it opens the files ``verify`` checked, the same
+    inodes unchanged since, and refuses every other path."""
+
+    def __init__(self, root: Path, identities: dict):
+        super().__init__()
+        self.root, self.identities = Path(root), identities
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        path = Path(path)
+        if "r" not in mode or any(c in mode for c in "wa+x"):
+            raise CheckpointError(f"checkpoint {self.root}: a verified checkpoint is read, never written ({mode!r})")
+        if path.parent != self.root or path.name not in self.identities or path.name == METADATA:
+            raise CheckpointError(f"checkpoint {self.root}: refusing to read {str(path)[:200]}, not a verified shard "
+                                  "of this checkpoint")
+        with open_regular(path) as f:
+            if Identity.of(os.fstat(f.fileno())) != self.identities[path.name]:
+                raise CheckpointError(f"checkpoint {self.root}: {path.name} changed after it was verified")
+            yield f
+
+
+class VerifiedReader(dcp.FileSystemReader):
+    """DCP's file reader, handed the Metadata ``verify`` unpickled instead of reading .metadata itself,
+    and opening shards only through ``CheckedFileSystem`` (the files verify hashed, unchanged)."""
+
+    def __init__(self, path: Path, metadata, identities: dict):
+        super().__init__(str(path))
+        self.fs = CheckedFileSystem(Path(path), identities)
+        self._verified = metadata
+
+    def read_metadata(self, *args, **kwargs):
+        if kwargs.get("rank") is not None:
+            raise CheckpointError(f"checkpoint {self.path}: per-rank metadata files are not read")
+        metadata = copy.deepcopy(self._verified)  # DCP stamps its load id into it
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class TensorsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's planner, except that it never unpickles: DCP's own ``load_bytes`` hands a bytes entry to
+    torch's loader with weights_only off. ``verify`` already refuses bytes entries; this is the second
+    lock on the same door."""
+
+    def load_bytes(self, read_item, value):
+        raise CheckpointError(f"refusing to unpickle checkpoint entry {read_item.dest_index.fqn!r}: dist-moe "
+                              "checkpoints hold tensors only")
+
+
+
+@contextlib.contextmanager
+def unwrapped():
+    """DCP wraps every rank's failure in a CheckpointException, a BaseException whose text is a
+    traceback: raise the first rank's own exception instead (an OSError, a size mismatch, ...)."""
+    try:
+        yield
+    except CheckpointException as e:
+        inner = next((exc for exc, _ in e.failures.values() if isinstance(exc, Exception)), None)
+        if inner is None:
+            raise
+        raise inner from None
+
+
+def save_state(state: dict, directory: Path, group) -> None:
+    with unwrapped():
+        dcp.save(state, checkpoint_id=directory, process_group=group, no_dist=group is None)
+
+
+def load_state(state: dict, path: Path, metadata, identities: dict, group) -> None:
+    """Fill the tensors of ``state`` from the verified checkpoint ``path``."""
+    with unwrapped():
+        dcp.load(state, storage_reader=VerifiedReader(path, metadata, identities), planner=TensorsOnlyPlanner(),
+                 process_group=group, no_dist=group is None)
