@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import run_workers
+from tests.dist_utils import run_cases
 
 ROOT = Path(__file__).resolve().parents[1]
 GAR = ["router.type=switch", "train.gar.lambda=0.001", "train.gar_group_size=16"]
@@ -40,26 +40,33 @@ def _train_worker(rank, world, overrides, out_dir, data_dir):
         Path(out_dir, "summary.rank0.json").write_text(json.dumps(summary))
 
 
-@pytest.mark.parametrize("engine,extra", [
-    ("torch", ["parallel.dedup=rank", "parallel.pipeline_chunks=3"]),
-    ("torch", ["parallel.dedup=none", "parallel.placement=round_robin"]),
+# Each engine's runs, one after the other on one set of 2 ranks (their start costs more than a run).
+RUNS = {
+    "torch": [["parallel.dedup=rank", "parallel.pipeline_chunks=3"],
+              ["parallel.dedup=none", "parallel.placement=round_robin"], GAR_PIPELINED],
     # the allgather dispatcher and GAR on Megatron-hosted experts: test_engine_megatron.py, layer by layer
-    pytest.param("megatron", ["parallel.megatron_dispatcher=alltoall"], id="megatron-alltoall"),
-    pytest.param("torch", GAR_PIPELINED, id="torch-gar"),
-    pytest.param("deepspeed", GAR, id="deepspeed-gar"),
-    pytest.param("deepspeed", LM, id="deepspeed-lm"),
-    pytest.param("megatron", LM, id="megatron-lm"),
-])
-def test_two_rank_training_with_each_in_process_engine(tmp_path, engine, extra):
+    "megatron": [["parallel.megatron_dispatcher=alltoall"], LM],
+    "deepspeed": [GAR, LM],
+}
+
+
+@pytest.mark.parametrize("engine", sorted(RUNS))
+def test_two_rank_training_with_each_in_process_engine(tmp_path, engine):
     pytest.importorskip({"torch": "torch", "deepspeed": "deepspeed", "megatron": "megatron.core"}[engine],
                         reason=f"{engine} is not installed")
-    out = tmp_path / "run"
-    overrides = [f"engine={engine}", *extra, "model.capacity_factor=null"]
-    run_workers(_train_worker, 2, args=(overrides, str(out), str(tmp_path / "data")), timeout=300)
+    runs = [(tmp_path / f"run{i}", [f"engine={engine}", *extra, "model.capacity_factor=null"])
+            for i, extra in enumerate(RUNS[engine])]
+    run_cases(2, [(_train_worker, overrides, str(out), str(tmp_path / "data")) for out, overrides in runs],
+              timeout=600)
+    for (out, _), extra in zip(runs, RUNS[engine]):
+        _check_run(out, engine, extra)
+
+
+def _check_run(out: Path, engine: str, extra: list[str]) -> None:
     losses = _losses(out)
-    assert sum(losses[-3:]) < sum(losses[:3])  # loss falls
+    assert sum(losses[-3:]) < sum(losses[:3]), (extra, losses)  # loss falls
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["engine"] == engine and summary["val_acc"] > (0.1 if extra is LM else 0.7)  # bytes: uniform is 0.004
+    assert summary["engine"] == engine and summary["val_acc"] > (0.1 if extra is LM else 0.7), extra  # bytes: uniform is 0.004
     if engine == "torch":  # dist-moe's dispatcher logs the bytes it sent per topology level
         lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         sent = [sum(v for k, v in r.items() if k.startswith("bytes_")) for r in lines if "loss" in r]
