@@ -93,8 +93,9 @@ def _each_case(rank, world_size, cases):
     for fn, *args in cases:
         try:
             fn(rank, world_size, *args)
-        except AssertionError as e:
-            raise AssertionError(f"case {fn.__name__}{tuple(args)}: {e}") from e
+        except Exception as e:  # re-raised as it is, with the case named in its traceback
+            e.add_note(f"in case {fn.__name__}{tuple(args)}")
+            raise
 
 
 def _run(fn, world_size, args, timeout, store) -> None:

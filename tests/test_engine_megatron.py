@@ -99,9 +99,10 @@ def _gar_worker(rank, world, dispatcher):
 def test_megatron_hosted_layer_equals_dist_moe_for_every_strategy_and_gar_with_each_dispatcher():
     """Both of Megatron's dispatchers: every strategy's forward and gradients, then GAR on
     Megatron-hosted experts (one set of ranks for the four cases)."""
-    run_cases(2, [(worker, *args) for dispatcher in ("alltoall", "allgather")
-                  for worker, *args in ((_equivalence_worker, STRATEGIES, dispatcher), (_gar_worker, dispatcher))],
-              timeout=480)
+    cases = []
+    for dispatcher in ("alltoall", "allgather"):
+        cases += [(_equivalence_worker, STRATEGIES, dispatcher), (_gar_worker, dispatcher)]
+    run_cases(2, cases, timeout=480)
 
 
 def test_padding_mask_follows_megatrons_convention_true_is_padding():

@@ -71,9 +71,8 @@ class TensorsOnlyPlanner(DefaultLoadPlanner):
                               "checkpoints hold tensors only")
 
 
-
 @contextlib.contextmanager
-def unwrapped():
+def _unwrapped():
     """DCP wraps every rank's failure in a CheckpointException, a BaseException whose text is a
     traceback: raise the first rank's own exception instead (an OSError, a size mismatch, ...)."""
     try:
@@ -86,12 +85,12 @@ def unwrapped():
 
 
 def save_state(state: dict, directory: Path, group) -> None:
-    with unwrapped():
+    with _unwrapped():
         dcp.save(state, checkpoint_id=directory, process_group=group, no_dist=group is None)
 
 
 def load_state(state: dict, path: Path, metadata, identities: dict, group) -> None:
     """Fill the tensors of ``state`` from the verified checkpoint ``path``."""
-    with unwrapped():
+    with _unwrapped():
         dcp.load(state, storage_reader=VerifiedReader(path, metadata, identities), planner=TensorsOnlyPlanner(),
                  process_group=group, no_dist=group is None)
