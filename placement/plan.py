@@ -17,6 +17,7 @@ exchange needs, the split sizes, happens in the dispatcher, with the counts exch
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -90,7 +91,7 @@ class Exchange:
 
 def destination_ranks(expert_idx: Tensor, placement: Placement, world: int | None = None) -> Tensor:
     """Rank of each selected expert; ``world`` (the sentinel) for dropped slots (-1)."""
-    ranks = placement.rank_tensor(expert_idx.device)
+    ranks = placement.rank_table(expert_idx.device)
     world = placement.world_size if world is None else world
     return torch.where(expert_idx >= 0, ranks[expert_idx.clamp_min(0)], world)
 
@@ -130,9 +131,11 @@ class DispatchPlan:
         if expert_idx.dim() != 2:
             raise ValueError(f"expert_idx must be [T, K], got shape {tuple(expert_idx.shape)}")
         t, k = expert_idx.shape
-        src = torch.as_tensor(src_rank, dtype=torch.long, device=expert_idx.device)
-        if src.dim() == 0:
-            src = src.expand(t)
+        if isinstance(src_rank, numbers.Integral):  # filled on the device: no host-to-device copy on a GPU
+            src = torch.full((t,), int(src_rank), dtype=torch.long, device=expert_idx.device)
+        else:
+            src = torch.as_tensor(src_rank, dtype=torch.long, device=expert_idx.device)
+            src = src.expand(t) if src.dim() == 0 else src
         if src.shape != (t,):
             raise ValueError(f"src_rank must be an int or a [T] tensor, got shape {tuple(src.shape)}")
         token = torch.arange(t, device=expert_idx.device).repeat_interleave(k, output_size=t * k)

@@ -28,3 +28,68 @@ def test_parallel_device_is_a_checked_config_key():
     assert load_config(None)["parallel"]["device"] == "auto"
     with pytest.raises(ValueError, match="'parallel.device' must be one of auto, cpu, cuda"):
         load_config(None, ["parallel.device=gpu"])
+
+
+class _FakeGPUs:
+    """``n`` CUDA devices as far as the calls under test can tell: availability, count, the current
+    device, and one RNG state per device. ``visible=False`` fakes the RNG calls only (DCP's writer
+    would use CUDA streams if a GPU seemed visible)."""
+
+    def __init__(self, monkeypatch, n: int, visible: bool = True):
+        self.current, self.states = None, {i: torch.randint(0, 256, (16,), dtype=torch.uint8) for i in range(n)}
+        if visible:
+            monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+            monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+        monkeypatch.setattr(torch.cuda, "set_device", lambda d: setattr(self, "current", torch.device(d)))
+        monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": self.states[self._index(device)].clone())
+        monkeypatch.setattr(torch.cuda, "set_rng_state", self._set)
+
+    def _index(self, device) -> int:
+        device = torch.device(device)
+        assert device.type == "cuda", device
+        return device.index if device.index is not None else (self.current.index if self.current else 0)
+
+    def _set(self, state, device="cuda"):
+        self.states[self._index(device)] = state.clone()
+
+
+@pytest.mark.parametrize("local", [0, 2, 3])
+def test_each_process_takes_the_gpu_of_its_local_rank(monkeypatch, local):
+    from dist_moe.dispatch.process_group import init_from_env
+
+    gpus = _FakeGPUs(monkeypatch, 4)
+    monkeypatch.setenv("LOCAL_RANK", str(local))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert resolve_device("cuda") == torch.device("cuda", local) == resolve_device("auto")
+    init_from_env(device=resolve_device("cuda"))  # one process: no group, but its GPU is set first
+    assert gpus.current == torch.device("cuda", local)
+
+
+def test_a_local_rank_past_the_node_s_gpus_is_refused(monkeypatch):
+    _FakeGPUs(monkeypatch, 2)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(ValueError, match="LOCAL_RANK=2, but this node shows 2 CUDA devices"):
+        resolve_device("cuda")
+
+
+def test_a_checkpoint_restores_this_rank_s_gpu_random_stream_bit_for_bit(monkeypatch, tmp_path):
+    """A CUDA run saves its GPU's generator (Switch's jitter draws there) with its CPU generator, and
+    resume sets it back on that GPU, not on another one."""
+    from types import SimpleNamespace
+
+    from dist_moe.train import checkpoint, records
+
+    gpus = _FakeGPUs(monkeypatch, 4, visible=False)
+    rt = SimpleNamespace(device=torch.device("cuda", 2), world=1, rank=0, group=None)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cursor = records.DataCursor(10, 0, 5)
+    saved_gpu, saved_cpu = gpus.states[2].clone(), torch.get_rng_state()
+    path = checkpoint.save(tmp_path / "ckpt", 7, model, opt, records.position(7, cursor, rt))
+    untouched = {i: s.clone() for i, s in gpus.states.items() if i != 2}
+    gpus.states[2] = torch.zeros(16, dtype=torch.uint8)  # training went on: the streams moved
+    torch.rand(5)
+    assert records.resume(path, model, opt, records.DataCursor(10, 0, 5), rt) == 7
+    assert torch.equal(gpus.states[2], saved_gpu), "the GPU's random stream was not restored"
+    assert torch.equal(torch.get_rng_state(), saved_cpu), "the CPU's random stream was not restored"
+    assert all(torch.equal(gpus.states[i], s) for i, s in untouched.items()), "another GPU's stream was changed"

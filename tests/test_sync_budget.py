@@ -1,59 +1,120 @@
-"""On a GPU a host read stalls the device pipeline: the expert-parallel layer may block the host
-once per exchange in forward (node dedup: twice, one per stage) and never in backward, for every
-router and dedup mode, pipelined or not (counted on gloo ranks with the ops that block on CUDA,
-tests/sync_budget.py)."""
+"""On a GPU a host read or a tensor built from Python data stalls the device pipeline: the
+expert-parallel layer may do either once per exchange in forward (node dedup: twice, one per
+stage) and never in backward, for every router, dedup mode and chunk count, with a shared expert
+(counted on gloo ranks with the ops that block on CUDA, tests/sync_budget.py). Every rank counts
+its own and every rank is checked; a planted build and a planted read, each on one rank only,
+must be caught on that rank, so the check is seen to fail."""
+import json
+
 import pytest
 
 from tests.dist_utils import run_workers
 
-BUDGET = {"none": 1, "rank": 1, "node": 2}
+BUDGET = {"none": 1, "rank": 1, "node": 2}  # reads + builds per forward; 0 in backward
+WORLD = 4  # 2 nodes x 2 ranks: both node-dedup stages
+# (file, function) whose tensor builds stay on the host and are not counted. Empty: the dispatcher's
+# byte ledger is plain Python ints (dispatch/dispatcher.py), it builds no tensor during a forward.
+ALLOWED_BUILDS: frozenset = frozenset()
+PLANTS = {"build": 3, "read": 1}  # what is planted, on which rank only
 
 
-def _budget_worker(rank, world, out):
-    import json
+def _plant(what: str):
+    """Wrap ``DispatchPlan.build`` (the plan every exchange starts from) with one extra build or
+    read of the kind a regression would add."""
+    from placement.plan import DispatchPlan
 
+    original = DispatchPlan.build.__func__
+
+    def build(cls, expert_idx, *args, **kwargs):
+        if what == "build":
+            torch_tensor = __import__("torch").tensor
+            torch_tensor([1, 2], device=expert_idx.device)
+        else:
+            int(expert_idx.max())
+        return original(cls, expert_idx, *args, **kwargs)
+
+    DispatchPlan.build = classmethod(build)
+    return lambda: setattr(DispatchPlan, "build", classmethod(original))
+
+
+def _layer_run(rank, name, cfg, dedup, chunks, topo, allowed):
     import torch
     import torch.distributed as dist
 
     from dist_moe import MoELayer
-    from placement import Placement, Topology
-    from tests.ep_checks import ROUTERS
+    from placement import Placement
     from tests.sync_budget import counting
 
+    torch.manual_seed(0)
+    layer = MoELayer(8, 12, dict(cfg), topology=topo, placement=Placement.tree_prefix(8, topo),
+                     group=dist.group.WORLD, dedup=dedup, capacity_factor=1.25 if name == "switch" else None,
+                     shared_expert_hidden=4, pipeline_chunks=chunks)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(13 + 3 * rank, 8, generator=g, requires_grad=True)
+    kw = {"categories": torch.randint(0, 5, (x.shape[0],), generator=g)} if name.startswith("specdrop") else {}
+    kw.update({"token_ids": torch.arange(x.shape[0]) * 7919} if name == "hash" else {})
+    y, aux = layer(x, **kw)  # a first forward and backward: one-time moves of index tensors
+    (y.sum() + aux).backward()
+    with counting(allowed) as forward:
+        y, aux = layer(x, **kw)
+    with counting(allowed) as backward:
+        (y.square().sum() + aux).backward()
+    return {"run": f"{name} C={chunks}", "dedup": dedup, "rank": rank, "forward": forward.total,
+            "forward_reads": forward.reads, "forward_builds": forward.builds, "backward": backward.total,
+            "where": forward.where() + [f"backward: {w}" for w in backward.where()]}
+
+
+def _budget_worker(rank, world, out_dir):
+    from placement import Topology
+    from tests.ep_checks import ROUTERS
+
     topo = Topology(("node", "gpu"), (2, world // 2))
-    rows = []
-    runs = [(name, cfg, dedup, 1) for name, cfg in ROUTERS.items() for dedup in ("none", "rank", "node")]
-    runs += [(name, ROUTERS[name], dedup, 3) for name in ("switch", "branch") for dedup in ("none", "rank", "node")]
-    for name, cfg, dedup, chunks in runs:
-        torch.manual_seed(0)
-        layer = MoELayer(8, 12, dict(cfg), topology=topo, placement=Placement.tree_prefix(8, topo),
-                         group=dist.group.WORLD, dedup=dedup, capacity_factor=1.25 if name == "switch" else None,
-                         shared_expert_hidden=4 if chunks > 1 else 0, pipeline_chunks=chunks)
-        g = torch.Generator().manual_seed(rank)
-        x = torch.randn(13 + 3 * rank, 8, generator=g, requires_grad=True)
-        kw = {"categories": torch.randint(0, 5, (x.shape[0],), generator=g)} if name.startswith("specdrop") else {}
-        y, aux = layer(x, **kw)  # a first forward and backward: one-time moves of index tensors
-        (y.sum() + aux).backward()
-        with counting() as forward:
-            y, aux = layer(x, **kw)
-        with counting() as backward:
-            (y.square().sum() + aux).backward()
-        rows.append([f"{name} C={chunks}", dedup, forward.total, dict(forward.counts), backward.total,
-                     dict(backward.counts)])
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(rows, f)
+    rows = [_layer_run(rank, name, cfg, dedup, chunks, topo, ALLOWED_BUILDS)
+            for name, cfg in ROUTERS.items() for dedup in ("none", "rank", "node") for chunks in (1, 3)]
+    for what, on_rank in PLANTS.items():  # the same check, with a violation on one rank only
+        undo = _plant(what) if rank == on_rank else (lambda: None)
+        try:
+            row = _layer_run(rank, "switch", ROUTERS["switch"], "node", 3, topo, ALLOWED_BUILDS)
+        finally:
+            undo()
+        rows.append(dict(row, run=f"planted {what} on rank {on_rank}"))
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(rows, f)
 
 
-@pytest.mark.parametrize("world", [4])  # 2 x 2: both node-dedup stages
-def test_one_host_read_per_exchange_in_forward_none_in_backward(tmp_path, world):
-    import json
+def over_budget(rows: list[dict]) -> list[str]:
+    return [f"rank {r['rank']} {r['run']} {r['dedup']}: forward {r['forward_reads']} reads + "
+            f"{r['forward_builds']} builds (budget {BUDGET[r['dedup']]}), backward {r['backward']}; "
+            + "; ".join(r["where"])
+            for r in rows if r["forward"] > BUDGET[r["dedup"]] or r["backward"] > 0]
 
-    out = tmp_path / "syncs.json"
-    run_workers(_budget_worker, world, args=(str(out),), timeout=300)
-    rows = json.loads(out.read_text())
-    print(f"\nhost syncs per layer on {world} ranks (forward / backward):")
-    for name, dedup, fwd, fwd_ops, bwd, bwd_ops in rows:
-        print(f"  {name:<26} {dedup:<4} {fwd} {fwd_ops} / {bwd} {bwd_ops}")
-    over = [(n, d, f, b) for n, d, f, _, b, _ in rows if f > BUDGET[d] or b > 0]
-    assert not over, over
+
+@pytest.fixture(scope="module")
+def counted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("syncs")
+    run_workers(_budget_worker, WORLD, args=(str(out),), timeout=300)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def test_one_host_stall_per_exchange_in_forward_none_in_backward_on_every_rank(counted):
+    print(f"\nhost stalls per layer, the most over {WORLD} ranks (forward reads + builds / backward):")
+    for i, row in enumerate(counted[0]):
+        if row["run"].startswith("planted"):
+            continue
+        worst = max((ranks[i] for ranks in counted), key=lambda r: (r["forward"], r["backward"]))
+        print(f"  {row['run']:<32} {row['dedup']:<4} {worst['forward_reads']} + {worst['forward_builds']} / "
+              f"{worst['backward']}")
+    for rank, rows in enumerate(counted):
+        over = over_budget([r for r in rows if not r["run"].startswith("planted")])
+        assert not over, f"rank {rank} over budget:\n" + "\n".join(over)
+
+
+@pytest.mark.parametrize("what", sorted(PLANTS))
+def test_a_planted_stall_on_one_rank_fails_the_budget_on_that_rank(counted, what):
+    run = f"planted {what} on rank {PLANTS[what]}"
+    for rank, rows in enumerate(counted):
+        over = over_budget([r for r in rows if r["run"] == run])
+        if rank == PLANTS[what]:
+            assert over, f"the planted {what} on rank {rank} was not counted"
+        else:
+            assert not over, f"rank {rank} has no plant but is over budget: {over}"

@@ -16,6 +16,7 @@ the same number of sequences (the smallest domain's count, capped by
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -48,10 +49,15 @@ class Corpus:
         return Corpus(self.tokens[train], self.domain[train]), Corpus(self.tokens[val], self.domain[val])
 
 
+def cache_path(seq_len: int, per_domain: int, seed: int) -> Path:
+    """Where ``load_corpus`` keeps (and first looks for) the corpus of these settings."""
+    return data_dir() / f"corpus_{seq_len}_{per_domain}_{seed}.npz"
+
+
 def load_corpus(seq_len: int = 64, per_domain: int = 2000, seed: int = 0) -> Corpus:
     if seq_len < 2 or per_domain < 1:
         raise ValueError(f"seq_len must be >= 2 and per_domain >= 1, got {seq_len}, {per_domain}")
-    cache = data_dir() / f"corpus_{seq_len}_{per_domain}_{seed}.npz"
+    cache = cache_path(seq_len, per_domain, seed)
     cached = load_cache(cache, {"tokens": ("u", 2), "domain": ("iu", 1)}, same_rows=("tokens", "domain"))
     if cached is not None:
         tokens, domain = cached["tokens"], cached["domain"]

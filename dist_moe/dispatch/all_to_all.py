@@ -10,6 +10,12 @@ metadata, packed into a single int64 buffer: per destination its copies' integer
 (categories, row tags; ``Mc`` columns) and then its pairs, two int64 each, the local copy index,
 and the expert id in the high 32 bits beside the gate's float32 bits.
 
+Host integers serve only the collective API's split sizes. Everything the exchange indexes with
+(offsets, block positions, peer ids, the received pairs' copies) is derived on the payload's
+device from the exchanged counts, kept there as well (``Sizes.on_device``), with ``cumsum`` and
+``repeat_interleave(..., output_size=<host int>)``: no tensor is built from Python data, which on
+a GPU would be a blocking host-to-device copy (``tests/test_sync_budget.py`` counts both kinds).
+
 After the plan phase each chunk is a ``Hop``: its payload rows go out and come back with async
 all-to-alls whose sizes are known, so nothing more is read back to the host. Gradients are not
 tracked through a hop; the pipeline runs them backwards itself, through the same hops.
@@ -59,25 +65,59 @@ def _gate_value(packed: Tensor) -> Tensor:
     return (packed & _LOW).to(torch.int32).view(torch.float32)  # the low word, as float32 bits
 
 
-def _blocks(first: list[int], first_width: int, second: list[int], second_width: int, device):
+HOST_READS = [0]  # reads made by read_to_host in this process
+
+
+def read_to_host(t: Tensor) -> list:
+    """``t.tolist()``: an exchange's one host read (its split sizes). Every other value the dispatcher
+    indexes with stays on the payload's device. Under ``torch.cuda.set_sync_debug_mode("error")``
+    (``benchmarks/gpu_check.py``) this is the one synchronisation allowed: the mode is lowered for
+    this read alone, and ``HOST_READS`` counts it, so a check can tell it from any other."""
+    HOST_READS[0] += 1
+    mode = torch.cuda.get_sync_debug_mode() if t.is_cuda else 0
+    if not mode:
+        return t.tolist()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        return t.tolist()
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+
+
+def _spread(counts: Tensor, total: int) -> tuple[Tensor, Tensor]:
+    """Items laid out peer by peer, ``counts[i]`` of peer i (``total`` = their sum, a host int):
+    (peer of each item, its index inside its peer's block), built on ``counts``' device."""
+    peers = torch.arange(counts.shape[0], device=counts.device)
+    peer = peers.repeat_interleave(counts, output_size=total)
+    return peer, torch.arange(total, device=counts.device) - (counts.cumsum(0) - counts)[peer]
+
+
+def _blocks(first: Tensor, first_width: int, second: Tensor, second_width: int, n_first: int, n_second: int):
     """Flat positions of per-peer blocks [first rows x first_width | second rows x second_width]:
-    (positions of the first parts' elements, of the second parts' elements), in peer order."""
-    sizes = [a * first_width + b * second_width for a, b in zip(first, second)]
-    start = torch.tensor([0, *sizes[:-1]], device=device).cumsum(0)
-    n_a, n_b = sum(first), sum(second)
-    peers = torch.arange(len(first), device=device)
-    a_peer = peers.repeat_interleave(torch.tensor(first, device=device), output_size=n_a)
-    b_peer = peers.repeat_interleave(torch.tensor(second, device=device), output_size=n_b)
-    a_start = torch.tensor(first, device=device).cumsum(0) - torch.tensor(first, device=device)
-    b_start = torch.tensor(second, device=device).cumsum(0) - torch.tensor(second, device=device)
-    a_row = torch.arange(n_a, device=device) - a_start[a_peer]
-    b_row = torch.arange(n_b, device=device) - b_start[b_peer]
-    first_count = torch.tensor(first, device=device)
-    cols_a = torch.arange(first_width, device=device)
-    cols_b = torch.arange(second_width, device=device)
+    (positions of the first parts' elements, of the second parts' elements), in peer order.
+    ``first`` / ``second`` are the per-peer row counts on the device; ``n_*`` their host sums."""
+    sizes = first * first_width + second * second_width
+    start = sizes.cumsum(0) - sizes
+    a_peer, a_row = _spread(first, n_first)
+    b_peer, b_row = _spread(second, n_second)
+    cols_a = torch.arange(first_width, device=first.device)
+    cols_b = torch.arange(second_width, device=first.device)
     pos_a = (start[a_peer] + a_row * first_width).unsqueeze(1) + cols_a
-    pos_b = (start[b_peer] + first_count[b_peer] * first_width + b_row * second_width).unsqueeze(1) + cols_b
+    pos_b = (start[b_peer] + first[b_peer] * first_width + b_row * second_width).unsqueeze(1) + cols_b
     return pos_a, pos_b
+
+
+@dataclass
+class Sizes:
+    """One chunk's split sizes per peer: host lists for the collective API (``send_c`` ...), and the
+    same counts as device tensors ``[4, W]`` (copies sent, received, pairs sent, received) that
+    every index is derived from."""
+
+    send_c: list
+    recv_c: list
+    send_p: list
+    recv_p: list
+    on_device: Tensor
 
 
 @dataclass
@@ -147,45 +187,47 @@ def plan_hops(group, chunks: list[Chunk], expert_slot: Tensor, num_local: int, t
     counts = torch.cat([_counts(c, expert_slot, num_local) for c in chunks] + [header], 1).contiguous()
     got = torch.empty_like(counts)
     dist.all_to_all_single(got, counts, group=group)
-    sent_rows, got_rows = torch.stack([counts, got]).tolist()  # the exchange's one host read
+    both = torch.stack([counts, got])  # [2, W, chunks * width + 2]
+    sent_rows, got_rows = read_to_host(both)  # the exchange's one host read
     check_headers([r[-2] for r in got_rows], [r[-1] for r in got_rows], tag)
     width = 2 + num_local
     started = []
     for i, chunk in enumerate(chunks):
         at = i * width
-        sizes = ([r[at] for r in sent_rows], [r[at] for r in got_rows], [r[at + 1] for r in sent_rows],
-                 [r[at + 1] for r in got_rows], [sum(r[at + 2 + j] for r in got_rows) for j in range(num_local)])
-        started.append(_send_metadata(group, chunk, *sizes))
+        sizes = Sizes([r[at] for r in sent_rows], [r[at] for r in got_rows], [r[at + 1] for r in sent_rows],
+                      [r[at + 1] for r in got_rows], both[:, :, at:at + 2].permute(2, 0, 1).reshape(4, w))
+        expert_counts = [sum(r[at + 2 + j] for r in got_rows) for j in range(num_local)]
+        started.append(_send_metadata(group, chunk, sizes, expert_counts))
     return [_received(group, *s) for s in started]
 
 
-def _send_metadata(group, chunk: Chunk, send_c, recv_c, send_p, recv_p, expert_counts):
+def _send_metadata(group, chunk: Chunk, sizes: Sizes, expert_counts: list):
     """Start one chunk's metadata all-to-all; returns what ``_received`` needs to unpack it."""
-    stage, device = chunk.stage, chunk.pair_row.device
-    n_c, n_p, mc = sum(send_c), sum(send_p), chunk.row_meta.shape[1]
+    stage = chunk.stage
+    n_c, n_p, mc = sum(sizes.send_c), sum(sizes.send_p), chunk.row_meta.shape[1]
     order = stage.order[:n_p]  # sent pairs come first; dropped ones sort last and stay
     copy_row = stage.copy_values(chunk.pair_row, n_c)
-    pos_c, pos_p = _blocks(send_c, mc, send_p, _PAIR_COLUMNS, device)
-    meta = torch.zeros(n_c * mc + n_p * _PAIR_COLUMNS, dtype=torch.long, device=device)
+    send_c, _, send_p, _ = sizes.on_device
+    pos_c, pos_p = _blocks(send_c, mc, send_p, _PAIR_COLUMNS, n_c, n_p)
+    meta = torch.zeros(n_c * mc + n_p * _PAIR_COLUMNS, dtype=torch.long, device=chunk.pair_row.device)
     meta[pos_c.reshape(-1)] = chunk.row_meta[copy_row].reshape(-1)
     packed = (chunk.pair_expert[order] << 32) | _gate_bits(chunk.pair_gate[order].detach())
     meta[pos_p.reshape(-1)] = torch.stack([stage.local_copy()[:n_p], packed], 1).reshape(-1)
-    recv_m = [c * mc + p * _PAIR_COLUMNS for c, p in zip(recv_c, recv_p)]
-    pending = start_a2a(meta, [c * mc + p * _PAIR_COLUMNS for c, p in zip(send_c, send_p)], recv_m, group)
-    return pending, (send_c, recv_c, send_p, recv_p), copy_row, order + chunk.first_pair, mc, expert_counts
+    recv_m = [c * mc + p * _PAIR_COLUMNS for c, p in zip(sizes.recv_c, sizes.recv_p)]
+    send_m = [c * mc + p * _PAIR_COLUMNS for c, p in zip(sizes.send_c, sizes.send_p)]
+    pending = start_a2a(meta, send_m, recv_m, group)
+    return pending, sizes, copy_row, order + chunk.first_pair, mc, expert_counts
 
 
-def _received(group, pending: Pending, sizes, copy_row, sent_pairs, mc, expert_counts) -> Hop:
-    send_c, recv_c, send_p, recv_p = sizes
+def _received(group, pending: Pending, sizes: Sizes, copy_row, sent_pairs, mc, expert_counts) -> Hop:
     got_meta = pending.wait()
-    device = got_meta.device
-    rpos_c, rpos_p = _blocks(recv_c, mc, recv_p, _PAIR_COLUMNS, device)
+    n_c, n_p = sum(sizes.recv_c), sum(sizes.recv_p)
+    _, recv_c, _, recv_p = sizes.on_device
+    rpos_c, rpos_p = _blocks(recv_c, mc, recv_p, _PAIR_COLUMNS, n_c, n_p)
     got_pairs = got_meta[rpos_p]  # [Q, 2]
     # pair copy ids are local to their sender's block: shift by that block's offset here
-    sender = torch.arange(len(recv_p), device=device).repeat_interleave(torch.tensor(recv_p, device=device),
-                                                                        output_size=sum(recv_p))
-    block = torch.tensor(recv_c, device=device)
-    block_start = block.cumsum(0) - block
-    return Hop(send_c, recv_c, send_p, recv_p, copy_row, sent_pairs, got_pairs[:, 0] + block_start[sender],
-               got_pairs[:, 1] >> 32, _gate_value(got_pairs[:, 1]), got_meta[rpos_c].reshape(sum(recv_c), mc),
-               expert_counts, weak(group))
+    sender, _ = _spread(recv_p, n_p)
+    block_start = recv_c.cumsum(0) - recv_c
+    return Hop(sizes.send_c, sizes.recv_c, sizes.send_p, sizes.recv_p, copy_row, sent_pairs,
+               got_pairs[:, 0] + block_start[sender], got_pairs[:, 1] >> 32, _gate_value(got_pairs[:, 1]),
+               got_meta[rpos_c].reshape(n_c, mc), expert_counts, weak(group))

@@ -98,8 +98,8 @@ class ExpertParallelDispatcher:
             raise ValueError(f"topology {topology.describe()} has {topology.world_size} ranks, the group {self.world}")
         placement.check(placement.num_experts, self.world)
         self.placement, self.topology, self.dedup = placement, topology, check_dedup(dedup)
-        self.rank_of = placement.rank_tensor()
-        self.slot_of = placement.local_slot_tensor()
+        self.rank_of = placement.rank_table(torch.device("cpu"))
+        self.slot_of = placement.slot_table(torch.device("cpu"))
         self.num_local = placement.num_experts // self.world
         self.g = topology.ranks_per_node
         self.node_group = node_subgroup(group, topology, timeout) if dedup == "node" else None
@@ -107,8 +107,17 @@ class ExpertParallelDispatcher:
         self.reset_traffic()
 
     def reset_traffic(self) -> None:
-        self.traffic = torch.zeros(self.world, self.world, dtype=torch.long)
+        # host ints: the counts are host ints already, and a ledger that builds no tensor during a
+        # forward cannot stall the device (tests/test_sync_budget.py counts every build)
+        self._sent_bytes = [0] * self.world
         self.metadata_bytes = 0
+
+    @property
+    def traffic(self) -> Tensor:
+        """[W, W] int64: payload bytes this rank sent to each peer since the last reset (its row)."""
+        matrix = torch.zeros(self.world, self.world, dtype=torch.long)
+        matrix[self.rank] = torch.tensor(self._sent_bytes, dtype=torch.long)
+        return matrix
 
     def _record(self, hops: list, peer_base: int, row_bytes: int, copy_meta_bytes: int) -> None:
         """Add what one exchange (all its chunks) sent to peers ``peer_base + i`` (host counts; this
@@ -117,15 +126,15 @@ class ExpertParallelDispatcher:
         pairs = [sum(p) for p in zip(*(hop.send_p for hop in hops))]
         mine = self.rank - peer_base
         sent = [0 if i == mine else c for i, c in enumerate(copies)]
-        # host-side bookkeeping: the counts are host ints already, the matrix lives on the CPU
-        self.traffic[self.rank, peer_base : peer_base + len(sent)] += torch.tensor(sent, device="cpu") * row_bytes
+        for i, c in enumerate(sent):
+            self._sent_bytes[peer_base + i] += c * row_bytes
         own_pairs = pairs[mine] if 0 <= mine < len(pairs) else 0
         # per pair 16 B: its copy id; its expert id and gate in one int64
         self.metadata_bytes += sum(sent) * copy_meta_bytes + (sum(pairs) - own_pairs) * 16
 
     def _index_tensors(self, device):
-        if self.rank_of.device != device:  # moved once, not on every call
-            self.rank_of, self.slot_of = self.rank_of.to(device), self.slot_of.to(device)
+        if self.rank_of.device != device:  # the placement's tables for this device, made once per device
+            self.rank_of, self.slot_of = self.placement.rank_table(device), self.placement.slot_table(device)
         return self.rank_of, self.slot_of
 
     def __call__(self, h: Tensor, expert_idx: Tensor, gates: Tensor, experts: Experts,
