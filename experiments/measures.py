@@ -186,4 +186,6 @@ def post_step_prediction(summary: dict, cfg: dict) -> dict:
         stages.append(sim["modes"][cfg["parallel"]["dedup"]]["stage_seconds"])
     step_s = summary["train_seconds"] / summary["steps"]
     return {"step_s": step_s, "tokens_per_s": tokens_per_rank * summary["world_size"] / step_s,
+            # measured inside the training steps: time blocked in the dispatcher's exchanges
+            "exchange_wait_step_s": summary.get("exchange_wait_s", 0.0) / summary["steps"],
             "predicted_comm_s": comm, "predicted_stage_s": stages, "calibrated": bool(_FITTED)}

@@ -17,10 +17,16 @@ ROUTER_ARMS = {  # arm: router overrides
     "skywork": ["router.type=skywork"],
     "hash": ["router.type=hash"],
     # told the node boundary: BRANCH's subtree limit (its top-level decision is the node, under
-    # tree-prefix placement) and DeepSeek-V3's node-limited routing, M=1
-    "branch_linear_limit1": ["router.type=branch", "router.node_map=linear", "router.subtree_limit=1"],
+    # tree-prefix placement) and DeepSeek-V3's node-limited routing, M=1. `_limit1` is the limit
+    # unbalanced (its results predate subtree_balance); `_bal` the default balance (issue 26)
+    "branch_linear_limit1": ["router.type=branch", "router.node_map=linear", "router.subtree_limit=1",
+                             "router.subtree_balance=none"],
     "branch_mlp4_limit1": ["router.type=branch", "router.node_map=mlp", "router.mlp_hidden=4",
-                           "router.subtree_limit=1"],
+                           "router.subtree_limit=1", "router.subtree_balance=none"],
+    "branch_linear_limit1_bal": ["router.type=branch", "router.node_map=linear", "router.subtree_limit=1",
+                                 "router.subtree_balance=bias"],
+    "branch_mlp4_limit1_bal": ["router.type=branch", "router.node_map=mlp", "router.mlp_hidden=4",
+                               "router.subtree_limit=1", "router.subtree_balance=bias"],
     "deepseek_v3_node1": ["router.type=deepseek_v3", "router.node_limit=1"],
 }
 
@@ -147,31 +153,43 @@ LINK_ARMS = {
     "node_dedup": ("switch", "contiguous", "node", 1),
     "branch_limit1": ("branch_linear_limit1", "contiguous", "none", 1),
     "all": ("branch_linear_limit1", "tree_prefix", "node", 4),
+    "all_bal": ("branch_linear_limit1_bal", "tree_prefix", "node", 4),
     "deepseek_v3_node1": ("deepseek_v3_node1", "contiguous", "node", 1),
     "deepseek_v3_node1_pipelined": ("deepseek_v3_node1", "contiguous", "node", 4),
 }
 LINK_MODEL = ["model.d_model=256", "model.ffn_hidden_size=128", "model.heads=4"]
+# regime: (run-id prefix, model and router overrides). "fine": small experts and a larger top-k,
+# as modern MoE layers have (DeepSeek-V3: ffn 2048 at hidden 7168, top-8 of 256): ffn = d_model / 4
+LINK_REGIMES = {
+    "today": ("lmL", LINK_MODEL),
+    "fine": ("lmF", ["model.d_model=256", "model.ffn_hidden_size=64", "model.heads=4", "router.num_experts=16",
+                     "router.top_k=4"]),
+}
 
 
 def throughput_link(seeds=(0,), steps: int = 40) -> Plan:
     """The tiny LM at a size where the link matters (d_model 256: the baseline's measured
     all-to-all is most of its step on the 400 mbit emulated link): the baseline, each factor
     alone (pipelining, node dedup, BRANCH subtree_limit 1; tree-prefix placement coincides with
-    contiguous at E=8 on 2 x 2), all of them together, and DeepSeek-V3 node-limited."""
+    contiguous at E=8 on 2 x 2), all of them together (the limit unbalanced and balanced), and the
+    peer, DeepSeek-V3 node-limited with node dedup, pipelined and not; in today's regime (E=8
+    top-2, ffn d_model / 2) and the fine-grained one (E=16 top-4, ffn d_model / 4)."""
     plan = Plan("throughput_link", "emulated", before="before_calibrate", after="after_exchange_time",
                 post="post_step_prediction")
-    for arm, (router, placement, dedup, chunks) in LINK_ARMS.items():
-        for seed in seeds:
-            plan.add(f"lmL-{arm}-s{seed}", {"arm": arm, "router": router, "placement": placement, "dedup": dedup,
-                                            "chunks": chunks, "seed": seed},
-                     [f"seed={seed}", *ROUTER_ARMS[router], f"parallel.placement={placement}",
-                      f"parallel.dedup={dedup}", f"parallel.pipeline_chunks={chunks}", *LINK_MODEL,
-                      f"train.max_steps={steps}", "train.batch_size=16", "data.per_domain=500",
-                      "train.log_every=20"], "configs/lm_branch.yaml")
+    for regime, (prefix, model) in LINK_REGIMES.items():
+        for arm, (router, placement, dedup, chunks) in LINK_ARMS.items():
+            for seed in seeds:
+                plan.add(f"{prefix}-{arm}-s{seed}", {"arm": arm, "regime": regime, "router": router,
+                                                     "placement": placement, "dedup": dedup, "chunks": chunks,
+                                                     "seed": seed},
+                         [f"seed={seed}", *ROUTER_ARMS[router], f"parallel.placement={placement}",
+                          f"parallel.dedup={dedup}", f"parallel.pipeline_chunks={chunks}", *model,
+                          f"train.max_steps={steps}", "train.batch_size=16", "data.per_domain=500",
+                          "train.log_every=20"], "configs/lm_branch.yaml")
     return plan
 
 
-LM_ROUTER_ARMS = ("branch_linear", "branch_linear_limit1", "switch", "deepseek_v3", "deepseek_v3_node1")
+LM_ROUTER_ARMS = ("branch_linear", "branch_linear_limit1", "branch_linear_limit1_bal", "switch", "deepseek_v3", "deepseek_v3_node1")
 
 
 def lm_routers(seeds=range(3), steps: int = 200) -> Plan:

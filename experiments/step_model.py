@@ -1,7 +1,8 @@
 """The throughput tables' step model: a training step predicted from calibrated links.
 
-Compute (everything but exchanges) is the baseline arm's: its measured step minus its measured
-all-to-alls (``measures.after_exchange_time``). The MoE layers' share of it, from the model's
+Compute (everything but exchanges) is the baseline arm's: its measured step minus its exchange
+time (blocked in the dispatcher's waits inside its steps; for older rows its all-to-alls replayed
+after training, ``measures.after_exchange_time``). The MoE layers' share of it, from the model's
 shape (matmul work per token), is what a pipelined layer can overlap. Each arm adds its own
 exchanges, priced from its recorded routing on the launch's calibrated links
 (``CostModel.layer_time``: per-stage payloads, collective latencies, pipelined overlap).
@@ -28,10 +29,17 @@ def calibrated_cost(row: dict) -> CostModel:
                               exchange.get("chunked", 1.0))
 
 
+def exchange_s(row: dict) -> float:
+    """A run's exchange seconds per step: blocked in the dispatcher's waits inside its training
+    steps (``exchange_wait_step_s``, logged since issue 26), else its dispatch replayed after training
+    (``measured_a2a_s``, rows from before)."""
+    return row["exchange_wait_step_s"] if row.get("exchange_wait_step_s") else row["measured_a2a_s"]
+
+
 def predicted_steps(runs: list, base: dict, cost: CostModel, share: float) -> tuple[list, str]:
     """(predicted step seconds and signed relative error of each run, from its ``predicted_stage_s``
     per layer and ``chunks``; "median X%, max Y%" of the absolute errors)."""
-    compute = base["step_s"] - base["measured_a2a_s"]
+    compute = base["step_s"] - exchange_s(base)
     moe = compute * share / len(base["predicted_stage_s"])
     out = []
     for r in runs:

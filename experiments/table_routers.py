@@ -9,7 +9,7 @@ from experiments.tables import by, fmt, mean_sd, runs_header
 from placement.report import legend_below
 
 FLAT = ("switch", "deepseek_v3", "skywork", "hash")  # the unlimited flat routers
-LIMITED = ("branch_linear_limit1", "branch_mlp4_limit1")
+LIMITED = ("branch_linear_limit1", "branch_mlp4_limit1", "branch_linear_limit1_bal", "branch_mlp4_limit1_bal")
 NODE_LIMITED_FLAT = "deepseek_v3_node1"
 LM = {"lm_domains": "tiny MoE LM, validation nats/byte"}
 
@@ -47,7 +47,8 @@ _COLUMNS = ("Copies = node-crossing bytes per token / token bytes on the run's v
             "placement its node groups come from, the other flat routers `Placement.optimized` from their "
             "co-activation; the contiguous column is the same router's contiguous placement (for BRANCH on "
             "2 x 2 it equals tree-prefix). Node CV: the CV of the two nodes' shares of the routed slots. "
-            "`_limit1`: `router.subtree_limit=1`; `_node1`: `router.node_limit=1`.")
+            "`_limit1`: `router.subtree_limit=1 router.subtree_balance=none`; `_bal`: the limit with "
+            "`subtree_balance=bias` (the default); `_node1`: `router.node_limit=1`.")
 
 
 def _tables(rows, out_dir, datasets: dict, png: str, what: str) -> str:
@@ -82,9 +83,10 @@ def _tables(rows, out_dir, datasets: dict, png: str, what: str) -> str:
             lines.append(f"| {a}{' (best flat)' if a == best_flat else ''} | {mean_sd(r['val_loss'] for r in rs)} | "
                          f"{_mean(rs, 'val_acc'):.4f} | {_mean(rs, 'val_load_cv'):.3f} | {fmt(node_cv)} | {td:.3f} | "
                          f"{100 * (td / rand - 1):+.1f}% | {copies} | {contig} | {test} |")
+            busy = _mean(rs, "val_busiest_rank") if all("val_busiest_rank" in r for r in rs) else None
             summary.append((data, a, td, rand, _mean(rs, f"copies_{place}_node"),
                             _mean(rs, "copies_contiguous_none") if "copies_contiguous_none" in rs[0] else None,
-                            rs[0]["lower_bound_copies"], node_cv))
+                            rs[0]["lower_bound_copies"], node_cv, busy, _mean(rs, "val_dropped_fraction")))
         lines.append("")
         lines += _limited_goals(data, summary, seeds_by_arm, best_flat), ""
     if datasets is DATASETS:
@@ -104,14 +106,17 @@ def _limited_goals(data, summary, seeds_by_arm, best_flat) -> str:
     rows = {s[1]: s for s in summary if s[0] == data}
     flats = [rows[a][5] for a in FLAT if a in rows and rows[a][5] is not None]
     out = ["| told the node boundary | copies (node dedup) / lower bound (goal <= 1.1x) | / flat contiguous no-dedup "
-           "(goal <= 0.30x) | node share CV (goal <= 0.05) | Δloss vs best flat (goal p > 0.05 or better) | "
-           f"Δloss vs {NODE_LIMITED_FLAT} (goal not worse) |", "|---|---|---|---|---|---|"]
+           "(goal <= 0.30x) | node share CV (goal <= 0.05) | busiest rank / mean (goal <= 1.15x) | dropped "
+           "(goal <= unlimited BRANCH's) | Δloss vs best flat (goal p > 0.05 or better) | "
+           f"Δloss vs {NODE_LIMITED_FLAT} (goal not worse) |", "|---|---|---|---|---|---|---|---|"]
     if not flats or not any(a in rows for a in (*LIMITED, NODE_LIMITED_FLAT)):
         return ""
     for a in (*LIMITED, NODE_LIMITED_FLAT):
         if a not in rows:
             continue
-        node, lower, cv = rows[a][4], rows[a][6], rows[a][7]
+        node, lower, cv, busy, drop = rows[a][4], rows[a][6], rows[a][7], rows[a][8], rows[a][9]
+        free = rows.get("branch_mlp4" if "mlp4" in a else "branch_linear")  # the same map, unlimited
+        drops = f"{100 * drop:.1f}%" + (f" (unlimited {100 * free[9]:.1f}%)" if free and a in LIMITED else "")
         cells = []
         for ref in (best_flat, NODE_LIMITED_FLAT):
             if ref is None or ref == a or ref not in seeds_by_arm:
@@ -120,7 +125,7 @@ def _limited_goals(data, summary, seeds_by_arm, best_flat) -> str:
             p = _paired(seeds_by_arm, a, ref)
             cells.append(f"{p['mean']:+.4f} (p={p['p']:.3f}, 95% CI {p['lo']:+.4f}..{p['hi']:+.4f})")
         out.append(f"| {a} | {node / lower:.2f}x | {node / float(np.mean(flats)):.2f}x | {fmt(cv)} | "
-                   f"{cells[0]} | {cells[1]} |")
+                   f"{'—' if busy is None else f'{busy:.2f}x'} | {drops} | {cells[0]} | {cells[1]} |")
     return "\n".join(out)
 
 
@@ -133,7 +138,7 @@ def _targets(summary, groups) -> str:
         flats = [s[5] for s in summary if s[0] == data and s[1] in FLAT and s[5] is not None]
         if not mine or not flats:
             continue
-        _, _, td, rand, node, _, lower, _ = mine[0]
+        _, _, td, rand, node, _, lower = mine[0][:7]
         out.append(f"| {data} | {td / rand:.3f} (target <= 0.90) | {node / lower:.2f}x (target <= 1.2x) | "
                    f"{node / float(np.mean(flats)):.2f}x (target <= 0.35x) |")
     return "\n".join(out)

@@ -51,6 +51,15 @@ def node_share(load: Tensor, expert_node: Tensor, num_nodes: int | None = None) 
     return [round(v, 5) for v in share.tolist()], cv
 
 
+def busiest(load: Tensor, expert_unit: Tensor, num_units: int | None = None) -> float:
+    """The most loaded unit's (rank's, node's) routed slots over the mean unit's, from per-expert
+    ``load``: 1.0 is perfect balance; the busiest rank sets an expert-parallel step's time."""
+    units = expert_unit.cpu().long()
+    n = num_units or int(units.max()) + 1
+    per = torch.zeros(n, dtype=torch.float64).scatter_add_(0, units, load.double().cpu())
+    return float(per.max() / per.mean()) if per.sum() > 0 else float("nan")
+
+
 def random_pair_tree_distance(num_experts: int) -> float:
     """E[L]/D for uniformly random distinct pairs: (D - 1 + 2^-D) / (1 - 2^-D) / D."""
     d = _depth(num_experts)

@@ -42,16 +42,27 @@ def check_limits(limits, num_experts: int, top_k: int) -> list[tuple[int, int]]:
     return out
 
 
-def subtree_mask(probs: Tensor, limits: list[tuple[int, int]]) -> Tensor:
-    """[T, E] bool: the leaves inside each token's kept subtrees (ranked by path mass, ties to the
-    lower index), every limit applied inside the subtrees the one before it kept."""
+def node_bias(bias: Tensor, depth: int) -> Tensor:
+    """The slice of a per-node selection bias (``BranchRouter.balance_bias``: every tree node below the
+    root, breadth first, so depth d's 2^d nodes start at 2^d - 2 and the leaves are the last E)."""
+    n = 1 << depth
+    return bias[n - 2 : 2 * n - 2]
+
+
+def subtree_mask(probs: Tensor, limits: list[tuple[int, int]], bias: Tensor | None = None) -> Tensor:
+    """[T, E] bool: the leaves inside each token's kept subtrees (ranked by path mass, plus the
+    subtree's selection bias when ``bias`` is given; ties to the lower index), every limit applied
+    inside the subtrees the one before it kept."""
     t, e = probs.shape
     mass_all = probs.detach()
     allowed = torch.ones(t, e, dtype=torch.bool, device=probs.device)
     for depth, m in limits:
         n = 1 << depth
         inside = allowed.reshape(t, n, e // n).any(-1)
-        mass = torch.where(inside, mass_all.reshape(t, n, e // n).sum(-1), float("-inf"))
+        score = mass_all.reshape(t, n, e // n).sum(-1)
+        if bias is not None:
+            score = score + node_bias(bias, depth)
+        mass = torch.where(inside, score, float("-inf"))
         if m < n:
             keep = torch.sort(mass, dim=1, descending=True, stable=True).indices[:, :m]
             chosen = torch.zeros(t, n, dtype=torch.bool, device=probs.device).scatter(1, keep, True) & inside
@@ -61,13 +72,38 @@ def subtree_mask(probs: Tensor, limits: list[tuple[int, int]]) -> Tensor:
     return allowed
 
 
-def limited_top_k(probs: Tensor, top_k: int, limits: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
-    """Top-K leaves inside the kept subtrees: (values, indices), highest first, ties to the lower index.
-    The values are the leaves' own probabilities, so gradients flow through the kept path masses."""
-    allowed = subtree_mask(probs, limits)
-    order = torch.sort(torch.where(allowed, probs.detach(), -1.0), dim=1, descending=True, stable=True).indices
-    idx = order[:, :top_k]
+def limited_top_k(probs: Tensor, top_k: int, limits: list[tuple[int, int]],
+                  bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Top-K leaves inside the kept subtrees: (values, indices), highest probability first, ties to
+    the lower index. The values are the leaves' own probabilities, so gradients flow through the
+    kept path masses. ``bias`` (per tree node, ``node_bias``) enters the selection only, as
+    DeepSeek-V3's expert bias does: subtrees are ranked by path mass + bias, leaves inside them by
+    probability + bias, and the chosen leaves are reported in order of their own probability."""
+    allowed = subtree_mask(probs, limits, bias)
+    if bias is None:
+        order = torch.sort(torch.where(allowed, probs.detach(), -1.0), dim=1, descending=True, stable=True).indices
+        idx = order[:, :top_k]
+        return probs.gather(1, idx), idx
+    e = probs.shape[1]
+    score = torch.where(allowed, probs.detach() + node_bias(bias, e.bit_length() - 1), float("-inf"))
+    chosen = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :top_k]
+    by_prob = torch.sort(probs.detach().gather(1, chosen), dim=1, descending=True, stable=True).indices
+    idx = chosen.gather(1, by_prob)
     return probs.gather(1, idx), idx
+
+
+def balance_step(bias: Tensor, load: Tensor, limits: list[tuple[int, int]], rate: float) -> None:
+    """Move ``bias`` (in place) toward equal hard load: at every limited depth each subtree's bias by
+    ``rate`` / 2^d (the mean path mass there) toward its depth's mean slot count, and every leaf's by
+    ``rate`` / E toward the mean expert load; the sign rule of DeepSeek-V3's auxiliary-loss-free
+    balancing, on the tree's units. ``load`` [E]: selected (token, expert) slots per expert, summed
+    over the replicas that must stay equal."""
+    e = load.shape[0]
+    load = load.to(bias.dtype)
+    for depth in sorted({d for d, _ in limits} | {e.bit_length() - 1}):
+        n = 1 << depth
+        units = load.reshape(n, e // n).sum(-1)
+        node_bias(bias, depth).add_(rate / n * torch.sign(units.mean() - units))
 
 
 def level_depths(levels: dict, topology_levels: tuple, sizes: tuple, num_experts: int) -> list[tuple[int, int]]:

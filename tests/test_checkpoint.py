@@ -105,6 +105,27 @@ def test_missing_experts_are_a_clear_error(tmp_path):
         checkpoint.load(checkpoint.latest(tmp_path), big, torch.optim.Adam(big.parameters()), {})
 
 
+def test_the_balance_bias_travels_and_a_checkpoint_from_before_it_loads(tmp_path):
+    limited = {"type": "branch", "num_experts": E, "top_k": 2, "subtree_limit": 1, "subtree_depth": 1}
+    torch.manual_seed(0)
+    layer = MoELayer(H, F, dict(limited))
+    opt = torch.optim.Adam(layer.parameters())
+    x, w = _inputs()
+    for _ in range(3):
+        _step(layer, opt, x * 3, w)
+    assert layer.router.balance_bias.abs().sum() > 0
+    checkpoint.save(tmp_path / "now", 3, layer, opt, {})
+    twin = MoELayer(H, F, dict(limited))
+    checkpoint.load(checkpoint.latest(tmp_path / "now"), twin, torch.optim.Adam(twin.parameters()), {})
+    assert torch.equal(twin.router.balance_bias, layer.router.balance_bias)  # exact
+    # a run saved before the balance existed (its router had no such buffer) resumes with it at zero
+    old = MoELayer(H, F, {**limited, "subtree_balance": "none"})
+    checkpoint.save(tmp_path / "old", 1, old, torch.optim.Adam(old.parameters()), {})
+    checkpoint.load(checkpoint.latest(tmp_path / "old"), twin, torch.optim.Adam(twin.parameters()), {})
+    assert not twin.router.balance_bias.any()
+    assert torch.equal(twin.router.node_map.weight, old.router.node_map.weight)
+
+
 RUN = ["data.max_rows=1500", "train.batch_size=64", "train.log_every=1", "router.type=switch",
        "router.jitter_eps=0.01"]  # jitter draws from the RNG: its state must come back too
 

@@ -88,3 +88,33 @@ def test_pipelined_layer_equals_one_chunk(tmp_path, world):
     assert result["failures"] == []
     issued = result["issued"]
     assert all(row == issued[0] for row in issued), "ranks issued different numbers of collectives"
+
+
+def _collectives_worker(rank, world, out):
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.collectives import ROUTER, count_collectives
+    from dist_moe import MoELayer
+    from placement import Placement, Topology
+
+    topology = Topology(("node", "gpu"), (2, 2))
+    depth = 4  # E=16
+    for dedup, chunks in (("rank", 1), ("rank", 4), ("node", 1), ("node", 3)):
+        layer = MoELayer(8, 8, ROUTER, placement=Placement.tree_prefix(16, topology), topology=topology,
+                         group=dist.group.WORLD, dedup=dedup, pipeline_chunks=chunks)
+        x = torch.randn(40 + 7 * rank, 8, requires_grad=True)  # every rank a different token count
+        layer(x)
+        fwd = count_collectives(lambda: layer(x))
+        both = count_collectives(lambda: layer(x)[0].square().sum().backward())
+        stages = 2 if dedup == "node" else 1
+        # per stage: split sizes, every chunk's metadata, then each chunk's payload out and back;
+        # backward: each chunk's gradients out and back, every chunk's gate gradients at once
+        assert fwd["all_to_all_single"] == stages * (2 + 2 * chunks), (rank, dedup, chunks, fwd)
+        assert both["all_to_all_single"] - fwd["all_to_all_single"] == stages * (2 * chunks + 1), (rank, both)
+        # BRANCH: one sum per depth forward and its gradient's backward, one for the balance's loads
+        assert both["all_reduce"] == 2 * depth + 1, (rank, dedup, chunks, both)
+
+
+def test_collectives_per_layer_forward_and_backward(tmp_path):
+    run_workers(_collectives_worker, 4, args=(str(tmp_path),), timeout=180)

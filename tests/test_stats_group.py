@@ -49,6 +49,23 @@ def _branch_worker(rank, world, out_dir):
     dist.broadcast(anchors, 0)
     assert torch.equal(anchors, br.anchors) and int(br.ema_step) == 1
 
+    # the subtree limit's balance bias moves with the hard loads of every replica: equal to one
+    # process over the whole batch, and equal on every rank though each rank's tokens differ
+    torch.manual_seed(0)
+    kw = {"subtree_limit": 1, "subtree_depth": 1, "subtree_balance": "bias"}
+    ref = BranchRouter(H, E, 2, **kw).train()
+    dp = BranchRouter(H, E, 2, stats_group=dist.group.WORLD, **kw).train()
+    dp.load_state_dict(ref.state_dict())
+    for step in range(4):
+        xb = torch.randn(T * world, H, generator=g) + torch.arange(T * world)[:, None] % 3
+        full, part = ref(xb), dp(xb[rank * T:(rank + 1) * T])
+        assert torch.equal(part.expert_idx, full.expert_idx[rank * T:(rank + 1) * T]), step
+        assert torch.allclose(dp.balance_bias, ref.balance_bias, atol=1e-7), step
+    assert ref.balance_bias.abs().sum() > 0
+    same = dp.balance_bias.clone()
+    dist.broadcast(same, 0)
+    assert torch.equal(same, dp.balance_bias)
+
 
 def test_branch_and_deepseek_state_is_data_parallel_consistent(tmp_path):
     run_workers(_branch_worker, 2, args=(str(tmp_path),), timeout=120)

@@ -291,3 +291,95 @@ def test_the_engine_hosts_resolve_the_limit_from_their_topology():
     with pytest.raises(ValueError, match="needs parallel.placement=tree_prefix"):
         DistMoEGate({"type": "branch", "num_experts": 16, "top_k": 4, "subtree_limit": 1}, 8, ep_size=4,
                     placement=Placement.round_robin(16, 4), topology=topo)
+
+
+# --- subtree_balance: a selection bias per tree node that equalises the limit's hard selections
+
+
+def test_balance_step_moves_each_limited_depth_and_the_leaves_by_the_sign_rule():
+    from placement.subtree import balance_step, node_bias
+
+    bias = torch.zeros(2 * 8 - 2)
+    load = torch.tensor([5.0, 1, 1, 1, 0, 0, 0, 0])  # node 0 (leaves 0-3) holds every slot
+    balance_step(bias, load, [(1, 1)], rate=0.4)
+    assert torch.equal(node_bias(bias, 1), torch.tensor([-0.2, 0.2]))  # rate / 2^1, toward the mean
+    assert torch.equal(node_bias(bias, 3), torch.tensor([-0.05, 0, 0, 0, 0.05, 0.05, 0.05, 0.05]))  # at the mean: 0
+    assert torch.equal(node_bias(bias, 2), torch.zeros(4))  # depth 2 is not limited: untouched
+    balance_step(bias, torch.full((8,), 2.0), [(1, 1), (2, 2)], rate=0.4)  # equal load: nothing moves
+    assert torch.equal(node_bias(bias, 1), torch.tensor([-0.2, 0.2]))
+
+
+@pytest.mark.parametrize("e,k,limits", [(16, 4, [(1, 1)]), (32, 8, [(1, 1), (2, 2)]), (8, 2, [(2, 1)])])
+def test_a_zero_balance_selects_what_the_unbalanced_limit_selects(e, k, limits):
+    g = torch.Generator().manual_seed(e)
+    probs = torch.softmax(torch.randn(300, e, generator=g) * 2, dim=1)
+    a_vals, a_idx = limited_top_k(probs, k, limits)
+    b_vals, b_idx = limited_top_k(probs, k, limits, torch.zeros(2 * e - 2))
+    assert torch.equal(a_idx, b_idx) and torch.equal(a_vals, b_vals)
+    planted = torch.zeros(2 * e - 2)
+    from placement.subtree import node_bias
+    node_bias(planted, limits[0][0])[0] = 0.5  # a bias toward the first limited subtree changes the choice
+    assert not torch.equal(limited_top_k(probs, k, limits, planted)[1], a_idx)
+
+
+def test_the_balance_equalises_hard_node_and_leaf_loads_on_skewed_scores():
+    from placement.subtree import balance_step
+
+    e, k, limits = 16, 4, [(1, 1)]
+    g = torch.Generator().manual_seed(0)
+    skew = torch.linspace(1.5, 0.0, e)  # every token prefers node 0 and its low leaves
+    bias = torch.zeros(2 * e - 2)
+
+    def loads(b):
+        probs = torch.softmax(torch.randn(512, e, generator=g) + skew, dim=1)
+        idx = limited_top_k(probs, k, limits, b)[1]
+        return torch.bincount(idx.flatten(), minlength=e).float()
+
+    before = loads(None)
+    for _ in range(300):
+        balance_step(bias, loads(bias), limits, rate=1e-2)
+    after = sum(loads(bias) for _ in range(10))
+    node = lambda load: load.reshape(2, -1).sum(1)  # noqa: E731
+    ratio = lambda v: float(v.max() / v.mean())  # noqa: E731
+    assert ratio(node(before)) > 1.5 and ratio(before) > 2.0  # unbalanced: the limit's hard choices
+    assert ratio(node(after)) < 1.05 and ratio(after) < 1.15, (node(after), after)
+
+
+def test_subtree_balance_options_and_state():
+    none = _router(16, 4, subtree_limit=1, subtree_depth=1, subtree_balance="none")
+    assert "balance_bias" not in none.state_dict()
+    biased = _router(16, 4, subtree_limit=1, subtree_depth=1)  # the default: by measurement
+    assert biased.subtree_balance == "bias" and biased.balance_bias.shape == (30,)
+    assert _router(16, 4).subtree_balance == "none"  # no limit, nothing to balance
+    biased.train()(torch.randn(64, 8) * 3)
+    assert biased.balance_bias.abs().sum() > 0  # moved by a training forward...
+    frozen = biased.balance_bias.clone()
+    biased.eval()(torch.randn(64, 8))
+    assert torch.equal(frozen, biased.balance_bias)  # ...never by evaluation
+    fresh = _router(16, 4, subtree_limit=1, subtree_depth=1)
+    fresh.load_state_dict(biased.state_dict())
+    assert torch.equal(fresh.balance_bias, frozen)  # a checkpoint carries it
+    old = {k: v for k, v in biased.state_dict().items() if k != "balance_bias"}
+    fresh.load_state_dict(old)  # a state dict from before the balance: it starts at zero
+    assert not fresh.balance_bias.any()
+    none.load_state_dict(old)  # and an unbalanced router loads it as before
+    # one node limits nothing, so there is nothing to balance: the layer routes as without a limit
+    torch.manual_seed(0)
+    plain = MoELayer(8, 8, {"type": "branch", "num_experts": 16, "top_k": 4})
+    torch.manual_seed(0)
+    one_node = MoELayer(8, 8, {"type": "branch", "num_experts": 16, "top_k": 4, "subtree_limit": 1})
+    x = torch.randn(50, 8) * 3
+    for _ in range(3):
+        assert torch.equal(plain(x)[0], one_node(x)[0])
+    assert not one_node.router.balance_bias.any()
+
+
+@pytest.mark.parametrize("kw,fragment", [
+    ({"subtree_limit": 1, "subtree_depth": 1, "subtree_balance": "quantile"}, "'subtree_balance' must be one of"),
+    ({"subtree_balance": "bias"}, "give subtree_limit"),
+    ({"subtree_limit": 1, "subtree_depth": 1, "balance_rate": 0}, "'balance_rate' must be a number > 0"),
+    ({"subtree_limit": 1, "subtree_depth": 1, "balance_rate": float("nan")}, "'balance_rate'"),
+])
+def test_bad_balance_keys_name_the_key(kw, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        _router(16, 4, **kw)

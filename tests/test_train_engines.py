@@ -71,6 +71,11 @@ def _check_run(out: Path, engine: str, extra: list[str]) -> None:
         lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         sent = [sum(v for k, v in r.items() if k.startswith("bytes_")) for r in lines if "loss" in r]
         assert sent and all(b > 0 for b in sent)
+        # each logged step's time blocked in the dispatcher's exchanges: part of that step's time
+        steps = [r for r in lines if "loss" in r]
+        assert all(0 < r["exchange_wait_s"] < r["step_s"] for r in steps), [(r["exchange_wait_s"], r["step_s"])
+                                                                          for r in steps]
+        assert 0 < summary["exchange_wait_s"] < summary["train_seconds"]
         from placement.simulate import RoutingRecord
 
         record = RoutingRecord.load(out)

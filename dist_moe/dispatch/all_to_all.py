@@ -5,10 +5,13 @@ An exchange executes one ``placement.plan.Exchange`` per chunk: pairs (row, expe
 grouped into copies by destination. Its plan phase moves only metadata. One small all-to-all
 carries every chunk's split sizes, the per-expert pair counts the destination's experts need and
 the agreement header (``agree.py``), and comes back to the host once: the exchange's one host
-read, whatever the number of chunks. Then one all-to-all per chunk carries that chunk's routing
-metadata, packed into a single int64 buffer: per destination its copies' integer tags
-(categories, row tags; ``Mc`` columns) and then its pairs, two int64 each, the local copy index,
-and the expert id in the high 32 bits beside the gate's float32 bits.
+read, whatever the number of chunks. Then one more all-to-all carries every chunk's routing
+metadata (``start_merged``: per destination, chunk after chunk), each chunk's packed into int64:
+per destination its copies' integer tags (categories, row tags; ``Mc`` columns) and then its
+pairs, two int64 each, the local copy index, and the expert id in the high 32 bits beside the
+gate's float32 bits. The backward returns a stage's gate gradients the same way, every chunk's
+in one all-to-all (``pairs_back``). So an exchange costs 2 + 2C all-to-alls forward and 2C + 1
+backward for C chunks (it was 1 + 3C and 3C), whatever the dedup mode's stages repeat.
 
 Host integers serve only the collective API's split sizes. Everything the exchange indexes with
 (offsets, block positions, peer ids, the received pairs' copies) is derived on the payload's
@@ -22,6 +25,7 @@ tracked through a hop; the pipeline runs them backwards itself, through the same
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +40,17 @@ _PAIR_COLUMNS = 2  # local copy index; expert id << 32 | gate bits
 _LOW = 0xFFFFFFFF
 
 
+BLOCKED_S = [0.0]  # seconds this process's host spent blocked in exchanges (blocked_seconds)
+
+
+def blocked_seconds() -> float:
+    """Seconds this process has spent blocked in dist-moe's exchanges so far: every wait for an
+    all-to-all and the split sizes' exchange. The trainer logs its growth per step
+    (``exchange_wait_s``). On gloo that is the exchange time the step paid; on CUDA a wait only
+    orders the stream, so it counts the host's blocking alone (the split sizes' read)."""
+    return BLOCKED_S[0]
+
+
 class Pending:
     """An all-to-all in flight; ``wait()`` returns its output (on CUDA: orders the current stream
     after it, without blocking the host). The input is kept alive until then."""
@@ -45,7 +60,9 @@ class Pending:
 
     def wait(self) -> Tensor:
         if self._work is not None:
+            start = time.perf_counter()
             self._work.wait()
+            BLOCKED_S[0] += time.perf_counter() - start
             self._work = self._source = None  # no work object outlives its wait (groups.py)
         return self.out
 
@@ -148,6 +165,7 @@ class Hop:
     pair_gate: Tensor  # [Q] float32
     copy_meta: Tensor  # [R, Mc] the received copies' integer tags
     expert_counts: list  # received pairs per local expert
+    counts: Tensor  # [4, W] on the device: copies sent, received, pairs sent, received (Sizes.on_device)
     _group: object
 
     def out(self, rows: Tensor) -> Pending:
@@ -158,9 +176,6 @@ class Hop:
         """[R, ...] rows aligned with the received copies -> [n_c, ...] at their senders."""
         return start_a2a(rows, self.recv_c, self.send_c, strong(self._group, "an exchange's way back"))
 
-    def back_pairs(self, values: Tensor) -> Pending:
-        """[Q] one value per received pair -> [n_p] at their senders (in ``sent_pairs`` order)."""
-        return start_a2a(values, self.recv_p, self.send_p, strong(self._group, "an exchange's way back"))
 
 
 def _counts(chunk: Chunk, expert_slot: Tensor, num_local: int) -> Tensor:
@@ -186,23 +201,33 @@ def plan_hops(group, chunks: list[Chunk], expert_slot: Tensor, num_local: int, t
     header = torch.cat([torch.full((1,), tag, dtype=torch.long, device=device), code]).expand(w, 2)
     counts = torch.cat([_counts(c, expert_slot, num_local) for c in chunks] + [header], 1).contiguous()
     got = torch.empty_like(counts)
+    start = time.perf_counter()
     dist.all_to_all_single(got, counts, group=group)
     both = torch.stack([counts, got])  # [2, W, chunks * width + 2]
     sent_rows, got_rows = read_to_host(both)  # the exchange's one host read
+    BLOCKED_S[0] += time.perf_counter() - start
     check_headers([r[-2] for r in got_rows], [r[-1] for r in got_rows], tag)
     width = 2 + num_local
-    started = []
+    buffers, kept, expert_counts, counts = [], [], [], []
     for i, chunk in enumerate(chunks):
         at = i * width
         sizes = Sizes([r[at] for r in sent_rows], [r[at] for r in got_rows], [r[at + 1] for r in sent_rows],
                       [r[at + 1] for r in got_rows], both[:, :, at:at + 2].permute(2, 0, 1).reshape(4, w))
-        expert_counts = [sum(r[at + 2 + j] for r in got_rows) for j in range(num_local)]
-        started.append(_send_metadata(group, chunk, sizes, expert_counts))
-    return [_received(group, *s) for s in started]
+        expert_counts.append([sum(r[at + 2 + j] for r in got_rows) for j in range(num_local)])
+        meta, rest = _metadata(chunk, sizes)
+        buffers.append(meta)
+        kept.append(rest)
+        counts.append(_meta_counts(sizes, chunk.row_meta.shape[1]))
+    send, send_lists, recv, recv_lists = zip(*counts)
+    # every chunk's metadata in one all-to-all: a chunk's payload needs none of it before the others'
+    got = start_merged(buffers, torch.stack(send), list(send_lists), torch.stack(recv), list(recv_lists),
+                       group).wait()
+    return [_received(group, g, *rest, n) for g, rest, n in zip(got, kept, expert_counts)]
 
 
-def _send_metadata(group, chunk: Chunk, sizes: Sizes, expert_counts: list):
-    """Start one chunk's metadata all-to-all; returns what ``_received`` needs to unpack it."""
+def _metadata(chunk: Chunk, sizes: Sizes):
+    """One chunk's metadata buffer, peer-major (per destination: copies' tags, then pairs), and what
+    ``_received`` needs besides the received buffer."""
     stage = chunk.stage
     n_c, n_p, mc = sum(sizes.send_c), sum(sizes.send_p), chunk.row_meta.shape[1]
     order = stage.order[:n_p]  # sent pairs come first; dropped ones sort last and stay
@@ -213,14 +238,64 @@ def _send_metadata(group, chunk: Chunk, sizes: Sizes, expert_counts: list):
     meta[pos_c.reshape(-1)] = chunk.row_meta[copy_row].reshape(-1)
     packed = (chunk.pair_expert[order] << 32) | _gate_bits(chunk.pair_gate[order].detach())
     meta[pos_p.reshape(-1)] = torch.stack([stage.local_copy()[:n_p], packed], 1).reshape(-1)
-    recv_m = [c * mc + p * _PAIR_COLUMNS for c, p in zip(sizes.recv_c, sizes.recv_p)]
-    send_m = [c * mc + p * _PAIR_COLUMNS for c, p in zip(sizes.send_c, sizes.send_p)]
-    pending = start_a2a(meta, send_m, recv_m, group)
-    return pending, sizes, copy_row, order + chunk.first_pair, mc, expert_counts
+    return meta, (sizes, copy_row, order + chunk.first_pair, mc)
 
 
-def _received(group, pending: Pending, sizes: Sizes, copy_row, sent_pairs, mc, expert_counts) -> Hop:
-    got_meta = pending.wait()
+def _meta_counts(sizes: Sizes, mc: int) -> tuple[Tensor, list, Tensor, list]:
+    """Metadata elements per peer, sent and received: (device counts, host list) each."""
+    send_c, recv_c, send_p, recv_p = sizes.on_device
+    host = [[c * mc + p * _PAIR_COLUMNS for c, p in zip(cs, ps)]
+            for cs, ps in ((sizes.send_c, sizes.send_p), (sizes.recv_c, sizes.recv_p))]
+    return send_c * mc + send_p * _PAIR_COLUMNS, host[0], recv_c * mc + recv_p * _PAIR_COLUMNS, host[1]
+
+
+class Merged:
+    """Several chunks' peer-major buffers in one all-to-all (``start_merged``); ``wait()`` returns
+    each chunk's received buffer, peer-major again."""
+
+    def __init__(self, pending: Pending, positions: list[Tensor]):
+        self._pending, self._positions = pending, positions
+
+    def wait(self) -> list[Tensor]:
+        got = self._pending.wait()
+        return [got[pos] for pos in self._positions]
+
+
+def _merged_positions(counts: Tensor, totals: list) -> list[Tensor]:
+    """[C, W] elements of chunk i for peer p (device), ``totals`` each chunk's host sum -> for each
+    chunk, the position of each of its (peer-major) elements in the merged buffer, where every
+    peer's block holds the chunks' blocks for it in chunk order."""
+    per_peer = counts.sum(0)
+    start = (per_peer.cumsum(0) - per_peer).unsqueeze(0) + (counts.cumsum(0) - counts)  # [C, W]
+    out = []
+    for i, total in enumerate(totals):
+        peer, index = _spread(counts[i], total)
+        out.append(start[i][peer] + index)
+    return out
+
+
+def start_merged(buffers: list[Tensor], send: Tensor, send_lists: list, recv: Tensor, recv_lists: list,
+                 group) -> Merged:
+    """One all-to-all for several chunks' peer-major buffers (``send`` / ``recv`` [C, W]: each chunk's
+    elements per peer on the device, ``*_lists`` the same as host lists): fewer collectives, each
+    chunk's layout unchanged at both ends."""
+    device = buffers[0].device
+    merged = buffers[0].new_empty((sum(sum(s) for s in send_lists),) + tuple(buffers[0].shape[1:]))
+    for buf, pos in zip(buffers, _merged_positions(send.to(device), [sum(s) for s in send_lists])):
+        merged[pos] = buf
+    pending = start_a2a(merged, [sum(c) for c in zip(*send_lists)], [sum(c) for c in zip(*recv_lists)], group)
+    return Merged(pending, _merged_positions(recv.to(device), [sum(r) for r in recv_lists]))
+
+
+def pairs_back(hops: list[Hop], values: list[Tensor]) -> Merged:
+    """Every chunk's per-received-pair values ([Q] each) back to their senders in one all-to-all;
+    ``wait()`` gives each chunk's [n_p] in its ``sent_pairs`` order (the gate gradients of a stage)."""
+    group = strong(hops[0]._group, "an exchange's way back")
+    return start_merged(values, torch.stack([hop.counts[3] for hop in hops]), [hop.recv_p for hop in hops],
+                        torch.stack([hop.counts[2] for hop in hops]), [hop.send_p for hop in hops], group)
+
+
+def _received(group, got_meta: Tensor, sizes: Sizes, copy_row, sent_pairs, mc, expert_counts) -> Hop:
     n_c, n_p = sum(sizes.recv_c), sum(sizes.recv_p)
     _, recv_c, _, recv_p = sizes.on_device
     rpos_c, rpos_p = _blocks(recv_c, mc, recv_p, _PAIR_COLUMNS, n_c, n_p)
@@ -230,4 +305,4 @@ def _received(group, pending: Pending, sizes: Sizes, copy_row, sent_pairs, mc, e
     block_start = recv_c.cumsum(0) - recv_c
     return Hop(sizes.send_c, sizes.recv_c, sizes.send_p, sizes.recv_p, copy_row, sent_pairs,
                got_pairs[:, 0] + block_start[sender], got_pairs[:, 1] >> 32, _gate_value(got_pairs[:, 1]),
-               got_meta[rpos_c].reshape(n_c, mc), expert_counts, weak(group))
+               got_meta[rpos_c].reshape(n_c, mc), expert_counts, sizes.on_device, weak(group))

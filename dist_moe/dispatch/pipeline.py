@@ -5,7 +5,8 @@ while they are in flight; then for each chunk in turn: wait for its copies, (nod
 them inside the node, where the next chunks' first stage is still crossing the slow link), run
 the experts, and start its combine without waiting for it. Backward runs the same way in
 reverse: every chunk's output gradients leave at once, the shared expert's backward runs under
-them, and each chunk's expert backward overlaps the later chunks' transfers.
+them, and each chunk's expert backward overlaps the later chunks' transfers; the gate gradients
+(4 bytes a pair) go back once per stage for all chunks (``all_to_all.pairs_back``).
 
 The whole dispatch is one autograd node (``_Pipelined``). Inside it, each chunk's experts run
 under ``enable_grad`` on leaves cut at the exchange, and its backward calls ``autograd.grad`` on
@@ -22,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from dist_moe.dispatch.all_to_all import Hop
+from dist_moe.dispatch.all_to_all import Hop, pairs_back
 from dist_moe.experts import Experts, apply_experts
 
 
@@ -101,23 +102,29 @@ class PipelineRun:
         param_grads = [torch.zeros_like(p) for p in self.params]
         grad_h = torch.zeros(h_shape, dtype=torch.float32, device=grad_out.device)
         side_grads = self._side_backward(side_saved, grad_side, grad_h)
-        sent_back = []
+        sent_rows, gate_grads = [], []
         for hop, pending in zip(self.first, returned):
             gy = pending.wait()
             if self.second is None:
                 gx, gg = _expert_grads(next(inner), gy, self.params, param_grads)
             else:
-                hop2 = self.second[len(sent_back)]
+                hop2 = self.second[len(sent_rows)]
                 gy2 = hop2.out(gy[hop2.copy_row]).wait()
-                gx2, gg2 = _expert_grads(next(inner), gy2, self.params, param_grads)
-                gx_back, gg_back = hop2.back(gx2.to(dtype)), hop2.back_pairs(gg2)
-                gx = gy.new_zeros(gy.shape, dtype=torch.float32).index_add(0, hop2.copy_row, gx_back.wait().float())
-                gg = gg2.new_zeros(hop.pair_gate.shape).index_put_((hop2.sent_pairs,), gg_back.wait())
-            sent_back.append((hop.back(gx.to(dtype)), hop.back_pairs(gg)))
+                gx2, gg = _expert_grads(next(inner), gy2, self.params, param_grads)
+                gx = gy.new_zeros(gy.shape, dtype=torch.float32).index_add(
+                    0, hop2.copy_row, hop2.back(gx2.to(dtype)).wait().float())
+            sent_rows.append(hop.back(gx.to(dtype)))
+            gate_grads.append(gg)
+        # gate gradients are 4 bytes a pair: each stage returns every chunk's in one all-to-all
+        if self.second is not None:
+            gate_grads = [gg.new_zeros(hop.pair_gate.shape).index_put_((hop2.sent_pairs,), back) for hop, hop2, back
+                          in zip(self.first, self.second, pairs_back(self.second, gate_grads).wait())]
+        gates_back = pairs_back(self.first, gate_grads)
         grad_gates = torch.zeros(gates_numel, dtype=torch.float32, device=grad_out.device)
-        for hop, (rows, gates) in zip(self.first, sent_back):
+        for hop, rows in zip(self.first, sent_rows):
             grad_h.index_add_(0, hop.copy_row, rows.wait().float())
-            grad_gates.index_put_((hop.sent_pairs,), gates.wait())
+        for hop, back in zip(self.first, gates_back.wait()):
+            grad_gates.index_put_((hop.sent_pairs,), back)
         return grad_h.to(dtype), grad_gates, param_grads, side_grads
 
     def _side_backward(self, saved: tuple, grad_side: Tensor | None, grad_h: Tensor) -> list:

@@ -18,10 +18,13 @@ from dist_moe.integrations.context import routing_context
 class HostedMoE(nn.Module):
     hidden_size: int
     expert_node = None  # [E] each expert's node, when the host was told a topology of several nodes
+    expert_rank = None  # [E] each expert's rank, under expert parallelism with a known placement
 
     def _know_nodes(self, placement, topology) -> None:
         if topology is not None and topology.num_nodes > 1 and placement is not None:
             self.expert_node = placement.expert_nodes(topology)
+        if placement is not None and placement.world_size > 1:
+            self.expert_rank = placement.rank_table()
 
     @property
     def num_experts(self) -> int:

@@ -10,6 +10,7 @@ significant bit at the root, so tree prefixes are expert-index prefixes.
 """
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -17,7 +18,10 @@ from torch import Tensor
 
 from dist_moe.routing.base import Router, Routing, expert_load, select_top_k, zero_aux
 from dist_moe.routing.node_map import NodeMap
-from placement.subtree import check_limits, level_depths, limited_top_k
+from placement.subtree import balance_step, check_limits, level_depths, limited_top_k
+
+BALANCES = ("none", "bias")
+DEFAULT_BALANCE = "bias"  # chosen by measurement (benchmarks/README.md "Balanced subtree limit"): what a limit balances with
 
 
 class BranchRouter(Router):
@@ -32,12 +36,23 @@ class BranchRouter(Router):
         eta: float | None = None,
         subtree_limit: int | dict | None = None,
         subtree_depth: int | None = None,
+        subtree_balance: str | None = None,
+        balance_rate: float = 1e-2,
         stats_group=None,
     ):
         """``subtree_limit``: at most M subtrees of depth ``subtree_depth`` per token (``placement/subtree.py``);
         a mapping {topology level: M}, or an int without a depth (the node level), is resolved by the
         layer from its topology and tree-prefix placement (``resolve_subtree_levels``). None: the paper's
-        router, unchanged."""
+        router, unchanged.
+
+        ``subtree_balance`` (with a subtree limit; default ``DEFAULT_BALANCE``) is **an extension of the
+        BRANCH paper, not its equation**. The paper's anchors balance the *soft* masses, but the limit
+        takes *hard* decisions, which they leave unbalanced. ``"bias"`` equalises the hard selections:
+        a selection bias per tree node (``balance_bias``) enters the ranking of subtrees at every
+        limited depth and of leaves inside them, never the gates, and moves each training forward by
+        ``balance_rate`` (relative to the mean path mass at its depth) toward equal slot counts, from
+        hard loads summed over the stats group: DeepSeek-V3's auxiliary-loss-free bias, on the tree's
+        units. ``"none"``: the limit as in ``placement.subtree``, with no state of its own."""
         super().__init__(num_experts, top_k, stats_group)
         num_experts = self.num_experts
         if num_experts < 2 or num_experts & (num_experts - 1):
@@ -59,6 +74,23 @@ class BranchRouter(Router):
         self.subtree_levels = None  # [(depth, M)], outermost first, once known
         if isinstance(subtree_limit, int) and subtree_depth is not None:
             self.subtree_levels = check_limits([(subtree_depth, subtree_limit)], num_experts, self.top_k)
+        self.subtree_balance = _check_balance(subtree_balance, self.subtree_limit)
+        if isinstance(balance_rate, bool) or not isinstance(balance_rate, numbers.Real) or \
+                not math.isfinite(balance_rate) or balance_rate <= 0:
+            raise ValueError(f"router key 'balance_rate' must be a number > 0, got {balance_rate!r}")
+        self.balance_rate = float(balance_rate)
+        if self.subtree_balance == "bias":  # every node below the root, breadth first (placement.subtree.node_bias)
+            self.register_buffer("balance_bias", torch.zeros(2 * num_experts - 2))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # a checkpoint from before the balance (checkpoint.ADDED_SINCE) starts it at zero, here too
+        if self.subtree_balance == "bias" and prefix + "balance_bias" not in state_dict:
+            state_dict[prefix + "balance_bias"] = torch.zeros_like(self.balance_bias)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _limits(self) -> bool:
+        """Whether a level limits anything (one node's limit of 1 does not: nothing to balance)."""
+        return any(m < 1 << d for d, m in self.subtree_levels or ())
 
     @property
     def needs_topology(self) -> bool:
@@ -101,8 +133,8 @@ class BranchRouter(Router):
                 # eq. 5-6: arrival weights are detached masks normalised over the
                 # (data-parallel) batch; the statistic stays differentiable in f.
                 w = masks.detach() if keep is None else masks.detach() * keep.unsqueeze(1)  # no padding
-                mass = self.reduce_stats(w.sum(0))
-                weighted = self.reduce_stats((w * fd).sum(0))
+                # both sums in one collective per depth (the depths themselves are sequential)
+                mass, weighted = self.reduce_stats(torch.cat([w.sum(0), (w * fd).sum(0)])).split(1 << d)
                 stat = weighted / mass.clamp_min(torch.finfo(torch.float32).tiny)
                 batch_stats.append(stat)
                 arrival.append(mass)
@@ -117,14 +149,17 @@ class BranchRouter(Router):
         if live and self.updates_state:
             self._update_anchors(torch.cat(batch_stats).detach(), torch.cat(arrival))
 
+        bias = self.balance_bias if self.subtree_balance == "bias" and self._limits() else None
         if self.subtree_levels is None:
             vals, idx = select_top_k(probs, self.top_k)
         else:  # at most M subtrees per token, ranked by path mass; the eta rule over the kept selection
-            vals, idx = limited_top_k(probs, self.top_k, self.subtree_levels)
+            vals, idx = limited_top_k(probs, self.top_k, self.subtree_levels, bias)
         gates = vals
         if self.eta:
             gates = vals / vals.sum(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)  # eq. 21
         stats = {"load": expert_load(idx, self.num_experts, valid=keep)}
+        if bias is not None and self.updates_state:  # hard loads of every replica: the biases stay equal
+            balance_step(bias, self.reduce_stats(stats["load"].float()), self.subtree_levels, self.balance_rate)
         return Routing(probs=probs, expert_idx=idx, gates=gates, aux_loss=zero_aux(x.device), stats=stats)
 
     @torch.no_grad()
@@ -144,6 +179,7 @@ class BranchRouter(Router):
 
     def extra_repr(self) -> str:
         limit = f", subtree_levels={self.subtree_levels}" if self.subtree_levels else ""
+        limit += f", subtree_balance={self.subtree_balance}" if self.subtree_limit is not None else ""
         return (
             f"num_experts={self.num_experts}, top_k={self.top_k}, depth={self.depth}, "
             f"ema_decay={self.ema_decay}, eta={self.eta:g}{limit}"
@@ -167,6 +203,16 @@ def _check_subtree_keys(limit, depth):
     if isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 1:
         raise ValueError(f"router key 'subtree_limit' must be an int >= 1 or a mapping {{level: M}}, got {limit!r}")
     return int(limit), depth
+
+
+def _check_balance(balance, limit) -> str:
+    if balance is None:
+        return DEFAULT_BALANCE if limit is not None else "none"
+    if balance not in BALANCES:
+        raise ValueError(f"router key 'subtree_balance' must be one of {', '.join(BALANCES)}, got {balance!r}")
+    if balance != "none" and limit is None:
+        raise ValueError(f"router key 'subtree_balance'={balance!r} balances a subtree limit: give subtree_limit")
+    return balance
 
 
 def _node_level(levels: tuple) -> str:

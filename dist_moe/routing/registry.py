@@ -35,9 +35,9 @@ _INT_KEYS = {"hidden_size", "num_experts", "top_k", "mlp_hidden", "num_categorie
              "node_limit", "subtree_depth"}
 _FLOAT_KEYS = {
     "ema_decay", "eta", "aux_loss_coeff", "jitter_eps", "capacity_factor", "norm_scale", "bias_update_rate",
-    "p_assigned", "p_leak", "warmup_fraction", "imbalance_beta",
+    "balance_rate", "p_assigned", "p_leak", "warmup_fraction", "imbalance_beta",
 }
-_STR_KEYS = {"node_map", "score_func", "variant"}
+_STR_KEYS = {"node_map", "score_func", "variant", "subtree_balance"}
 _BOOL_KEYS = {"normalize_gates"}
 
 

@@ -162,6 +162,11 @@ def saved_config(path: str | Path) -> dict | None:
     return config
 
 
+# State a later release added, by last key part and release: a checkpoint saved before it loads it
+# as zeros (BRANCH's balance_bias at zero selects as the unbalanced limit it was saved with).
+ADDED_SINCE = {"balance_bias": "2026-12 (issue 26)"}
+
+
 def load(path: str | Path, model: nn.Module, optimizer, extra: dict, group=None) -> dict:
     """Fill ``model``, ``optimizer`` (its state created by one zero step first) and the tensors
     in ``extra`` from ``path``; keys in ``extra`` missing from the checkpoint are left as they are.
@@ -173,23 +178,26 @@ def load(path: str | Path, model: nn.Module, optimizer, extra: dict, group=None)
     _materialise_optimizer_state(model, optimizer)
     state = state_of(model, optimizer, {})
     present = metadata.state_dict_metadata
-    missing = sorted(k for k in state if k not in present)
+    newer = {k for k in state if k not in present and k.rsplit(".", 1)[-1] in ADDED_SINCE}
+    missing = sorted(k for k in state if k not in present and k not in newer)
     if missing:
         raise ValueError(f"checkpoint {path} lacks {len(missing)} entries this model needs, e.g. {missing[0]!r} "
                          "(another model, or experts this checkpoint never held)")
     wanted = {k: v for k, v in extra.items() if k in present}
-    for key, t in {**state, **wanted}.items():
+    loaded = {k: v for k, v in state.items() if k not in newer}
+    state.update({k: torch.zeros_like(state[k]) for k in newer})  # their value before the release: zero
+    for key, t in {**loaded, **wanted}.items():
         props = present[key]
         if props.properties.dtype != t.dtype or tuple(props.size) != tuple(t.shape):
             raise CheckpointError(f"checkpoint {path} does not fit this model: {key!r} is {props.properties.dtype} "
                                   f"{list(props.size)} there and {t.dtype} {list(t.shape)} here (another model size, "
                                   "router or expert count than the run that saved it)")
     try:
-        load_state({**state, **wanted}, Path(path), metadata, identities, group)
+        load_state({**loaded, **wanted}, Path(path), metadata, identities, group)
     except (RuntimeError, AssertionError) as e:  # DCP's own size checks
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"checkpoint {path} does not fit this model ({first[:300]})") from None
-    _check_values(path, {**state, **wanted})
+    _check_values(path, {**loaded, **wanted})
     _write_back(model, optimizer, state)
     return wanted
 

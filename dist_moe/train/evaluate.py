@@ -55,7 +55,7 @@ def _val_metrics(layer, routings: list, reduce) -> dict:
     load = reduce(sum(r.stats["load"] for r in routings).double())
     dropped = int(reduce(torch.tensor([float(sum(r.stats.get("dropped", 0) for r in routings))])))
     return routing_metrics(torch.cat([r.expert_idx for r in routings]), load, dropped, layer.num_experts,
-                           getattr(layer, "expert_node", None))
+                           getattr(layer, "expert_node", None), getattr(layer, "expert_rank", None))
 
 
 def _align(model, x, y, c, group=None) -> float:

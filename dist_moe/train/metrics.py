@@ -5,7 +5,7 @@ import math
 
 from torch import Tensor
 
-from placement import node_share, tree_distance
+from placement import busiest, node_share, tree_distance
 
 
 def load_cv(load: Tensor) -> float:
@@ -16,11 +16,12 @@ def load_cv(load: Tensor) -> float:
 
 
 def routing_metrics(expert_idx: Tensor, load: Tensor, dropped: int, num_experts: int,
-                    expert_node: Tensor | None = None) -> dict:
+                    expert_node: Tensor | None = None, expert_rank: Tensor | None = None) -> dict:
     """Load CV, normalised tree distance and dropped-slot fraction of one or more routings; with
     ``expert_node`` ([E]: each expert's node) each node's share of the slots and that share's CV,
     beside expert load: what BRANCH's anchors keep balanced when a subtree limit makes the
-    top-level decision the node choice."""
+    top-level decision the node choice; with ``expert_rank`` the busiest rank's slots over the mean
+    rank's (``busiest_rank``)."""
     tree = num_experts >= 2 and not num_experts & (num_experts - 1)  # a complete binary tree of experts
     td = tree_distance(expert_idx, num_experts) if tree and expert_idx.shape[1] >= 2 else math.nan
     out = {
@@ -30,12 +31,15 @@ def routing_metrics(expert_idx: Tensor, load: Tensor, dropped: int, num_experts:
     }
     if expert_node is not None:
         out["node_share"], out["node_share_cv"] = node_share(load, expert_node)
+    if expert_rank is not None:
+        out["busiest_rank"] = busiest(load, expert_rank)
     return out
 
 
-def metrics_of(routing, num_experts: int, expert_node: Tensor | None = None) -> dict:
+def metrics_of(routing, num_experts: int, expert_node: Tensor | None = None,
+               expert_rank: Tensor | None = None) -> dict:
     return routing_metrics(routing.expert_idx, routing.stats["load"], routing.stats.get("dropped", 0), num_experts,
-                           expert_node)
+                           expert_node, expert_rank)
 
 
 def layers_metrics(per_layer: list[dict]) -> dict:
@@ -56,4 +60,5 @@ def layers_metrics(per_layer: list[dict]) -> dict:
 
 def layer_metrics(layer) -> dict:
     """``metrics_of`` one MoE layer's last routing (any host)."""
-    return metrics_of(layer.last_routing, layer.num_experts, getattr(layer, "expert_node", None))
+    return metrics_of(layer.last_routing, layer.num_experts, getattr(layer, "expert_node", None),
+                      getattr(layer, "expert_rank", None))

@@ -24,6 +24,7 @@ import yaml
 from tqdm import tqdm
 
 from dist_moe.dispatch.agree import agree_on_errors
+from dist_moe.dispatch.all_to_all import blocked_seconds
 from dist_moe.dispatch.process_group import collective_failure
 from dist_moe.moe_view import moe_layers
 from dist_moe.train import checkpoint, records
@@ -185,6 +186,7 @@ class _Run:
         self.cursor = records.DataCursor(self.n, cfg["seed"], self.global_bs)  # one order; each rank its share
         self.step, self.start, self.last_eval = 0, time.time(), {}
         self.train_seconds = 0.0  # inside training steps only: no evaluation, logging or checkpoints
+        self.exchange_wait_s = 0.0  # of those, blocked in the dispatcher's exchanges (mean over ranks)
         self.skipped = 0  # steps skipped for a non-finite loss or gradients
         if resume_from is not None:
             self.step = records.resume(resume_from, self.model, self.step_fn.opt, self.cursor, rt)
@@ -223,7 +225,7 @@ class _Run:
     def train_step(self) -> dict:
         """One batch: agreed input check, the step strategy, losses averaged over ranks."""
         rt, data, tcfg = self.rt, self.data, self.tcfg
-        step_start = time.perf_counter()
+        step_start, waited = time.perf_counter(), blocked_seconds()
         rows = torch.tensor_split(self.cursor.next_batch(), rt.world)[rt.rank]
         xb, yb = data.x_train[rows].to(rt.device), data.y_train[rows].to(rt.device)
         cb = data.train_categories(rows)
@@ -232,8 +234,11 @@ class _Run:
             record = {"loss": math.nan, "skipped": 1.0}
         else:
             record = self.strategy(self.model, self.step_fn, xb, yb, cb)
+        # this step's time and its time blocked in exchanges, averaged over ranks with the losses
+        record.update(step_s=time.perf_counter() - step_start, exchange_wait_s=blocked_seconds() - waited)
         record = _mean_over_ranks(record, rt)
         self.train_seconds += time.perf_counter() - step_start
+        self.exchange_wait_s += record["exchange_wait_s"]
         self.step += 1
         self.skipped += record.get("skipped", 0.0) > 0  # agreed by every rank
         nan_stops = self.strategy.stops_on_nan and not math.isfinite(record["loss"])
@@ -286,7 +291,7 @@ class _Run:
             "steps": self.step, "already_finished": self.already_finished, "samples": self.cursor.consumed,
             "samples_this_run": self.cursor.consumed - self.resumed_at,
             "skipped_steps": int(self.skipped), "seconds": round(time.time() - self.start, 2),
-            "train_seconds": round(self.train_seconds, 3),
+            "train_seconds": round(self.train_seconds, 3), "exchange_wait_s": round(self.exchange_wait_s, 3),
             **self.last_eval,
             "random_pair_tree_distance": _random_pair(self.layers[0].num_experts), "output_dir": str(self.out_dir),
             **extra,

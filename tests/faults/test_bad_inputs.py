@@ -103,6 +103,11 @@ def test_bad_numbers_are_refused_with_the_config(capsys, tmp_path, overrides, fr
     (["router.eta=0.5"], ["router.eta must be 0 or 1"]),
     (["router.num_experts=6", "router.top_k=2"], ["router.num_experts must be a power of two"]),
     (["router.node_map=mlp", "router.mlp_hidden=10000000000"], ["router.mlp_hidden=10000000000", "GiB", "available"]),
+    (["router.subtree_limit=1", "router.subtree_depth=1", "router.subtree_balance=quantile"],
+     ["router.subtree_balance", "must be one of none, bias", "'quantile'"]),
+    (["router.subtree_balance=bias"], ["router.subtree_balance", "give subtree_limit"]),
+    (["router.subtree_limit=1", "router.subtree_depth=1", "router.balance_rate=-1"],
+     ["router.balance_rate", "must be a number > 0"]),
 ])
 def test_router_keys_found_at_build_time_name_the_config_key(capsys, tmp_path, overrides, fragments):
     _fails(capsys, "train", *TINY, *overrides, f"output.dir={tmp_path}", fragments=fragments)

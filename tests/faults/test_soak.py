@@ -18,7 +18,8 @@ def _soak_worker(rank, world, out):
 
     torch.manual_seed(0)
     topo = Topology(("node", "gpu"), (2, 2))
-    layer = MoELayer(16, 16, {"type": "branch", "num_experts": 8, "top_k": 2}, group=dist.group.WORLD,
+    layer = MoELayer(16, 16, {"type": "branch", "num_experts": 8, "top_k": 2, "subtree_limit": 1},
+                     group=dist.group.WORLD,
                      topology=topo, placement=Placement.tree_prefix(8, topo), dedup="node", capacity_factor=1.25)
     head = torch.nn.Linear(16, 1)
     model = torch.nn.ModuleDict({"moe": layer, "head": head})
@@ -38,7 +39,7 @@ def _soak_worker(rank, world, out):
     digest = hashlib.sha256(b"".join(state[k].detach().contiguous().numpy().tobytes() for k in sorted(state)))
     digests = [None] * world
     dist.all_gather_object(digests, digest.hexdigest())
-    assert len(set(digests)) == 1, digests  # BRANCH anchors, EMA step, router and head weights agree
+    assert len(set(digests)) == 1, digests  # BRANCH anchors, EMA step, balance bias, router and head weights agree
     growth = (rss[-1] - rss[2]) / 2**20  # after the first 50 steps' warm-up
     grown = torch.tensor([growth])
     dist.all_reduce(grown, op=dist.ReduceOp.MAX)
