@@ -43,21 +43,24 @@ def node_share(load: Tensor, expert_node: Tensor, num_nodes: int | None = None) 
     """Each node's share of the routed (token, expert) slots, from per-expert ``load``, and the
     shares' CV (std / mean): what BRANCH's anchors keep balanced when a subtree limit makes the
     node the router's top-level choice."""
-    nodes = expert_node.cpu().long()
-    n = num_nodes or int(nodes.max()) + 1
-    share = torch.zeros(n, dtype=torch.float64).scatter_add_(0, nodes, load.double().cpu())
+    share = _per_unit(load, expert_node, num_nodes)
     share = share / share.sum().clamp_min(1e-12)
-    cv = float(share.std(unbiased=False) / share.mean()) if n > 1 else 0.0
+    cv = float(share.std(unbiased=False) / share.mean()) if len(share) > 1 else 0.0
     return [round(v, 5) for v in share.tolist()], cv
 
 
 def busiest(load: Tensor, expert_unit: Tensor, num_units: int | None = None) -> float:
     """The most loaded unit's (rank's, node's) routed slots over the mean unit's, from per-expert
     ``load``: 1.0 is perfect balance; the busiest rank sets an expert-parallel step's time."""
+    per = _per_unit(load, expert_unit, num_units)
+    return float(per.max() / per.mean()) if per.sum() > 0 else float("nan")
+
+
+def _per_unit(load: Tensor, expert_unit: Tensor, num_units: int | None) -> Tensor:
+    """[units] float64 on the CPU: per-expert ``load`` summed over each expert's unit (node, rank)."""
     units = expert_unit.cpu().long()
     n = num_units or int(units.max()) + 1
-    per = torch.zeros(n, dtype=torch.float64).scatter_add_(0, units, load.double().cpu())
-    return float(per.max() / per.mean()) if per.sum() > 0 else float("nan")
+    return torch.zeros(n, dtype=torch.float64).scatter_add_(0, units, load.double().cpu())
 
 
 def random_pair_tree_distance(num_experts: int) -> float:

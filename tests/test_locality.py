@@ -31,3 +31,12 @@ def test_bad_input():
         tree_distance(torch.tensor([[0, 1]]), 1)
     with pytest.raises(ValueError, match="power of two"):
         random_pair_tree_distance(12)
+
+
+def test_busiest_unit_over_the_mean_unit():
+    from placement import busiest
+
+    load = torch.tensor([3.0, 1.0, 1.0, 1.0, 0.0, 0.0])
+    assert busiest(load, torch.tensor([0, 0, 1, 1, 2, 2])) == pytest.approx(4 / 2)  # [4, 2, 0]: max 4, mean 2
+    assert busiest(load, torch.tensor([0, 1, 0, 1, 0, 1])) == pytest.approx(4 / 3)
+    assert math.isnan(busiest(torch.zeros(4), torch.tensor([0, 0, 1, 1])))  # nothing routed
