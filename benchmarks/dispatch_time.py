@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import E, ROUTERS, optimized_placement, train_router  # noqa: E402
 from dist_moe.dispatch.calibrate import calibrate, replay_dispatch, slowest  # noqa: E402
+from dist_moe.dispatch.process_group import shutdown  # noqa: E402
 from placement import Placement, Topology, Traffic  # noqa: E402
 
 D_MODEL = 512
@@ -58,6 +59,15 @@ def main() -> None:
     ffn = ap.parse_args().ffn
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    failed = True
+    try:
+        measure(ffn)
+        failed = False
+    finally:  # an error leaves the group too (node dedup's groups first): none outlives it to abort the exit
+        shutdown(wait=not failed)
+
+
+def measure(ffn: int) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     topo = Topology.from_env()
     contiguous = Placement.contiguous(E, world)
@@ -155,7 +165,6 @@ def main() -> None:
         print(f"BRANCH-limited + node dedup at its best C ({mine[1]}, C={mine[3]}): {mine[7] / base_layer:.2f}x the "
               f"baseline, {mine[7] / peer[7]:.2f}x the peer (DeepSeek-V3 node-limited + node dedup, best C: "
               f"{peer[1]}, C={peer[3]})")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

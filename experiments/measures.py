@@ -169,23 +169,31 @@ def post_step_prediction(summary: dict, cfg: dict) -> dict:
     """Measured step time and tokens/s, and the cost model's all-to-all seconds per step.
 
     Per MoE layer and step the model counts four all-to-alls (dispatch and combine, forward
-    and backward) with the dispatch's byte matrix for batch x seq_len tokens per rank, drawn
-    from the run's recorded validation routing (``placement.simulate``) under the run's
-    placement and dedup, priced with the calibrated links.
+    and backward) priced on the calibrated links. Their bytes are what the training steps sent
+    (``train_traffic.json``: each layer's [W, W] bytes per step, summed over ranks), or, for runs
+    from before it was written, a dispatch of batch x seq_len tokens per rank drawn from the run's
+    recorded validation routing (``placement.simulate``) under the run's placement and dedup.
     """
+    from dist_moe.train.step_bytes import per_step_traffic
     from placement.simulate import recorded_layers, simulate
 
     topo = Topology.from_env()
     topo = Topology(topo.levels, topo.sizes, _FITTED.get("cost"))
+    dedup = cfg["parallel"]["dedup"]
     tokens_per_rank = cfg["train"]["batch_size"] * cfg["data"]["seq_len"]
-    comm, stages = 0.0, []
-    for layer in range(recorded_layers(summary["output_dir"])):
-        record = RoutingRecord.load(summary["output_dir"], layer)
-        sim = simulate(record, topo, cfg["parallel"]["placement"], tokens_per_rank=tokens_per_rank)
-        comm += 4 * sim["modes"][cfg["parallel"]["dedup"]]["estimated_seconds"]
-        stages.append(sim["modes"][cfg["parallel"]["dedup"]]["stage_seconds"])
+    steps_traffic = per_step_traffic(summary["output_dir"], topo)
+    if steps_traffic is not None:
+        stages = [topo.cost.stage_seconds(t, dedup) for t in steps_traffic]
+        comm = sum(4 * topo.cost.estimate(t, dedup) for t in steps_traffic)
+    else:
+        sims = [simulate(RoutingRecord.load(summary["output_dir"], layer), topo, cfg["parallel"]["placement"],
+                         tokens_per_rank=tokens_per_rank)["modes"][dedup]
+                for layer in range(recorded_layers(summary["output_dir"]))]
+        stages, comm = [s["stage_seconds"] for s in sims], sum(4 * s["estimated_seconds"] for s in sims)
     step_s = summary["train_seconds"] / summary["steps"]
     return {"step_s": step_s, "tokens_per_s": tokens_per_rank * summary["world_size"] / step_s,
             # measured inside the training steps: time blocked in the dispatcher's exchanges
             "exchange_wait_step_s": summary.get("exchange_wait_s", 0.0) / summary["steps"],
-            "predicted_comm_s": comm, "predicted_stage_s": stages, "calibrated": bool(_FITTED)}
+            "predicted_comm_s": comm, "predicted_stage_s": stages,
+            "priced_from": "validation routing" if steps_traffic is None else "training steps",
+            "calibrated": bool(_FITTED)}

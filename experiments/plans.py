@@ -164,6 +164,8 @@ LINK_REGIMES = {
     "today": ("lmL", LINK_MODEL),
     "fine": ("lmF", ["model.d_model=256", "model.ffn_hidden_size=64", "model.heads=4", "router.num_experts=16",
                      "router.top_k=4"]),
+    "fine_top8": ("lmG", ["model.d_model=256", "model.ffn_hidden_size=64", "model.heads=4", "router.num_experts=32",
+                          "router.top_k=8"]),
 }
 
 
@@ -173,7 +175,7 @@ def throughput_link(seeds=(0,), steps: int = 40) -> Plan:
     alone (pipelining, node dedup, BRANCH subtree_limit 1; tree-prefix placement coincides with
     contiguous at E=8 on 2 x 2), all of them together (the limit unbalanced and balanced), and the
     peer, DeepSeek-V3 node-limited with node dedup, pipelined and not; in today's regime (E=8
-    top-2, ffn d_model / 2) and the fine-grained one (E=16 top-4, ffn d_model / 4)."""
+    top-2, ffn d_model / 2) and the fine-grained ones (E=16 top-4 and E=32 top-8, ffn d_model / 4)."""
     plan = Plan("throughput_link", "emulated", before="before_calibrate", after="after_exchange_time",
                 post="post_step_prediction")
     for regime, (prefix, model) in LINK_REGIMES.items():

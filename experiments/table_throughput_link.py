@@ -43,7 +43,9 @@ def _regime_table(regime: str, runs: list, cost) -> tuple[str, list]:
              + ("; blocked in exchanges: the dispatcher's waits inside the training steps (mean over ranks)"
                 if in_steps else "") + ". Predicted step (`experiments/step_model.py`): the baseline's compute (its "
              "step minus its exchange time), of which the MoE layers' matmul share "
-             f"({100 * share:.0f}%) overlaps when pipelined, plus each arm's calibrated exchanges "
+             f"({100 * share:.0f}%) overlaps when pipelined, plus each arm's calibrated exchanges, priced from "
+             + ("the bytes its training steps sent (`train_traffic.json`) "
+                if all(r.get("priced_from") == "training steps" for r in runs) else "its validation routing ") +
              f"(`CostModel.layer_time`: node {cost.levels['node'].bandwidth_Bps / 1e6:.0f} MB/s shared, "
              f"latency {1e3 * cost.latency_s:.1f} ms per collective, overlap {cost.overlap:.2f}).", "",
              "| arm | router | dedup | C | step ms | tokens/s | ratio | measured a2a ms/step | a2a share | "

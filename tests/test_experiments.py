@@ -190,3 +190,26 @@ def test_five_task_text_mixture_labels():
         assert len(texts) == len(labels) and set(labels) == set(range(n))
         classes[task] = n
     assert classes == {"verblex": 15, "domain": 4}
+
+
+def test_step_model_prices_the_bytes_the_training_steps_sent(tmp_path, monkeypatch):
+    """post_step_prediction prices train_traffic.json's bytes per step (summed over steps), not a
+    replay of validation routing: rank 0 -> rank 2 (across nodes) 4 MB over 4 steps is 1 MB a step."""
+    from placement import CostModel
+
+    monkeypatch.setenv("DIST_MOE_TOPOLOGY", "node=2,gpu=2")
+    monkeypatch.setattr(measures, "_FITTED", {})  # the cost model's default links
+    matrix = [[0] * 4 for _ in range(4)]
+    matrix[0][2], matrix[1][0] = 4_000_000, 400_000  # across nodes; inside node 0
+    (tmp_path / "train_traffic.json").write_text(json.dumps({"steps": 4, "layers": [matrix, matrix]}))
+    summary = {"output_dir": str(tmp_path), "train_seconds": 8.0, "steps": 4, "world_size": 4, "exchange_wait_s": 2.0}
+    cfg = {"parallel": {"dedup": "node", "placement": "contiguous"}, "train": {"batch_size": 2},
+           "data": {"seq_len": 8}}
+    out = measures.post_step_prediction(summary, cfg)
+    links = CostModel.default(["node", "gpu"]).levels
+    node_s = links["node"].alpha_s + 1_000_000 / links["node"].bandwidth_Bps
+    gpu_s = links["gpu"].alpha_s + 100_000 / links["gpu"].bandwidth_Bps
+    assert out["priced_from"] == "training steps"
+    assert out["predicted_stage_s"] == [pytest.approx([node_s, gpu_s])] * 2
+    assert out["predicted_comm_s"] == pytest.approx(2 * 4 * (node_s + gpu_s))
+    assert out["step_s"] == 2.0 and out["exchange_wait_step_s"] == 0.5

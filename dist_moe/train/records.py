@@ -1,5 +1,5 @@
-"""What a run records beside its metrics: bytes per topology level, the routing record for
-``dist-moe report``, and the training position a checkpoint resumes from."""
+"""What a run records beside its metrics: the routing record for ``dist-moe report``, and the
+training position a checkpoint resumes from."""
 from __future__ import annotations
 
 import math
@@ -11,23 +11,6 @@ from dist_moe.dispatch.stats import all_gather_rows
 from dist_moe.moe_view import moe_layers
 from dist_moe.train import checkpoint
 from placement.simulate import RoutingRecord, recorded_layers, routing_file
-
-
-def measured_bytes(model, rt) -> dict:
-    """Payload bytes dist-moe's dispatchers sent across each topology level since the last log, summed
-    over ranks: ``bytes_<level>`` for all MoE layers, ``layer<i>_bytes_<level>`` each when there are several."""
-    layers = [m for m in moe_layers(model) if hasattr(m, "traffic")]  # the layers our dispatcher runs
-    if rt.world == 1 or not layers:
-        return {}
-    per_layer = [layer.traffic.by_level() for layer in layers]
-    for layer in layers:
-        layer.reset_traffic()
-    names = list(per_layer[0])
-    total = rt.sum(torch.tensor([[lv[n] for n in names] for lv in per_layer], dtype=torch.float64))
-    out = {f"bytes_{n}": int(v) for n, v in zip(names, total.sum(0).tolist())}
-    if len(layers) > 1:
-        out.update({f"layer{i}_bytes_{n}": int(v) for i, row in enumerate(total.tolist()) for n, v in zip(names, row)})
-    return out
 
 
 @torch.no_grad()

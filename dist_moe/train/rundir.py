@@ -20,8 +20,8 @@ LOCK = ".dist-moe.lock"
 METRICS = "metrics.jsonl"
 # What dist-moe writes into a run directory, and all that output.overwrite removes: the run's files and
 # folders, the routing record (records.record_routing) and dist-moe report's files.
-RUN_FILES = ("config.yaml", METRICS, "summary.json", "report.json", "report.md", "traffic_heatmap.png",
-             "bytes_by_level.png", "expert_load.png", "tree_distance.png")
+RUN_FILES = ("config.yaml", METRICS, "summary.json", "train_traffic.json", "report.json", "report.md",
+             "traffic_heatmap.png", "bytes_by_level.png", "expert_load.png", "tree_distance.png")
 RUN_DIRS = ("checkpoints", "tensorboard")
 _ROUTING = re.compile(r"routing(\.layer[0-9]+)?\.(npz|json)")
 HOLDS_A_RUN = (METRICS, "checkpoints", "summary.json")  # any of these: a run trained here

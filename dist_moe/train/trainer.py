@@ -1,7 +1,8 @@
 """The trainer behind ``dist-moe train``: tabular, image or LM models, any engine, any world.
 
 Writes ``metrics.jsonl`` (one line per logged step and per evaluation),
-``config.yaml`` and ``summary.json`` to the output directory; shows tqdm
+``config.yaml``, ``summary.json`` and, under expert parallelism, ``train_traffic.json``
+(``step_bytes``) to the output directory; shows tqdm
 progress. With ``train.gar`` set the run trains with GAR (Algorithm 1) using
 example groups of ``train.gar_group_size`` as observation units; its matched
 baseline is the same config with ``train.gar.lambda: 0`` (same grouped forwards and
@@ -34,6 +35,7 @@ from dist_moe.train.evaluate import evaluate
 from dist_moe.train.metrics import layer_metrics, layers_metrics
 from dist_moe.train.rundir import RunDir, check_writable, open_metrics, output_dir, truncate_metrics
 from dist_moe.train.runtime import Runtime
+from dist_moe.train.step_bytes import StepBytes
 from dist_moe.train.steps import step_strategy
 from placement import random_pair_tree_distance
 from placement.files import write_atomic
@@ -187,6 +189,7 @@ class _Run:
         self.step, self.start, self.last_eval = 0, time.time(), {}
         self.train_seconds = 0.0  # inside training steps only: no evaluation, logging or checkpoints
         self.exchange_wait_s = 0.0  # of those, blocked in the dispatcher's exchanges (mean over ranks)
+        self.step_bytes = StepBytes(self.model, rt)  # what the training steps sent, nothing else
         self.skipped = 0  # steps skipped for a non-finite loss or gradients
         if resume_from is not None:
             self.step = records.resume(resume_from, self.model, self.step_fn.opt, self.cursor, rt)
@@ -226,6 +229,7 @@ class _Run:
         """One batch: agreed input check, the step strategy, losses averaged over ranks."""
         rt, data, tcfg = self.rt, self.data, self.tcfg
         step_start, waited = time.perf_counter(), blocked_seconds()
+        self.step_bytes.clear()  # forwards since the last step (evaluation, records) are not training's
         rows = torch.tensor_split(self.cursor.next_batch(), rt.world)[rt.rank]
         xb, yb = data.x_train[rows].to(rt.device), data.y_train[rows].to(rt.device)
         cb = data.train_categories(rows)
@@ -236,6 +240,7 @@ class _Run:
             record = self.strategy(self.model, self.step_fn, xb, yb, cb)
         # this step's time and its time blocked in exchanges, averaged over ranks with the losses
         record.update(step_s=time.perf_counter() - step_start, exchange_wait_s=blocked_seconds() - waited)
+        self.step_bytes.take()
         record = _mean_over_ranks(record, rt)
         self.train_seconds += time.perf_counter() - step_start
         self.exchange_wait_s += record["exchange_wait_s"]
@@ -250,7 +255,7 @@ class _Run:
 
     def maybe_log(self, record: dict, last: bool) -> None:
         if self.step % self.tcfg["log_every"] == 0 or last:
-            record.update(records.measured_bytes(self.model, self.rt))  # collective: every rank takes part
+            record.update(self.step_bytes.log())  # collective: every rank takes part
             if self.logger is not None:
                 if all(layer.last_routing is not None for layer in self.layers):  # None: every step skipped
                     record.update(layers_metrics([layer_metrics(layer) for layer in self.layers]))
@@ -274,7 +279,6 @@ class _Run:
 
     def evaluate_epoch(self) -> None:
         self.last_eval = self.evaluate()
-        records.measured_bytes(self.model, self.rt)  # drop the evaluation's bytes: the logged ones are training's
         if self.logger is not None:
             self.logger.log({"step": self.step, "epoch": math.ceil(self.cursor.consumed / self.n), **self.last_eval})
 
@@ -297,6 +301,7 @@ class _Run:
             **extra,
         })
         if rt.is_main:
+            self.step_bytes.save(self.out_dir)
             write_atomic(self.out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         return summary
 
