@@ -1,6 +1,8 @@
-"""One routing, four hosts: dist-moe's dispatcher (each dedup mode, and pipelined in 4 chunks),
-DeepSpeed's MOELayer, Megatron's alltoall and allgather dispatchers, on 2 and 4 gloo ranks, side
-by side.
+"""One routing, five hosts: dist-moe's dispatcher (each dedup mode, and pipelined in 4 chunks),
+DeepSpeed's MOELayer, Megatron's alltoall and allgather dispatchers, and Megatron's MoE layer
+through dist-moe's dispatcher (``dist_moe_mlp_spec``: rank dedup, node dedup pipelined, and node
+dedup pipelined with BRANCH limited to one node per token on tree-prefix placement), on 2 and 4
+gloo ranks, side by side.
 
 Every host gets the same router weights (switch, E=8, top-2, no jitter), the same
 expert weights and the same tokens; each step is one forward and backward of
@@ -36,6 +38,7 @@ from tests.dist_utils import run_workers  # noqa: E402
 
 E, K = 8, 2
 ROUTER = {"type": "switch", "num_experts": E, "top_k": K, "jitter_eps": 0.0}
+BRANCH_LIMITED = {"type": "branch", "num_experts": E, "top_k": K, "subtree_limit": 1}
 PIPELINED = 4  # chunks of the pipelined dist-moe hosts
 
 
@@ -70,6 +73,7 @@ def worker(rank, world, args, out_path):
 
     from dist_moe.integrations.megatron import megatron_config, megatron_moe_layer, sent_bytes
     from dist_moe.integrations.megatron import load_dist_moe_experts as load_megatron
+    from dist_moe.integrations.megatron_layer import megatron_dist_moe_layer
 
     torch.set_num_threads(1)
     init_distributed()
@@ -97,6 +101,16 @@ def worker(rank, world, args, out_path):
         mg.router.router.load_state_dict(ref.router.state_dict())
         load_megatron(mg, ref.experts)
         hosts[f"Megatron {dispatcher}"] = mg
+    # Megatron's MoE layer through dist-moe's dispatcher (dist_moe_mlp_spec): the same router and
+    # experts, then BRANCH limited to one node per token on tree-prefix placement (its own weights)
+    for dedup, chunks, router, where in (("rank", 1, ROUTER, placement), ("node", PIPELINED, ROUTER, placement),
+                                         ("node", PIPELINED, BRANCH_LIMITED, Placement.tree_prefix(E, topo))):
+        mg = megatron_dist_moe_layer(megatron_config(H, F, E, K, world), dict(router), dedup, chunks, where, topo)
+        if router is ROUTER:
+            mg.router.router.load_state_dict(ref.router.state_dict())
+            load_megatron(mg, ref.experts)
+        label = "BRANCH-limited " if router is BRANCH_LIMITED else ""
+        hosts[f"Megatron+dm {label}{dedup}" + (f" C={chunks}" if chunks > 1 else "")] = mg
 
     g = torch.Generator().manual_seed(rank)
     # hidden states from earlier layers: the input takes a gradient, as inside any model
@@ -118,7 +132,7 @@ def worker(rank, world, args, out_path):
         for name, layer in hosts.items():
             layer.zero_grad(set_to_none=True)
             x.grad = None
-            if name.startswith("dist-moe"):
+            if hasattr(layer, "reset_traffic"):  # dist-moe's dispatcher, in any host
                 layer.reset_traffic()
             if name.startswith("DeepSpeed"):
                 layer.deepspeed_moe.gate.reset_traffic()
@@ -131,7 +145,7 @@ def worker(rank, world, args, out_path):
             if it >= 2:
                 times[name].append(float(elapsed))
             memory[name] = saved
-            if name.startswith("dist-moe"):
+            if hasattr(layer, "reset_traffic"):
                 sent[name] = (int(layer.traffic.matrix.sum()), None)
             elif name.startswith("DeepSpeed"):
                 tr = layer.deepspeed_moe.gate.traffic
@@ -156,11 +170,11 @@ def report(world: int, totals: dict, args) -> None:
     print(f"\n{world} ranks (gloo, CPU{where}), switch E={E} top-{K}, {args.tokens} tokens x hidden {args.hidden} "
           "per rank, "
           f"SwiGLU ffn {args.ffn}, fwd+bwd, median of {args.steps} steps:")
-    print(f"{'host':<22}{'step ms':>9}{'vs dist-moe rank':>18}{'saved MB':>10}{'memory ratio':>14}"
+    print(f"{'host':<36}{'step ms':>9}{'vs dist-moe rank':>18}{'saved MB':>10}{'memory ratio':>14}"
           f"{'sent MB/rank':>14}{'payload MB':>12}")
     for name, (t, mem, padded, payload, has_payload) in totals.items():
         pay = f"{payload / 2**20:12.2f}" if has_payload else f"{'':>12}"
-        print(f"{name:<22}{1e3 * t:9.1f}{t / base[0]:18.2f}{mem / 2**20:10.2f}{mem / base[1]:14.2f}"
+        print(f"{name:<36}{1e3 * t:9.1f}{t / base[0]:18.2f}{mem / 2**20:10.2f}{mem / base[1]:14.2f}"
               f"{padded / 2**20:14.2f}{pay}")
     ds, mg = totals["DeepSpeed MOELayer"][0], totals["Megatron alltoall"][0]
     print(f"dist-moe rank dedup / DeepSpeed = {base[0] / ds:.2f}x (target <= 0.8x); "
@@ -168,6 +182,9 @@ def report(world: int, totals: dict, args) -> None:
     best = min((n for n in totals if n.startswith("dist-moe")), key=lambda n: totals[n][0])
     print(f"fastest dist-moe host ({best}) / DeepSpeed = {totals[best][0] / ds:.2f}x; "
           f"/ Megatron alltoall = {totals[best][0] / mg:.2f}x")
+    for name in (n for n in totals if n.startswith("Megatron+dm")):
+        print(f"{name} / Megatron alltoall (TopKRouter's switch) = {totals[name][0] / mg:.2f}x"
+              + (" (goal <= 0.5x across the emulated link, <= 1.0x on loopback)" if "BRANCH" in name else ""))
 
 
 def main() -> None:

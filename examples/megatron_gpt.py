@@ -1,15 +1,17 @@
-"""A Megatron-core GPTModel whose MoE router is dist-moe's, plugged in through the layer spec.
+"""A Megatron-core GPTModel with dist-moe's router and dispatcher, plugged in through the layer spec.
 
     .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 examples/megatron_gpt.py
 
 Two decoder layers from ``get_gpt_layer_local_spec`` with an MoE FFN of 4 experts (expert
-parallel over the launched ranks, Megatron's alltoall dispatcher). The same model is built twice
-from one seed: once with Megatron's own TopKRouter, once with ``DistMoERouter(switch)`` swapped
-into ``spec.submodules.mlp.submodules.router``, its router weights copied from the first. Where
-the semantics match (softmax before top-k, no jitter, Megatron's aux_loss with the coefficient
-from ``config.moe_aux_loss_coeff``) both train to the same losses, step for step; the aux loss of
-both reaches Megatron's tracker (``track_moe_metrics``). Sequences end in padding, which both
-routers leave out of their statistics.
+parallel over the launched ranks). The same model is built three times from one seed: with
+Megatron's own TopKRouter and alltoall dispatcher; with ``DistMoERouter(switch)`` swapped into
+``spec.submodules.mlp.submodules.router`` (Megatron's dispatcher still moves the tokens); and
+with the MoE MLP replaced by ``dist_moe_mlp_spec`` (the one line: dist-moe's router and
+dispatcher, here with node dedup, inside Megatron's MoE layer and experts). Router weights are
+copied from the first. Where the semantics match (softmax before top-k, no jitter, Megatron's
+aux_loss with the coefficient from ``config.moe_aux_loss_coeff``) all three train to the same
+losses, step for step; the aux loss reaches Megatron's tracker (``track_moe_metrics``) from each.
+Sequences end in padding, which the routers leave out of their statistics.
 """
 import functools
 
@@ -27,16 +29,21 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer.moe.moe_utils import track_moe_metrics  # noqa: E402
 
 from dist_moe.integrations.megatron import DistMoERouter  # noqa: E402
+from dist_moe.integrations.megatron_layer import dist_moe_mlp_spec  # noqa: E402
 
 STEPS, BATCH, SEQ, VOCAB, EXPERTS = 4, 4, 16, 64, 4
 
 
-def build(config, dist_moe_router: bool):
-    torch.manual_seed(0)  # the same initial weights for both
+ROUTER = {"type": "switch", "jitter_eps": 0.0}
+
+
+def build(config, host: str):
+    torch.manual_seed(0)  # the same initial weights for all
     spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False)
-    if dist_moe_router:  # the one line a Megatron user changes
-        spec.submodules.mlp.submodules.router = functools.partial(DistMoERouter, router={"type": "switch",
-                                                                                          "jitter_eps": 0.0})
+    if host == "router":  # dist-moe's router, Megatron's dispatcher
+        spec.submodules.mlp.submodules.router = functools.partial(DistMoERouter, router=ROUTER)
+    elif host == "spec":  # the one line: dist-moe's router and dispatcher in Megatron's MoE layer
+        spec.submodules.mlp = dist_moe_mlp_spec(router=ROUTER, dedup="node", base=spec.submodules.mlp)
     return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ)
 
 
@@ -86,14 +93,16 @@ def main() -> None:
         expert_model_parallel_size=world, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=not torch.cuda.is_available(), gradient_accumulation_fusion=False,
         bf16=False, params_dtype=torch.float32)
-    megatron_model, dist_moe_model = build(config, False), build(config, True)
-    copy_weights(megatron_model, dist_moe_model)
+    megatron_model, router_model, spec_model = build(config, "megatron"), build(config, "router"), build(config, "spec")
+    copy_weights(megatron_model, router_model)
+    copy_weights(megatron_model, spec_model)
     theirs = train(megatron_model, config, rank, world)
-    ours = train(dist_moe_model, config, rank, world)
+    router = train(router_model, config, rank, world)
+    spec = train(spec_model, config, rank, world)
     if rank == 0:
-        for step, ((l1, a1), (l2, a2)) in enumerate(zip(theirs, ours)):
-            print(f"step {step}: loss TopKRouter {l1:.6f} DistMoERouter {l2:.6f}; "
-                  f"load_balancing_loss {a1:.6f} {a2:.6f}")
+        for step, ((l1, a1), (l2, a2), (l3, a3)) in enumerate(zip(theirs, router, spec)):
+            print(f"step {step}: loss TopKRouter {l1:.6f} DistMoERouter {l2:.6f} dist_moe_mlp_spec {l3:.6f}; "
+                  f"load_balancing_loss {a1:.6f} {a2:.6f} {a3:.6f}")
     # Megatron 0.16.1's destroy_model_parallel forgets two groups, which would outlive the process group
     megatron_patches.release_parallel_state()
     dist.destroy_process_group()

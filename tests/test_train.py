@@ -101,6 +101,7 @@ def test_router_gar_still_works_for_one_release_and_names_train_gar():
         (["parallel.timeout_s=0"], "parallel.timeout_s"),
         (["parallel.pipeline_chunks=0"], "parallel.pipeline_chunks"),
         (["engine=megatron", "model.capacity_factor=null", "parallel.pipeline_chunks=2"], "parallel.pipeline_chunks=2"),
+        (["engine=megatron", "parallel.megatron_dispatcher=deepep"], "parallel.megatron_dispatcher"),
         (["train.max_skipped_steps=-1"], "train.max_skipped_steps"),
         (["router.type=switch", "train.gar.lamda=1"], "'lamda'"),
         (["router.type=switch", "router.capacity_factor=0.5"], "capacity is set twice"),

@@ -99,27 +99,36 @@ class DistMoERouter(nn.Module):
         self.layer_number = layer_number
 
     def forward(self, hidden: Tensor, padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        h, extras, valid, problem = self.prepare(hidden, padding_mask)
+        with agreed_routing(self.router):  # one small all-reduce: a rank that raised alone would
+            routing = self.routed(h, extras, valid)  # leave Megatron's collective order
+            agree(problem, self.forwards, self.agree_group, "DistMoERouter")
+        if bool((routing.expert_idx < 0).any()):
+            raise ValueError("Megatron's dropless dispatch needs every token routed to top_k experts; "
+                             "use Megatron's moe_expert_capacity_factor for capacity, not the router's")
+        probs = routing.dense_gates()  # [T, E], gates at the selected experts (the aux loss rides on them)
+        routing_map = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, routing.expert_idx, True)
+        return probs[:, self.logical_at], routing_map[:, self.logical_at]
+
+    def prepare(self, hidden: Tensor, padding_mask: Tensor | None) -> tuple:
+        """Count this forward and flatten its tokens: (h [T, H], categories / token ids, valid [T]
+        or None, the input-problem code the ranks agree on before any exchange)."""
         h = hidden.reshape(-1, hidden.shape[-1])
         extras = routing_extras(h.shape[0], tuple(hidden.shape[:-1]), "[S, B]")
         self.last_router_input, self.last_router_extras = h.detach(), extras  # for GAR's recomputation
         self.forwards += 1
         valid = None if padding_mask is None else ~padding_mask.reshape(-1).bool()  # padding: out of statistics
-        problem = input_problem(h, extras.get("categories"), getattr(self.router, "num_categories", None))
-        with agreed_routing(self.router):  # one small all-reduce: a rank that raised alone would
-            routing = self.router(h, valid=valid, **extras)  # leave Megatron's collective order
-            agree(problem, self.forwards, self.agree_group, "DistMoERouter")
-        idx = routing.expert_idx
-        if bool((idx < 0).any()):
-            raise ValueError("Megatron's dropless dispatch needs every token routed to top_k experts; "
-                             "use Megatron's moe_expert_capacity_factor for capacity, not the router's")
+        return h, extras, valid, input_problem(h, extras.get("categories"), getattr(self.router, "num_categories", None))
+
+    def routed(self, h: Tensor, extras: dict, valid: Tensor | None):
+        """The strategy's ``Routing`` of ``h`` (logical expert ids) with padding's gates at zero and the
+        aux loss reported to Megatron's tracker and attached to the gates (``MoEAuxLossAutoScaler``)."""
+        routing = self.router(h, valid=valid, **extras)
         if valid is not None:  # padding keeps its routes (Megatron sizes its buffers as T x topk)
             routing.gates = routing.gates * valid.unsqueeze(1).to(routing.gates.dtype)  # with zero weight
-        probs = routing.dense_gates()  # [T, E], gates at the selected experts
-        routing_map = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, idx, True)
-        probs = self._attach_aux(probs, self._report_aux(routing.aux_loss, valid, h.shape[0]))
         self.last_routing, self.last_aux_loss = routing.detached(), routing.aux_loss.detach()
-        return probs[:, self.logical_at], routing_map[:, self.logical_at]
-
+        routing.gates = self._attach_aux(routing.gates, self._report_aux(routing.aux_loss, valid, h.shape[0]))
+        return routing
 
     def _report_aux(self, aux: Tensor, valid: Tensor | None, tokens: int) -> Tensor:
         """The aux loss as Megatron's routers handle theirs: unscaled into its per-layer tracker (what
@@ -265,8 +274,12 @@ class MegatronHostedMoE(HostedMoE):
                                  dispatcher, expert_type, device,
                                  moe_aux_loss_coeff=shape.aux_loss_coeff)  # Megatron's place for it
         self.hidden_size = hidden_size
-        self.moe = megatron_moe_layer(config, router, placement, topology=topology)
+        self.moe = self._layer(config, router, placement, topology)
         self._know_nodes(self.moe.router.placement, topology)
+
+    def _layer(self, config, router: dict, placement, topology):
+        """Megatron's MoELayer with its own token dispatcher (``config.moe_token_dispatcher_type``)."""
+        return megatron_moe_layer(config, router, placement, topology=topology)
 
     @property
     def router(self) -> Router:

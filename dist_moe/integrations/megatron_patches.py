@@ -7,6 +7,7 @@ must run before megatron.core is imported and is idempotent.
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 
@@ -37,6 +38,10 @@ def apply(cpu: bool | None = None) -> None:
     from megatron.core.tensor_parallel import random
 
     random.CudaRNGStatesTracker = _cpu_rng_tracker(random.CudaRNGStatesTracker)
+    if not torch.cuda.is_available():
+        # 0.16.1: dist_checkpointing's torch_dist saver calls torch.cuda.synchronize() unguarded
+        # (filesystem_async.preload_tensors); a torch without CUDA has nothing to wait for.
+        torch.cuda.synchronize = lambda device=None: None
     _APPLIED = True
 
 
@@ -76,7 +81,8 @@ def _splits_to_lists(self, point: str, tokens_per_expert=None):
 
 def release_parallel_state() -> list[str]:
     """``parallel_state.destroy_model_parallel()``, then drop the groups it forgets (0.16.1:
-    ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP`` and its ``_GLOO`` twin stay set). A group kept
+    ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP`` and its ``_GLOO`` twin stay set; the aux-loss
+    tracker keeps the reduce groups of every layer that logged a loss). A group kept
     past ``destroy_process_group`` lives until interpreter exit, where its threads can abort the
     process (dist_moe/dispatch/groups.py). Runs on CPU and GPU alike; returns the names it cleared."""
     from megatron.core import parallel_state
@@ -84,6 +90,10 @@ def release_parallel_state() -> list[str]:
 
     parallel_state.destroy_model_parallel()
     cleared = []
+    moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
+    if moe_utils is not None and moe_utils._MOE_LAYER_WISE_LOGGING_TRACKER:  # its entries hold reduce groups
+        moe_utils._MOE_LAYER_WISE_LOGGING_TRACKER.clear()
+        cleared.append("moe_utils._MOE_LAYER_WISE_LOGGING_TRACKER")
     for name, value in vars(parallel_state).items():
         items = value if isinstance(value, (list, tuple)) else [value]
         if not name.startswith("_") or not any(isinstance(v, ProcessGroup) for v in items):

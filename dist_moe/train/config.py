@@ -18,7 +18,7 @@ from dist_moe.dispatch.process_group import DEVICES
 from dist_moe.errors import shown
 from dist_moe.experts import KINDS as EXPERT_KINDS
 from dist_moe.gar.config import GARConfig
-from dist_moe.integrations.megatron import DISPATCHERS as MEGATRON_DISPATCHERS
+from dist_moe.integrations.megatron import DISPATCHERS
 from dist_moe.routing.registry import GAR_MOVED, RouterKeyError, router_shape
 from dist_moe.train.build import MODEL_KINDS
 from dist_moe.train.engines import ENGINES
@@ -41,7 +41,9 @@ DEFAULT_CONFIG: dict = {
     # expert parallelism over the launched world (torchrun / deepspeed launcher; 1 process: local)
     # timeout_s: how long any collective may wait for a peer before every rank stops with an error
     # device: auto (this process's GPU when one is visible, else the CPU), cpu or cuda; the backend follows
-    # pipeline_chunks: C > 1 cuts each exchange into C token chunks in flight while experts run (engine torch)
+    # pipeline_chunks: C > 1 cuts each exchange into C token chunks in flight while experts run (dist-moe's
+    # dispatcher: engine torch, or megatron with megatron_dispatcher dist_moe); so does dedup (other
+    # dispatchers send one copy per selected expert)
     "parallel": {"placement": "contiguous", "dedup": "rank", "megatron_dispatcher": "alltoall", "timeout_s": 300.0,
                  "device": "auto", "pipeline_chunks": 1},
     # categories: a coarse label per row (data.CATEGORY_SETS), required by specdrop routing
@@ -92,7 +94,7 @@ _RULES = {
     "parallel.placement": (str, False, (f"one of {', '.join(PLACEMENTS)} or a placement .yaml (dist-moe place --out)",
                                         lambda v: v in PLACEMENTS or v.endswith((".yaml", ".yml")))),
     "parallel.dedup": (str, False, _one_of(DEDUP_MODES)),
-    "parallel.megatron_dispatcher": (str, False, _one_of(MEGATRON_DISPATCHERS)),
+    "parallel.megatron_dispatcher": (str, False, _one_of((*DISPATCHERS, "dist_moe"))),
     # beyond a week a hung peer is never reported; far beyond, the backends' own timers overflow
     "parallel.timeout_s": (float, False, (f"a number of seconds in (0, {MAX_TIMEOUT_S}] (a week)",
                                           lambda v: 0 < v <= MAX_TIMEOUT_S)),
@@ -163,8 +165,9 @@ def validate(cfg: dict) -> dict:
     if cfg["train"]["gar"] is not None:
         GARConfig.for_router(cfg["train"]["gar"], cfg["router"]["type"])
     chunks = cfg["parallel"]["pipeline_chunks"]
-    if not ENGINES[cfg["engine"]].pipelines and chunks != 1:  # refused before any process group exists
-        raise ValueError(f"parallel.pipeline_chunks={chunks} pipelines dist-moe's own dispatcher (engine torch); "
+    if not ENGINES[cfg["engine"]].dispatches(cfg["parallel"]) and chunks != 1:  # before any process group exists
+        own = "parallel.megatron_dispatcher: dist_moe" if cfg["engine"] == "megatron" else "engine: torch"
+        raise ValueError(f"parallel.pipeline_chunks={chunks} pipelines dist-moe's own dispatcher ({own}); "
                          f"engine {cfg['engine']} exchanges through its own: set it to 1")
     return cfg
 

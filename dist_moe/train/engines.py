@@ -4,8 +4,9 @@ torch      dist-moe's MoELayer and dispatcher (``parallel.dedup``, ``parallel.pi
            plain Adam (``steppers.LocalStepper``).
 deepspeed  DeepSpeed's MoE layer with dist-moe's gate; ``deepspeed.initialize`` with MoE
            parameter groups owns backward, gradient reduction, clipping and the step.
-megatron   Megatron-core's MoELayer (``parallel.megatron_dispatcher``: alltoall or allgather)
-           with dist-moe's router; plain Adam.
+megatron   Megatron-core's MoELayer with dist-moe's router; its tokens move through
+           ``parallel.megatron_dispatcher``: Megatron's alltoall or allgather, or dist_moe (dist-moe's
+           dispatcher: ``parallel.dedup``, ``parallel.pipeline_chunks``); plain Adam.
 
 Every engine puts all experts across the launched world (expert parallelism = world size) and
 keeps the router, placement and topology of the config. An ``Engine`` is what differs between
@@ -27,7 +28,12 @@ class Engine:
 
     name = ""
     needs_group = True  # a process group even on one rank (a one-rank group on localhost)
-    pipelines = False  # runs dist-moe's own dispatcher, which parallel.pipeline_chunks pipelines
+
+    @staticmethod
+    def dispatches(parallel: dict) -> bool:
+        """Whether this config's MoE layers exchange through dist-moe's dispatcher (which dedups
+        by node and pipelines chunks) rather than the engine's own."""
+        return False
 
     def check_version(self) -> None:
         """Refuse a release the adapters were not written for (before any collective)."""
@@ -67,7 +73,10 @@ class Engine:
 class TorchEngine(Engine):
     name = "torch"
     needs_group = False
-    pipelines = True
+
+    @staticmethod
+    def dispatches(parallel):
+        return True
 
     def build_moe(self, rt, hidden, ffn, router, capacity_factor, expert_type, placement):
         from dist_moe.layer import MoELayer
@@ -106,6 +115,10 @@ class DeepSpeedEngine(Engine):
 class MegatronEngine(Engine):
     name = "megatron"
 
+    @staticmethod
+    def dispatches(parallel):
+        return parallel["megatron_dispatcher"] == "dist_moe"
+
     def after_group(self, rt):
         from dist_moe.integrations import megatron_patches
 
@@ -118,6 +131,11 @@ class MegatronEngine(Engine):
         if capacity_factor is not None:
             raise ValueError("engine megatron runs dropless: set model.capacity_factor: null "
                              f"(got {capacity_factor})")
+        if self.dispatches(rt.parallel):  # Megatron's layer and experts, dist-moe's dispatcher
+            from dist_moe.integrations.megatron_layer import MegatronDispatchedMoE
+
+            return MegatronDispatchedMoE(hidden, ffn, router, rt.world, placement, expert_type, rt.device,
+                                         rt.topology(), rt.parallel["dedup"], rt.parallel["pipeline_chunks"])
         from dist_moe.integrations.megatron import MegatronHostedMoE
 
         return MegatronHostedMoE(hidden, ffn, router, rt.world, placement, rt.parallel["megatron_dispatcher"],

@@ -1,0 +1,203 @@
+"""dist-moe's dispatcher inside Megatron-core's MoE layer (written against megatron-core 0.16.1).
+
+The one line a GPTModel user changes:
+
+    spec.submodules.mlp = dist_moe_mlp_spec(router={"type": "branch", ...}, dedup="node",
+                                            base=spec.submodules.mlp)
+
+The layer is Megatron's ``MoELayer``: its experts (``SequentialMLP``; ``GroupedMLP`` /
+``TEGroupedMLP`` where installed), shared experts, aux-loss tracker, ``sharded_state_dict`` and
+``moe_*`` config fields stay Megatron's. The router is a ``DistMoERouter`` at ``mlp.router`` and the
+experts stay at ``mlp.experts``, so the state-dict keys are those of the router swap
+(``megatron.py``) and a checkpoint moves between the two. Only the tokens move another way:
+dist-moe's expert-parallel dispatcher (rank or node dedup, pipelined chunks, bytes measured per
+topology level) in place of Megatron's token dispatcher. Megatron's experts scale by the gate
+inside (``per_token_scale``); here they run with a scale of 1 and the dispatcher gates their
+outputs, which is the same sum as long as the experts' last linear has no bias (Megatron refuses
+``mlp_bias`` with its own dispatchers too).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from dist_moe.dispatch.agree import agreed_routing
+from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher, routing_pairs
+from dist_moe.experts import apply_experts
+from dist_moe.integrations import megatron_patches
+from dist_moe.integrations.megatron import DistMoERouter, MegatronHostedMoE
+from dist_moe.layer import bind_to_topology
+from placement import Placement, Topology, Traffic
+from placement.plan import check_dedup
+
+
+class MegatronExperts:
+    """Megatron's expert module behind the contract dist-moe's dispatcher runs experts through:
+    ``experts(rows grouped by local expert, rows per expert, tags) -> outputs``, ``template()``
+    (the trainable tensors the dispatch's backward returns gradients for) and ``capture``."""
+
+    capture = None  # GAR's factor capture is dist-moe's experts' own
+
+    def __init__(self, experts):
+        self.experts = experts
+        self.num_experts = experts.num_local_experts
+
+    def template(self) -> dict:
+        return dict(self.experts.named_parameters())
+
+    def __call__(self, x: Tensor, counts: list[int], tags: Tensor | None = None) -> Tensor:
+        per_expert = torch.tensor(counts, dtype=torch.long)  # Megatron's tokens_per_expert, a host tensor
+        out, bias = self.experts(x, per_expert, x.new_ones(x.shape[0], dtype=torch.float32))
+        if bias is not None:
+            raise ValueError("Megatron experts with a bias (add_bias_linear) are not gated linearly; "
+                             "set add_bias_linear=False")
+        return out
+
+
+def _layer_class():
+    megatron_patches.apply()
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    class DistMoEMoELayer(MoELayer):
+        """Megatron's MoELayer whose tokens travel through dist-moe's dispatcher."""
+
+        def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *,
+                     dedup: str = "rank", pipeline_chunks: int = 1, topology: Topology | None = None):
+            check_dedup(dedup)
+            if isinstance(pipeline_chunks, bool) or not isinstance(pipeline_chunks, int) or pipeline_chunks < 1:
+                raise ValueError(f"pipeline_chunks must be an int >= 1, got {pipeline_chunks!r}")
+            if config.moe_expert_capacity_factor is not None:
+                raise ValueError(f"config.moe_expert_capacity_factor={config.moe_expert_capacity_factor}: dist-moe's "
+                                 "dispatcher is dropless here; set it to None")
+            if config.moe_latent_size:
+                raise ValueError("config.moe_latent_size: latent projections need Megatron's own dispatcher")
+            super().__init__(config, submodules, layer_number, pg_collection)
+            if not isinstance(self.router, DistMoERouter):
+                raise ValueError(f"dist_moe_mlp_spec needs a DistMoERouter at mlp.router, got "
+                                 f"{type(self.router).__name__}")
+            world = self.ep_group.size()
+            self.topology = topology if topology is not None else Topology.launched(world)
+            if self.topology.world_size != world:
+                raise ValueError(f"topology {self.topology.describe()} has {self.topology.world_size} ranks, the "
+                                 f"expert-parallel group {world}")
+            self.placement: Placement = self.router.placement
+            bind_to_topology(self.router.router, self.placement, self.topology)
+            self.dedup, self.pipeline_chunks = dedup, pipeline_chunks
+            self.dispatcher = (ExpertParallelDispatcher(self.ep_group, self.placement, self.topology, dedup)
+                               if world > 1 else None)
+            self.routed_experts = MegatronExperts(self.experts)
+
+        def forward(self, hidden_states: Tensor, intermediate_tensors=None, padding_mask: Tensor | None = None):
+            """hidden [S, B, H], padding_mask [B, S] (True at padding) -> (output [S, B, H], None)."""
+            if intermediate_tensors is not None:
+                raise ValueError("partial CUDA-graph capture of the MoE layer needs Megatron's own dispatcher")
+            if padding_mask is not None:  # Megatron's layers pass [B, S]; its routers see [S, B]
+                padding_mask = padding_mask.transpose(0, 1).bool()
+            router = self.router
+            h, extras, valid, problem = router.prepare(hidden_states, padding_mask)
+            side = self.shared_experts if self.use_shared_expert else None
+            with agreed_routing(router.router):  # a refused input restores the router's buffers
+                routing = router.routed(h, extras, valid)
+                if self.dispatcher is None:
+                    token, expert, gate = routing_pairs(routing.expert_idx, routing.gates)
+                    y = apply_experts(self.routed_experts, h, token, self.placement.slot_table(h.device)[expert], gate)
+                    y = (y.to(h.dtype), None if side is None else side(h))
+                else:  # the input check rides with the exchange's split sizes: no extra collective
+                    y = self.dispatcher(h, routing.expert_idx, routing.gates, self.routed_experts,
+                                        tag=router.forwards, problem=problem, chunks=self.pipeline_chunks, side=side)
+                    y = y if side is not None else (y, None)
+            out = y[0] if y[1] is None else y[0] + y[1]
+            return out.reshape(hidden_states.shape), None
+
+        @property
+        def traffic(self) -> Traffic:
+            """Payload bytes this rank sent in forward dispatch since the last reset (its row)."""
+            if self.dispatcher is None:
+                return Traffic.zeros(self.topology)
+            return Traffic(self.dispatcher.traffic.clone(), self.topology)
+
+        def reset_traffic(self) -> None:
+            if self.dispatcher is not None:
+                self.dispatcher.reset_traffic()
+
+    return DistMoEMoELayer
+
+
+@functools.cache
+def layer_class():
+    """``DistMoEMoELayer``: Megatron's MoELayer with dist-moe's dispatcher (built on first use)."""
+    return _layer_class()
+
+
+def dist_moe_mlp_spec(router: dict, dedup: str = "rank", pipeline_chunks: int = 1,
+                      placement: Placement | None = None, topology: Topology | None = None, base=None):
+    """A ModuleSpec for the MoE MLP of Megatron's GPT layer specs, with dist-moe's router and dispatcher.
+
+    ``base``: the spec it replaces (``spec.submodules.mlp``), whose experts and shared experts are
+    kept; None builds ``get_moe_module_spec(use_te=False)``'s SequentialMLP experts.
+    ``topology=None`` reads the launch topology (``Topology.launched``: torchrun's or DeepSpeed's
+    variables, or ``DIST_MOE_TOPOLOGY``) of the expert-parallel group.
+    """
+    megatron_patches.apply()
+    from megatron.core.transformer.moe.moe_layer import MoESubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    check_dedup(dedup)
+    if not isinstance(router, dict):
+        raise ValueError(f"router must be a config dict (built per layer), got {type(router).__name__}")
+    if base is None:
+        from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+        base = get_moe_module_spec(use_te=False, num_experts=1, moe_grouped_gemm=False)  # experts' count: config's
+    sub = base.submodules
+    submodules = MoESubmodules(experts=sub.experts, shared_experts=sub.shared_experts,
+                               router=functools.partial(DistMoERouter, router=dict(router), placement=placement))
+    return ModuleSpec(module=layer_class(), submodules=submodules,
+                      params={"dedup": dedup, "pipeline_chunks": pipeline_chunks, "topology": topology})
+
+
+def megatron_dist_moe_layer(config, router: dict, dedup: str = "rank", pipeline_chunks: int = 1,
+                            placement: Placement | None = None, topology: Topology | None = None, pg_collection=None):
+    """One Megatron MoELayer (SequentialMLP experts) built from ``dist_moe_mlp_spec``, outside a GPTModel
+    (benchmarks, tests). Needs ``parallel_state.initialize_model_parallel`` first."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    spec = dist_moe_mlp_spec(router, dedup, pipeline_chunks, placement, topology)
+    return build_module(spec, config=config, pg_collection=pg_collection)
+
+
+class MegatronDispatchedMoE(MegatronHostedMoE):
+    """``MegatronHostedMoE`` over ``dist_moe_mlp_spec``'s layer (the trainer's ``engine: megatron`` with
+    ``parallel.megatron_dispatcher: dist_moe``): dist-moe's dispatcher moves the tokens, so the layer
+    has dedup, pipeline chunks and measured bytes, as dist-moe's own MoELayer does."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, router: dict, ep_size: int = 1,
+                 placement: Placement | None = None, expert_type: str = "swiglu", device=None,
+                 topology: Topology | None = None, dedup: str = "rank", pipeline_chunks: int = 1):
+        self._dispatch = (dedup, pipeline_chunks)
+        super().__init__(hidden_size, ffn_hidden_size, router, ep_size, placement, "alltoall", expert_type, device,
+                         topology)
+
+    def _layer(self, config, router: dict, placement, topology):
+        return megatron_dist_moe_layer(config, router, *self._dispatch, placement, topology)
+
+    @property
+    def topology(self) -> Topology:
+        return self.moe.topology
+
+    @property
+    def placement(self) -> Placement:
+        return self.moe.placement
+
+    @property
+    def dedup(self) -> str:
+        return self.moe.dedup
+
+    @property
+    def traffic(self) -> Traffic:
+        return self.moe.traffic
+
+    def reset_traffic(self) -> None:
+        self.moe.reset_traffic()
