@@ -1,8 +1,8 @@
-"""One routing, five hosts: dist-moe's dispatcher (each dedup mode, and pipelined in 4 chunks),
-DeepSpeed's MOELayer, Megatron's alltoall and allgather dispatchers, and Megatron's MoE layer
-through dist-moe's dispatcher (``dist_moe_mlp_spec``: rank dedup, node dedup pipelined, and node
-dedup pipelined with BRANCH limited to one node per token on tree-prefix placement), on 2 and 4
-gloo ranks, side by side.
+"""One routing, six hosts: dist-moe's dispatcher (each dedup mode, and pipelined in 4 chunks),
+DeepSpeed's MOELayer, Megatron's alltoall and allgather dispatchers, and Megatron's and DeepSpeed's
+MoE layers through dist-moe's dispatcher (``dist_moe_mlp_spec``, ``deepspeed_moe_layer(dispatcher=
+"dist_moe")``: rank dedup, node dedup pipelined, and node dedup pipelined with BRANCH limited to
+one node per token on tree-prefix placement), on 2 and 4 gloo ranks, side by side.
 
 Every host gets the same router weights (switch, E=8, top-2, no jitter), the same
 expert weights and the same tokens; each step is one forward and backward of
@@ -60,6 +60,12 @@ def _saved_bytes(fn) -> tuple[object, int]:
     return out, total[0]
 
 
+def _dispatched(layer):
+    """The module that counts dist-moe's dispatcher's bytes in a host, or None (an engine's own)."""
+    inner = getattr(layer, "deepspeed_moe", layer)
+    return inner if hasattr(inner, "reset_traffic") and hasattr(inner, "traffic") else None
+
+
 def worker(rank, world, args, out_path):
     import torch.distributed as dist
 
@@ -111,6 +117,14 @@ def worker(rank, world, args, out_path):
             load_megatron(mg, ref.experts)
         label = "BRANCH-limited " if router is BRANCH_LIMITED else ""
         hosts[f"Megatron+dm {label}{dedup}" + (f" C={chunks}" if chunks > 1 else "")] = mg
+        # DeepSpeed's MoE module and expert copies through dist-moe's dispatcher, the same three ways
+        dsd = deepspeed_moe_layer(H, F, dict(router), ep_size=world, placement=where, topology=topo,
+                                  dispatcher="dist_moe", dedup=dedup, pipeline_chunks=chunks)
+        dsd.set_deepspeed_parallelism()
+        if router is ROUTER:
+            dsd.deepspeed_moe.gate.router.load_state_dict(ref.router.state_dict())
+            load_dist_moe_experts(dsd, ref.experts)
+        hosts[f"DeepSpeed+dm {label}{dedup}" + (f" C={chunks}" if chunks > 1 else "")] = dsd
 
     g = torch.Generator().manual_seed(rank)
     # hidden states from earlier layers: the input takes a gradient, as inside any model
@@ -132,9 +146,10 @@ def worker(rank, world, args, out_path):
         for name, layer in hosts.items():
             layer.zero_grad(set_to_none=True)
             x.grad = None
-            if hasattr(layer, "reset_traffic"):  # dist-moe's dispatcher, in any host
-                layer.reset_traffic()
-            if name.startswith("DeepSpeed"):
+            counted = _dispatched(layer)
+            if counted is not None:
+                counted.reset_traffic()
+            elif name.startswith("DeepSpeed"):
                 layer.deepspeed_moe.gate.reset_traffic()
             dist.barrier()
             start = time.perf_counter()
@@ -145,8 +160,8 @@ def worker(rank, world, args, out_path):
             if it >= 2:
                 times[name].append(float(elapsed))
             memory[name] = saved
-            if hasattr(layer, "reset_traffic"):
-                sent[name] = (int(layer.traffic.matrix.sum()), None)
+            if counted is not None:
+                sent[name] = (int(counted.traffic.matrix.sum()), None)
             elif name.startswith("DeepSpeed"):
                 tr = layer.deepspeed_moe.gate.traffic
                 sent[name] = (tr["padded_bytes"], tr["payload_bytes"])
@@ -182,9 +197,12 @@ def report(world: int, totals: dict, args) -> None:
     best = min((n for n in totals if n.startswith("dist-moe")), key=lambda n: totals[n][0])
     print(f"fastest dist-moe host ({best}) / DeepSpeed = {totals[best][0] / ds:.2f}x; "
           f"/ Megatron alltoall = {totals[best][0] / mg:.2f}x")
+    goal = " (goal <= 0.5x across the emulated link, <= 1.0x on loopback)"
     for name in (n for n in totals if n.startswith("Megatron+dm")):
         print(f"{name} / Megatron alltoall (TopKRouter's switch) = {totals[name][0] / mg:.2f}x"
-              + (" (goal <= 0.5x across the emulated link, <= 1.0x on loopback)" if "BRANCH" in name else ""))
+              + (goal if "BRANCH" in name else ""))
+    for name in (n for n in totals if n.startswith("DeepSpeed+dm")):
+        print(f"{name} / DeepSpeed MOELayer (switch) = {totals[name][0] / ds:.2f}x" + (goal if "BRANCH" in name else ""))
 
 
 def main() -> None:

@@ -18,17 +18,17 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dist_moe.dispatch.agree import agreed_routing, input_problem
-from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher, routing_pairs
+from dist_moe.dispatch.dispatcher import CountsTraffic, ExpertParallelDispatcher, routing_pairs
 from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.experts import Experts, SharedExpert, apply_experts
 from dist_moe.routing import Router, Routing, build_router
 from dist_moe.routing.capacity import capacity_for, capacity_step, check_one_capacity
 from dist_moe.seeding import fork_rng
-from placement import Placement, Topology, Traffic
+from placement import Placement, Topology
 from placement.plan import check_dedup
 
 
-class MoELayer(nn.Module):
+class MoELayer(CountsTraffic, nn.Module):
     group = WeakGroup()  # held weakly: torch.distributed owns the group (dispatch/groups.py)
 
     def __init__(
@@ -175,20 +175,9 @@ class MoELayer(nn.Module):
                 for slot, _ in self.experts.named_parameters()}
 
     @property
-    def traffic(self) -> Traffic:
-        """Payload bytes this rank sent in forward dispatch since the last reset (its row)."""
-        if self.dispatcher is None:
-            return Traffic.zeros(self.topology)
-        return Traffic(self.dispatcher.traffic.clone(), self.topology)
-
-    @property
     def metadata_bytes(self) -> int:
         """Routing metadata (expert ids, gates, categories) this rank sent since the last reset."""
         return 0 if self.dispatcher is None else self.dispatcher.metadata_bytes
-
-    def reset_traffic(self) -> None:
-        if self.dispatcher is not None:
-            self.dispatcher.reset_traffic()
 
 
 def bind_to_topology(router: Router, placement: Placement, topology: Topology) -> None:

@@ -54,13 +54,16 @@ def test_megatron_gpt_model_with_dist_moe_router_and_dispatcher_trains_like_topk
     assert all(float(row[2]) > 0 for row in aux)  # the aux loss reached Megatron's tracker from dist-moe's layer
 
 
-@pytest.mark.parametrize("launcher,nproc,zero", [("deepspeed", 2, 2), ("torchrun", 1, 0)])
-def test_deepspeed_job_with_dist_moe_gate_trains_like_topkgate(launcher, nproc, zero):
+@pytest.mark.parametrize("launcher,nproc,zero", [("deepspeed", 2, 2), ("deepspeed", 2, 1), ("torchrun", 1, 0)])
+def test_deepspeed_job_with_dist_moe_gate_and_dispatcher_trains_like_topkgate(launcher, nproc, zero):
     pytest.importorskip("deepspeed")
     if launcher == "deepspeed":
         out = _run(str(ROOT / ".venv/bin/deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()),
                    "examples/deepspeed_job.py", "--zero", str(zero))
     else:
         out = _torchrun(nproc, "examples/deepspeed_job.py", "--zero", str(zero))
-    losses = _pairs(out, r"loss TopKGate ([\d.]+) DistMoEGate ([\d.]+)")
-    assert len(losses) == 5 and all(abs(a - b) < 1e-5 for a, b in losses), out
+    losses = re.findall(r"loss TopKGate ([\d.]+) DistMoEGate ([\d.]+) dist_moe_dispatcher ([\d.]+)", out)
+    assert len(losses) == 5, out
+    for theirs, *ours in [tuple(map(float, row)) for row in losses]:
+        assert all(abs(theirs - v) < 1e-5 for v in ours), out
+    assert f"load_checkpoint (dist_moe dispatcher, ZeRO {zero}): exact" in out, out

@@ -37,7 +37,7 @@ from dist_moe.dispatch.all_to_all import Chunk, plan_hops
 from dist_moe.dispatch.groups import WeakGroup, free_import_time_defaults
 from dist_moe.dispatch.pipeline import PipelineRun, chunk_bounds, run_pipeline
 from dist_moe.experts import Experts
-from placement import Placement, Topology
+from placement import Placement, Topology, Traffic
 from placement.plan import DispatchPlan, Exchange, check_dedup
 
 
@@ -183,3 +183,22 @@ class ExpertParallelDispatcher:
         second = plan_hops(self.node_group, chunks, self.slot_of, self.num_local, tag)
         self._record(second, node_base, row_bytes, 8 * first[0].copy_meta.shape[1])
         return second
+
+
+class CountsTraffic:
+    """``traffic`` and ``reset_traffic`` for a layer whose ``dispatcher`` (None: nothing exchanged) runs
+    over ``topology``: dist-moe's MoELayer and the engines' layers that use this dispatcher."""
+
+    dispatcher: ExpertParallelDispatcher | None
+    topology: Topology
+
+    @property
+    def traffic(self) -> Traffic:
+        """Payload bytes this rank sent in forward dispatch since the last reset (its row)."""
+        if self.dispatcher is None:
+            return Traffic.zeros(self.topology)
+        return Traffic(self.dispatcher.traffic.clone(), self.topology)
+
+    def reset_traffic(self) -> None:
+        if self.dispatcher is not None:
+            self.dispatcher.reset_traffic()

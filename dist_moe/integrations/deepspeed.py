@@ -43,6 +43,7 @@ from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.experts import SingleExpert
 from dist_moe.integrations import deepspeed_patches
 from dist_moe.integrations.context import routing_extras
+from dist_moe.integrations.deepspeed_dispatch import use_dist_moe_dispatcher
 from dist_moe.integrations.hosted import HostedMoE
 from dist_moe.routing import Router, build_router
 from dist_moe.routing.capacity import apply_capacity, capacity_for, check_one_capacity, slot_positions
@@ -118,19 +119,11 @@ class DistMoEGate(nn.Module):
         if use_tutel or not sparse_routes:
             raise ValueError("DistMoEGate returns sparse routes only (use_tutel=False)")
         e = self.router.num_experts
-        extras = routing_extras(x.shape[0])
-        self.last_router_input, self.last_router_extras = x.detach(), extras  # for GAR's recomputation
-        self.forwards += 1
         # bad input is agreed on by every EP rank (one all-reduce that also agrees on the capacity):
         # a rank that raised alone would pair its next batch with its peers' current one
-        problem = input_problem(x, extras.get("categories"), getattr(self.router, "num_categories", None))
         with agreed_routing(self.router):
-            used = None if used_token is None else used_token.reshape(-1) > 0  # unused: out of the statistics
-            routing = self.router(x, valid=used, **extras)
+            routing, problem = self.route(x, used_token)
             idx, gates = routing.expert_idx, routing.gates
-            if used_token is not None:  # unused tokens are routed nowhere
-                used = used_token.reshape(-1, 1) > 0
-                idx, gates = torch.where(used, idx, -1), torch.where(used, gates, torch.zeros_like(gates))
             if self.capacity_factor is not None:  # DeepSpeed's rule, from the largest token count
                 need = x.shape[0]
             else:  # dropless: the fullest expert on any rank sets the (shared) capacity
@@ -153,6 +146,22 @@ class DistMoEGate(nn.Module):
         self.last_routing = routing.detached()
         return self.unscaled_aux(routing.aux_loss), capacity, e, physical.t(), locations.t(), gates.t(), exp_counts
 
+    def route(self, x: Tensor, used_token: Tensor | None = None):
+        """Count this forward and route ``x`` [S, M] with the strategy (logical expert ids; tokens
+        with ``used_token`` 0 routed nowhere and left out of its statistics): (routing, the input
+        problem code the EP ranks agree on)."""
+        extras = routing_extras(x.shape[0])
+        self.last_router_input, self.last_router_extras = x.detach(), extras  # for GAR's recomputation
+        self.forwards += 1
+        problem = input_problem(x, extras.get("categories"), getattr(self.router, "num_categories", None))
+        used = None if used_token is None else used_token.reshape(-1) > 0  # unused: out of the statistics
+        routing = self.router(x, valid=used, **extras)
+        if used is not None:
+            used = used.unsqueeze(1)
+            routing.expert_idx = torch.where(used, routing.expert_idx, -1)
+            routing.gates = torch.where(used, routing.gates, torch.zeros_like(routing.gates))
+        return routing, problem
+
     def unscaled_aux(self, aux: Tensor) -> Tensor:
         """DeepSpeed's convention: a gate returns l_aux without its coefficient and the training loop
         writes ``loss + coeff * l_aux``. dist-moe's strategies scale theirs (``aux_loss_coeff``), so it
@@ -171,16 +180,21 @@ class DistMoEGate(nn.Module):
 def deepspeed_moe_layer(hidden_size: int, ffn_hidden_size: int | None, router: Router | dict, ep_size: int = 1,
                         placement: Placement | None = None, capacity_factor: float | None = None,
                         expert_type: str = "swiglu", *, expert: nn.Module | None = None, min_capacity: int = 8,
-                        topology=None, **expert_kwargs):
+                        topology=None, dispatcher: str = "deepspeed", dedup: str = "rank", pipeline_chunks: int = 1,
+                        **expert_kwargs):
     """A ``deepspeed.moe.layer.MoE`` whose gate is ``DistMoEGate``. Its experts are dist-moe's
     (``expert_type``, ``ffn_hidden_size``), or, as ``deepspeed.moe.layer.MoE(expert=...)`` takes it,
     the user's own ``expert`` module, which DeepSpeed copies into every local slot.
-    ``min_capacity`` is DeepSpeed's (``MoE(min_capacity=8)``).
+    ``min_capacity`` is DeepSpeed's (``MoE(min_capacity=8)``). ``dispatcher="dist_moe"`` moves the
+    tokens with dist-moe's dropless dispatcher (``dedup``, ``pipeline_chunks``;
+    ``deepspeed_dispatch.py``) instead of DeepSpeed's capacity-padded all-to-all.
 
     Call ``set_deepspeed_parallelism()`` (or let ``deepspeed.initialize`` do it) after
     ``deepspeed.init_distributed``; the layer returns (output, l_aux unscaled as DeepSpeed's gates
     return it, expert counts).
     """
+    if dispatcher not in ("deepspeed", "dist_moe"):
+        raise ValueError(f"dispatcher must be 'deepspeed' or 'dist_moe', got {dispatcher!r}")
     deepspeed_patches.apply()
     from deepspeed.moe.layer import MoE
 
@@ -195,6 +209,8 @@ def deepspeed_moe_layer(hidden_size: int, ffn_hidden_size: int | None, router: R
     # k=1 only satisfies MoE's own TopKGate check; that gate is replaced before any use
     moe = MoE(hidden_size, expert, num_experts=gate.router.num_experts, ep_size=ep_size, k=1)
     moe.deepspeed_moe.gate = gate
+    if dispatcher == "dist_moe":
+        use_dist_moe_dispatcher(moe, dedup, pipeline_chunks, topology)
     return moe
 
 
@@ -234,11 +250,13 @@ class DeepSpeedHostedMoE(HostedMoE):
     def __init__(self, hidden_size: int, ffn_hidden_size: int | None, router: Router | dict, ep_size: int = 1,
                  placement: Placement | None = None, capacity_factor: float | None = None,
                  expert_type: str = "swiglu", *, expert: nn.Module | None = None, min_capacity: int = 8,
-                 topology=None, **expert_kwargs):
+                 topology=None, dispatcher: str = "deepspeed", dedup: str = "rank", pipeline_chunks: int = 1,
+                 **expert_kwargs):
         super().__init__()
         self.hidden_size = hidden_size
         self.moe = deepspeed_moe_layer(hidden_size, ffn_hidden_size, router, ep_size, placement, capacity_factor,
                                        expert_type, expert=expert, min_capacity=min_capacity, topology=topology,
+                                       dispatcher=dispatcher, dedup=dedup, pipeline_chunks=pipeline_chunks,
                                        **expert_kwargs)
         self._know_nodes(self.gate.placement, topology)
         rank = 0
@@ -300,6 +318,38 @@ class DeepSpeedHostedMoE(HostedMoE):
                        lambda: (gate.last_router_input, gate.last_router_extras,
                                 ((gate.last_router_input.shape[0],), None)),
                        ep, gate._ep_rank())
+
+
+class DeepSpeedDispatchedMoE(DeepSpeedHostedMoE):
+    """``DeepSpeedHostedMoE`` with ``dispatcher="dist_moe"`` (the trainer's ``engine: deepspeed`` with
+    ``parallel.deepspeed_dispatcher: dist_moe``): the layer measures its bytes (``traffic``) as
+    dist-moe's own MoELayer does."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, dispatcher="dist_moe", **kwargs)
+
+    @property
+    def _layer(self):
+        return self.moe.deepspeed_moe
+
+    @property
+    def topology(self):
+        return self._layer.topology
+
+    @property
+    def placement(self):
+        return self.gate.placement
+
+    @property
+    def dedup(self) -> str:
+        return self._layer.dedup
+
+    @property
+    def traffic(self):
+        return self._layer.traffic
+
+    def reset_traffic(self) -> None:
+        self._layer.reset_traffic()
 
 
 def expert_slots(expert: nn.Module) -> dict:

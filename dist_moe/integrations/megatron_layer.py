@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from dist_moe.dispatch.agree import agreed_routing
-from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher, routing_pairs
+from dist_moe.dispatch.dispatcher import CountsTraffic, ExpertParallelDispatcher, routing_pairs
 from dist_moe.experts import apply_experts
 from dist_moe.integrations import megatron_patches
 from dist_moe.integrations.megatron import DistMoERouter, MegatronHostedMoE
@@ -60,7 +60,7 @@ def _layer_class():
     megatron_patches.apply()
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    class DistMoEMoELayer(MoELayer):
+    class DistMoEMoELayer(CountsTraffic, MoELayer):
         """Megatron's MoELayer whose tokens travel through dist-moe's dispatcher."""
 
         def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *,
@@ -110,17 +110,6 @@ def _layer_class():
                     y = y if side is not None else (y, None)
             out = y[0] if y[1] is None else y[0] + y[1]
             return out.reshape(hidden_states.shape), None
-
-        @property
-        def traffic(self) -> Traffic:
-            """Payload bytes this rank sent in forward dispatch since the last reset (its row)."""
-            if self.dispatcher is None:
-                return Traffic.zeros(self.topology)
-            return Traffic(self.dispatcher.traffic.clone(), self.topology)
-
-        def reset_traffic(self) -> None:
-            if self.dispatcher is not None:
-                self.dispatcher.reset_traffic()
 
     return DistMoEMoELayer
 

@@ -41,11 +41,11 @@ DEFAULT_CONFIG: dict = {
     # expert parallelism over the launched world (torchrun / deepspeed launcher; 1 process: local)
     # timeout_s: how long any collective may wait for a peer before every rank stops with an error
     # device: auto (this process's GPU when one is visible, else the CPU), cpu or cuda; the backend follows
-    # pipeline_chunks: C > 1 cuts each exchange into C token chunks in flight while experts run (dist-moe's
-    # dispatcher: engine torch, or megatron with megatron_dispatcher dist_moe); so does dedup (other
-    # dispatchers send one copy per selected expert)
-    "parallel": {"placement": "contiguous", "dedup": "rank", "megatron_dispatcher": "alltoall", "timeout_s": 300.0,
-                 "device": "auto", "pipeline_chunks": 1},
+    # pipeline_chunks: C > 1 cuts each exchange into C token chunks in flight while experts run; it and dedup
+    # apply to dist-moe's dispatcher: engine torch, or megatron / deepspeed with megatron_dispatcher /
+    # deepspeed_dispatcher dist_moe (the engines' own dispatchers send one copy per selected expert)
+    "parallel": {"placement": "contiguous", "dedup": "rank", "megatron_dispatcher": "alltoall",
+                 "deepspeed_dispatcher": "deepspeed", "timeout_s": 300.0, "device": "auto", "pipeline_chunks": 1},
     # categories: a coarse label per row (data.CATEGORY_SETS), required by specdrop routing
     # name "corpus": the multi-domain byte corpus (dist_moe/data/corpus.py) for model.kind lm, with seq_len and
     # per_domain sequences; categories "domains" makes each sequence's domain its category.
@@ -95,6 +95,7 @@ _RULES = {
                                         lambda v: v in PLACEMENTS or v.endswith((".yaml", ".yml")))),
     "parallel.dedup": (str, False, _one_of(DEDUP_MODES)),
     "parallel.megatron_dispatcher": (str, False, _one_of((*DISPATCHERS, "dist_moe"))),
+    "parallel.deepspeed_dispatcher": (str, False, _one_of(("deepspeed", "dist_moe"))),
     # beyond a week a hung peer is never reported; far beyond, the backends' own timers overflow
     "parallel.timeout_s": (float, False, (f"a number of seconds in (0, {MAX_TIMEOUT_S}] (a week)",
                                           lambda v: 0 < v <= MAX_TIMEOUT_S)),
@@ -166,7 +167,8 @@ def validate(cfg: dict) -> dict:
         GARConfig.for_router(cfg["train"]["gar"], cfg["router"]["type"])
     chunks = cfg["parallel"]["pipeline_chunks"]
     if not ENGINES[cfg["engine"]].dispatches(cfg["parallel"]) and chunks != 1:  # before any process group exists
-        own = "parallel.megatron_dispatcher: dist_moe" if cfg["engine"] == "megatron" else "engine: torch"
+        own = {"megatron": "parallel.megatron_dispatcher: dist_moe",
+               "deepspeed": "parallel.deepspeed_dispatcher: dist_moe"}.get(cfg["engine"], "engine: torch")
         raise ValueError(f"parallel.pipeline_chunks={chunks} pipelines dist-moe's own dispatcher ({own}); "
                          f"engine {cfg['engine']} exchanges through its own: set it to 1")
     return cfg

@@ -3,7 +3,9 @@
 torch      dist-moe's MoELayer and dispatcher (``parallel.dedup``, ``parallel.pipeline_chunks``);
            plain Adam (``steppers.LocalStepper``).
 deepspeed  DeepSpeed's MoE layer with dist-moe's gate; ``deepspeed.initialize`` with MoE
-           parameter groups owns backward, gradient reduction, clipping and the step.
+           parameter groups owns backward, gradient reduction, clipping and the step; its tokens
+           move through ``parallel.deepspeed_dispatcher``: DeepSpeed's capacity-padded all-to-all,
+           or dist_moe (dist-moe's dispatcher: ``parallel.dedup``, ``parallel.pipeline_chunks``).
 megatron   Megatron-core's MoELayer with dist-moe's router; its tokens move through
            ``parallel.megatron_dispatcher``: Megatron's alltoall or allgather, or dist_moe (dist-moe's
            dispatcher: ``parallel.dedup``, ``parallel.pipeline_chunks``); plain Adam.
@@ -90,12 +92,22 @@ class TorchEngine(Engine):
 class DeepSpeedEngine(Engine):
     name = "deepspeed"
 
+    @staticmethod
+    def dispatches(parallel):
+        return parallel["deepspeed_dispatcher"] == "dist_moe"
+
     def before_group(self, timeout_s, device):
         from dist_moe.integrations.deepspeed import init_distributed
 
         init_distributed(timeout_s, device)
 
     def build_moe(self, rt, hidden, ffn, router, capacity_factor, expert_type, placement):
+        if self.dispatches(rt.parallel):  # DeepSpeed's MoE module and experts, dist-moe's dispatcher
+            from dist_moe.integrations.deepspeed import DeepSpeedDispatchedMoE
+
+            return DeepSpeedDispatchedMoE(hidden, ffn, router, rt.world, placement, capacity_factor, expert_type,
+                                          topology=rt.topology(), dedup=rt.parallel["dedup"],
+                                          pipeline_chunks=rt.parallel["pipeline_chunks"])
         from dist_moe.integrations.deepspeed import DeepSpeedHostedMoE
 
         return DeepSpeedHostedMoE(hidden, ffn, router, rt.world, placement, capacity_factor, expert_type,

@@ -1,0 +1,113 @@
+"""dist-moe's dispatcher inside DeepSpeed's MoE layer (written against deepspeed 0.19.8).
+
+``deepspeed_moe_layer(..., dispatcher="dist_moe", dedup="node", pipeline_chunks=4)``, or for a
+``deepspeed.moe.layer.MoE`` a user built: ``use_dist_moe_dispatcher(moe, dedup=..., ...)`` after
+giving it a ``DistMoEGate``. DeepSpeed's ``MoE`` module, its expert copies (the user's expert
+module), their ``allreduce=False`` / group-name marks for ZeRO and its expert-parallel groups
+stay DeepSpeed's; only ``moe.deepspeed_moe`` (the ``MOELayer`` that pads every expert to one
+capacity and exchanges E x C slots) becomes a ``MOELayer`` whose tokens travel through dist-moe's
+dropless dispatcher: each token once per destination rank (or node), pipelined in chunks, bytes
+measured per topology level. ``(output, l_aux, exp_counts)`` come back as before, l_aux
+unscaled (DeepSpeed's convention). The dispatcher is made when DeepSpeed names the
+expert-parallel group (``set_deepspeed_parallelism`` / ``deepspeed.initialize``).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dist_moe.dispatch.agree import agreed_routing
+from dist_moe.dispatch.dispatcher import CountsTraffic, ExpertParallelDispatcher, routing_pairs
+from dist_moe.experts import apply_experts
+from dist_moe.integrations import deepspeed_patches
+from placement import Topology
+from placement.plan import check_dedup
+
+
+class DeepSpeedExperts:
+    """DeepSpeed's expert copies behind the contract dist-moe's dispatcher runs experts through
+    (rows grouped by local expert, rows per expert -> outputs; ``template()``; ``capture``)."""
+
+    capture = None
+
+    def __init__(self, experts):
+        self.experts = experts  # deepspeed.moe.experts.Experts
+        self.num_experts = len(experts.deepspeed_experts)
+
+    def template(self) -> dict:
+        return {n: p for n, p in self.experts.named_parameters() if p.requires_grad}
+
+    def __call__(self, x: Tensor, counts: list[int], tags: Tensor | None = None) -> Tensor:
+        outs = []
+        for expert, rows in zip(self.experts.deepspeed_experts, torch.split(x, counts)):
+            out = expert(rows)
+            outs.append(out[0] if isinstance(out, tuple) else out)  # DeepSpeed ignores a bias term too
+        return torch.cat(outs)
+
+
+def _layer_class():
+    deepspeed_patches.apply()
+    from deepspeed.moe.sharded_moe import MOELayer
+
+    class DistMoEDispatchedMOELayer(CountsTraffic, MOELayer):
+        """DeepSpeed's MOELayer whose tokens travel through dist-moe's dispatcher."""
+
+        def configure(self, dedup: str, pipeline_chunks: int, topology: Topology | None) -> None:
+            self.dedup, self.pipeline_chunks, self.topology_given = dedup, pipeline_chunks, topology
+            self.dispatcher, self.topology = None, topology if topology is not None else Topology.flat(self.ep_size)
+            self.routed_experts = DeepSpeedExperts(self.experts)
+
+        def _set_ep_group(self, ep_group) -> None:
+            super()._set_ep_group(ep_group)
+            if self.ep_size > 1:
+                if self.topology_given is None:
+                    self.topology = Topology.launched(self.ep_size)
+                self.dispatcher = ExpertParallelDispatcher(ep_group, self.gate.placement, self.topology, self.dedup)
+
+        def forward(self, *input: Tensor, **kwargs) -> Tensor:
+            x, used_token = input[0], (input[1] if len(input) > 1 else None)
+            h = x.reshape(-1, x.shape[-1])
+            gate = self.gate  # a DistMoEGate
+            if self.dispatcher is None:  # one EP rank: every expert is here, the router checks its input
+                if self.ep_size > 1:
+                    raise ValueError("the dist_moe dispatcher has no expert-parallel group yet: call "
+                                     "set_deepspeed_parallelism() (deepspeed.initialize does)")
+                routing, _ = gate.route(h, used_token)
+                token, expert, g = routing_pairs(routing.expert_idx, routing.gates)
+                y = apply_experts(self.routed_experts, h, token, gate.placement.slot_table(h.device)[expert], g)
+                y = y.to(h.dtype)
+            else:  # the input check rides with the exchange's split sizes: no extra collective
+                with agreed_routing(gate.router):
+                    routing, problem = gate.route(h, used_token)
+                    y = self.dispatcher(h, routing.expert_idx, routing.gates, self.routed_experts, tag=gate.forwards,
+                                        problem=problem, chunks=self.pipeline_chunks)
+            gate.last_routing = routing.detached()
+            self.l_aux = gate.unscaled_aux(routing.aux_loss)
+            routed = routing.expert_idx >= 0
+            self.exp_counts = torch.bincount(routing.expert_idx[routed], minlength=gate.router.num_experts)
+            return y.reshape(x.shape)
+
+    return DistMoEDispatchedMOELayer
+
+
+_CLASS = []
+
+
+def use_dist_moe_dispatcher(moe, dedup: str = "rank", pipeline_chunks: int = 1, topology: Topology | None = None):
+    """Let a ``deepspeed.moe.layer.MoE`` whose gate is a ``DistMoEGate`` exchange through dist-moe's
+    dispatcher; call before ``set_deepspeed_parallelism()`` / ``deepspeed.initialize``. Returns ``moe``."""
+    check_dedup(dedup)
+    if isinstance(pipeline_chunks, bool) or not isinstance(pipeline_chunks, int) or pipeline_chunks < 1:
+        raise ValueError(f"pipeline_chunks must be an int >= 1, got {pipeline_chunks!r}")
+    old = moe.deepspeed_moe
+    if not (hasattr(old.gate, "route") and hasattr(old.gate, "unscaled_aux")):  # DistMoEGate's (deepspeed.py)
+        raise ValueError(f"the dist_moe dispatcher routes with a DistMoEGate, got {type(old.gate).__name__}")
+    if old.gate.capacity_factor is not None:
+        raise ValueError(f"capacity_factor={old.gate.capacity_factor}: the dist_moe dispatcher is dropless; "
+                         "set it to None")
+    if not _CLASS:
+        _CLASS.append(_layer_class())
+    layer = _CLASS[0](old.gate, old.experts, old.ep_group_name, old.ep_size, old.num_local_experts)
+    layer.configure(dedup, pipeline_chunks, topology)
+    moe.deepspeed_moe = layer
+    return moe
