@@ -18,9 +18,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dist_moe.dispatch.agree import agreed_routing, input_problem
-from dist_moe.dispatch.dispatcher import CountsTraffic, ExpertParallelDispatcher, routing_pairs
+from dist_moe.dispatch.dispatcher import CountsTraffic, ExpertParallelDispatcher, dispatch_locally
 from dist_moe.dispatch.groups import WeakGroup
-from dist_moe.experts import Experts, SharedExpert, apply_experts
+from dist_moe.experts import Experts, SharedExpert
 from dist_moe.routing import Router, Routing, build_router
 from dist_moe.routing.capacity import capacity_for, capacity_step, check_one_capacity
 from dist_moe.seeding import fork_rng
@@ -133,16 +133,14 @@ class MoELayer(CountsTraffic, nn.Module):
         tags = None if capture is None or capture.source_tags is None else capture.source_tags(shape[:-1], padding_mask,
                                                                                               h.device)
         if self.dispatcher is None:
-            token, expert, gate = routing_pairs(routing.expert_idx, routing.gates)
-            y = apply_experts(self.experts, h, token, expert, gate, tags).to(h.dtype)  # accumulated in fp32
-            if self.shared_expert is not None:
-                y = y + self.shared_expert(h)
-        else:
+            y = dispatch_locally(h, routing.expert_idx, routing.gates, self.experts, row_tags=tags,
+                                 side=self.shared_expert)
+        else:  # the shared expert runs while the first chunks are in flight
             y = self.dispatcher(h, routing.expert_idx, routing.gates, self.experts, copy_meta=categories,
                                 row_tags=tags, tag=self.forwards, problem=problem, chunks=self.pipeline_chunks,
                                 side=self.shared_expert)
-            if self.shared_expert is not None:  # it ran while the first chunks were in flight
-                y = y[0] + y[1]
+        if self.shared_expert is not None:
+            y = y[0] + y[1]
         self.last_routing = routing.detached()  # keeping the graph alive would pin activations
         self.last_router_input = h.detach()
         self.last_router_extras = {"categories": categories, "token_ids": token_ids}

@@ -2,8 +2,8 @@
 
 A GPTModel built from ``get_gpt_layer_local_spec`` trains step for step like the same model with
 Megatron's TopKRouter and alltoall dispatcher (weights copied; TopKRouter with softmax before top-k
-and Megatron's aux loss is dist-moe's switch without jitter), on 2 ranks and on 4 as 2 nodes x 2,
-for every dedup mode and 1 or 3 pipeline chunks; the bytes the layers measured are
+and Megatron's aux loss is dist-moe's switch without jitter), on 1 rank (its experts run locally), 2
+ranks and 4 as 2 nodes x 2, for every dedup mode and 1 or 3 pipeline chunks; the bytes the layers measured are
 ``placement.dispatch_traffic``'s for the routings they ran; Megatron's dist_checkpointing saves and
 loads the model exactly; every rank checks its own losses, gradients and weights.
 """
@@ -157,14 +157,15 @@ def _worker(rank, world, topology_spec, cases, ckpt_dir):
             assert all(abs(a - b) < 1e-5 for a, b in zip(got, expected)), (rank, dedup, chunks, got, expected)
             for name, g in expected_grads.items():  # every weight's gradient, experts' on their own rank
                 assert torch.allclose(grads[name], g, rtol=1e-4, atol=1e-7), (rank, dedup, chunks, name)
-            _check_bytes(ours, topology, rank)
+            if world > 1:  # one EP rank exchanges nothing: its experts run locally
+                _check_bytes(ours, topology, rank)
         _save_and_load(ours, [lambda: _model(config, spec, seed=1), lambda: _model(config, _router_swap, seed=1)],
                        Path(ckpt_dir))
     finally:
         megatron_patches.release_parallel_state()
 
 
-@pytest.mark.parametrize("world,topology,dedups", [(2, "gpu=2", ("none", "rank")),
+@pytest.mark.parametrize("world,topology,dedups", [(1, "gpu=1", ("rank",)), (2, "gpu=2", ("none", "rank")),
                                                    (4, "node=2,gpu=2", ("none", "rank", "node"))])
 def test_gpt_model_through_dist_moe_dispatcher_trains_like_megatrons_alltoall(world, topology, dedups, tmp_path):
     cases = [(dedup, chunks) for dedup in dedups for chunks in (1, 3)]

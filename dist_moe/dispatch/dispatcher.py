@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from dist_moe.dispatch.all_to_all import Chunk, plan_hops
 from dist_moe.dispatch.groups import WeakGroup, free_import_time_defaults
 from dist_moe.dispatch.pipeline import PipelineRun, chunk_bounds, run_pipeline
-from dist_moe.experts import Experts
+from dist_moe.experts import Experts, apply_experts
 from placement import Placement, Topology, Traffic
 from placement.plan import DispatchPlan, Exchange, check_dedup
 
@@ -47,6 +47,18 @@ def routing_pairs(expert_idx: Tensor, gates: Tensor) -> tuple[Tensor, Tensor, Te
     valid = (expert_idx >= 0).reshape(-1)
     token = torch.arange(t, device=expert_idx.device).repeat_interleave(k)[valid]
     return token, expert_idx.reshape(-1)[valid], gates.reshape(-1)[valid]
+
+
+def dispatch_locally(h: Tensor, expert_idx: Tensor, gates: Tensor, experts, slot_of: Tensor | None = None,
+                     row_tags: Tensor | None = None, side: nn.Module | None = None):
+    """``ExpertParallelDispatcher``'s call when every expert is on this rank (one process, or one
+    expert-parallel rank): nothing is exchanged, so there is nothing to agree on (the router checks
+    its own input). ``slot_of`` maps expert ids to local slots (None: the same). Returns y [T, H],
+    or (y, side(h)) with a ``side`` module, as the dispatcher does."""
+    token, expert, gate = routing_pairs(expert_idx, gates)
+    slot = expert if slot_of is None else slot_of[expert]
+    y = apply_experts(experts, h, token, slot, gate, row_tags).to(h.dtype)  # accumulated in fp32
+    return y if side is None else (y, side(h))
 
 
 # weak values: torch.distributed owns the groups, and destroy_process_group() frees them (groups.py)

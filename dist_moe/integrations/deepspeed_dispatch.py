@@ -17,8 +17,7 @@ import torch
 from torch import Tensor
 
 from dist_moe.dispatch.agree import agreed_routing
-from dist_moe.dispatch.dispatcher import CountsTraffic, ExpertParallelDispatcher, routing_pairs
-from dist_moe.experts import apply_experts
+from dist_moe.dispatch.dispatcher import CountsTraffic, ExpertParallelDispatcher, dispatch_locally
 from dist_moe.integrations import deepspeed_patches
 from placement import Topology
 from placement.plan import check_dedup
@@ -73,9 +72,8 @@ def _layer_class():
                     raise ValueError("the dist_moe dispatcher has no expert-parallel group yet: call "
                                      "set_deepspeed_parallelism() (deepspeed.initialize does)")
                 routing, _ = gate.route(h, used_token)
-                token, expert, g = routing_pairs(routing.expert_idx, routing.gates)
-                y = apply_experts(self.routed_experts, h, token, gate.placement.slot_table(h.device)[expert], g)
-                y = y.to(h.dtype)
+                y = dispatch_locally(h, routing.expert_idx, routing.gates, self.routed_experts,
+                                     gate.placement.slot_table(h.device))
             else:  # the input check rides with the exchange's split sizes: no extra collective
                 with agreed_routing(gate.router):
                     routing, problem = gate.route(h, used_token)

@@ -24,8 +24,7 @@ import torch
 from torch import Tensor
 
 from dist_moe.dispatch.agree import agreed_routing
-from dist_moe.dispatch.dispatcher import CountsTraffic, ExpertParallelDispatcher, routing_pairs
-from dist_moe.experts import apply_experts
+from dist_moe.dispatch.dispatcher import CountsTraffic, ExpertParallelDispatcher, dispatch_locally
 from dist_moe.integrations import megatron_patches
 from dist_moe.integrations.megatron import DistMoERouter, MegatronHostedMoE
 from dist_moe.layer import bind_to_topology
@@ -98,17 +97,16 @@ def _layer_class():
             router = self.router
             h, extras, valid, problem = router.prepare(hidden_states, padding_mask)
             side = self.shared_experts if self.use_shared_expert else None
-            with agreed_routing(router.router):  # a refused input restores the router's buffers
+            if self.dispatcher is None:  # one EP rank: the router checks its own input
                 routing = router.routed(h, extras, valid)
-                if self.dispatcher is None:
-                    token, expert, gate = routing_pairs(routing.expert_idx, routing.gates)
-                    y = apply_experts(self.routed_experts, h, token, self.placement.slot_table(h.device)[expert], gate)
-                    y = (y.to(h.dtype), None if side is None else side(h))
-                else:  # the input check rides with the exchange's split sizes: no extra collective
+                y = dispatch_locally(h, routing.expert_idx, routing.gates, self.routed_experts,
+                                     self.placement.slot_table(h.device), side=side)
+            else:  # the input check rides with the exchange's split sizes: no extra collective
+                with agreed_routing(router.router):  # a refused input restores the router's buffers
+                    routing = router.routed(h, extras, valid)
                     y = self.dispatcher(h, routing.expert_idx, routing.gates, self.routed_experts,
                                         tag=router.forwards, problem=problem, chunks=self.pipeline_chunks, side=side)
-                    y = y if side is not None else (y, None)
-            out = y[0] if y[1] is None else y[0] + y[1]
+            out = y if side is None else y[0] + y[1]
             return out.reshape(hidden_states.shape), None
 
     return DistMoEMoELayer
