@@ -24,13 +24,16 @@ def _net(world, seed, **dispatch):
     import torch
 
     from dist_moe.integrations.deepspeed import deepspeed_moe_layer
+    from placement import Placement
 
     class Net(torch.nn.Module):
         def __init__(self):
             super().__init__()
             torch.manual_seed(seed)
             self.inp = torch.nn.Linear(8, HIDDEN)
-            self.moe = deepspeed_moe_layer(HIDDEN, FFN, dict(ROUTER), ep_size=world, **dispatch)
+            # round-robin: DeepSpeed's physical slots differ from the logical expert ids
+            self.moe = deepspeed_moe_layer(HIDDEN, FFN, dict(ROUTER), ep_size=world,
+                                           placement=Placement.round_robin(EXPERTS, world), **dispatch)
             self.head = torch.nn.Linear(HIDDEN, 1)
 
         def forward(self, x):
@@ -66,6 +69,7 @@ def _worker(rank, world, cases):
     import torch
 
     from dist_moe.integrations.deepspeed import init_distributed
+    from dist_moe.integrations.deepspeed_dispatch import use_dist_moe_dispatcher
 
     init_distributed()
     g = torch.Generator().manual_seed(10 + rank)
@@ -83,10 +87,17 @@ def _worker(rank, world, cases):
         ((got * w).sum() + aux).backward()
         assert torch.allclose(got, pred, atol=1e-6) and torch.allclose(aux, l_aux), (rank, dedup, chunks)
         assert torch.allclose(x.grad, x_ref.grad, atol=1e-6), (rank, dedup, chunks)
+        # DeepSpeed's convention: expert counts by physical slot
+        assert torch.equal(ours.moe.deepspeed_moe.exp_counts, reference.moe.deepspeed_moe.exp_counts)
         theirs = dict(reference.named_parameters())
         for name, p in ours.named_parameters():  # router, experts (this rank's), the rest
             assert torch.allclose(p.grad, theirs[name].grad, rtol=1e-4, atol=1e-7), (rank, dedup, chunks, name)
         _check_bytes(ours, rank, dedup)
+    late = _net(world, 0)  # the dispatcher swapped in after DeepSpeed named the groups
+    late.moe.set_deepspeed_parallelism()
+    use_dist_moe_dispatcher(late.moe, dedup="rank")
+    with torch.no_grad():
+        assert torch.allclose(late(x_all)[0], pred, atol=1e-6)
 
 
 def test_deepspeed_moe_through_dist_moe_dispatcher_equals_its_own_moelayer():

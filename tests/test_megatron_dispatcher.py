@@ -82,6 +82,7 @@ def _check_bytes(model, topology, rank):
     from placement import dispatch_traffic
 
     layers = [m for m in model.modules() if hasattr(m, "reset_traffic")]
+    assert len(layers) == 2  # both decoder layers' MoE, dist-moe's dispatcher in each
     for layer in layers:
         layer.reset_traffic()
     g = torch.Generator().manual_seed(7 + rank)
@@ -170,3 +171,16 @@ def _worker(rank, world, topology_spec, cases, ckpt_dir):
 def test_gpt_model_through_dist_moe_dispatcher_trains_like_megatrons_alltoall(world, topology, dedups, tmp_path):
     cases = [(dedup, chunks) for dedup in dedups for chunks in (1, 3)]
     run_cases(world, [(_worker, topology, cases, str(tmp_path / "ckpt"))], timeout=600)
+
+
+def test_megatron_configs_the_layer_cannot_honour_are_refused_by_name():
+    from types import SimpleNamespace
+
+    from dist_moe.integrations.megatron_layer import _check_config
+
+    for key, value in (("moe_expert_capacity_factor", 1.0), ("moe_apply_probs_on_input", True),
+                       ("moe_latent_size", 8), ("moe_shared_expert_overlap", True),
+                       ("expert_tensor_parallel_size", 2)):
+        with pytest.raises(ValueError, match=f"config.{key}="):
+            _check_config(SimpleNamespace(**{key: value}))
+    _check_config(SimpleNamespace(moe_expert_capacity_factor=None, expert_tensor_parallel_size=1))  # accepted

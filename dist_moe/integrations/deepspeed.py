@@ -181,7 +181,7 @@ def deepspeed_moe_layer(hidden_size: int, ffn_hidden_size: int | None, router: R
                         placement: Placement | None = None, capacity_factor: float | None = None,
                         expert_type: str = "swiglu", *, expert: nn.Module | None = None, min_capacity: int = 8,
                         topology=None, dispatcher: str = "deepspeed", dedup: str = "rank", pipeline_chunks: int = 1,
-                        **expert_kwargs):
+                        timeout=None, **expert_kwargs):
     """A ``deepspeed.moe.layer.MoE`` whose gate is ``DistMoEGate``. Its experts are dist-moe's
     (``expert_type``, ``ffn_hidden_size``), or, as ``deepspeed.moe.layer.MoE(expert=...)`` takes it,
     the user's own ``expert`` module, which DeepSpeed copies into every local slot.
@@ -210,7 +210,7 @@ def deepspeed_moe_layer(hidden_size: int, ffn_hidden_size: int | None, router: R
     moe = MoE(hidden_size, expert, num_experts=gate.router.num_experts, ep_size=ep_size, k=1)
     moe.deepspeed_moe.gate = gate
     if dispatcher == "dist_moe":
-        use_dist_moe_dispatcher(moe, dedup, pipeline_chunks, topology)
+        use_dist_moe_dispatcher(moe, dedup, pipeline_chunks, topology, timeout)
     return moe
 
 
@@ -251,13 +251,13 @@ class DeepSpeedHostedMoE(HostedMoE):
                  placement: Placement | None = None, capacity_factor: float | None = None,
                  expert_type: str = "swiglu", *, expert: nn.Module | None = None, min_capacity: int = 8,
                  topology=None, dispatcher: str = "deepspeed", dedup: str = "rank", pipeline_chunks: int = 1,
-                 **expert_kwargs):
+                 timeout=None, **expert_kwargs):
         super().__init__()
         self.hidden_size = hidden_size
         self.moe = deepspeed_moe_layer(hidden_size, ffn_hidden_size, router, ep_size, placement, capacity_factor,
                                        expert_type, expert=expert, min_capacity=min_capacity, topology=topology,
                                        dispatcher=dispatcher, dedup=dedup, pipeline_chunks=pipeline_chunks,
-                                       **expert_kwargs)
+                                       timeout=timeout, **expert_kwargs)
         self._know_nodes(self.gate.placement, topology)
         rank = 0
         if torch.distributed.is_initialized():

@@ -51,17 +51,23 @@ def _layer_class():
     class DistMoEDispatchedMOELayer(CountsTraffic, MOELayer):
         """DeepSpeed's MOELayer whose tokens travel through dist-moe's dispatcher."""
 
-        def configure(self, dedup: str, pipeline_chunks: int, topology: Topology | None) -> None:
-            self.dedup, self.pipeline_chunks, self.topology_given = dedup, pipeline_chunks, topology
+        def configure(self, dedup: str, pipeline_chunks: int, topology: Topology | None, timeout=None) -> None:
+            self.dedup, self.pipeline_chunks, self.topology_given, self.timeout = dedup, pipeline_chunks, topology, timeout
             self.dispatcher, self.topology = None, topology if topology is not None else Topology.flat(self.ep_size)
             self.routed_experts = DeepSpeedExperts(self.experts)
 
         def _set_ep_group(self, ep_group) -> None:
             super()._set_ep_group(ep_group)
+            if self.dedup == "node" and 1 < self.ep_size != torch.distributed.get_world_size():
+                # node groups are made collectively over the world's ranks; an EP group of part of it cannot
+                raise ValueError(f"dedup='node' needs the expert-parallel group to be the whole world "
+                                 f"(ep_size {self.ep_size} of {torch.distributed.get_world_size()} ranks); "
+                                 "use dedup='rank'")
             if self.ep_size > 1:
                 if self.topology_given is None:
                     self.topology = Topology.launched(self.ep_size)
-                self.dispatcher = ExpertParallelDispatcher(ep_group, self.gate.placement, self.topology, self.dedup)
+                self.dispatcher = ExpertParallelDispatcher(ep_group, self.gate.placement, self.topology, self.dedup,
+                                                           self.timeout)
 
         def forward(self, *input: Tensor, **kwargs) -> Tensor:
             x, used_token = input[0], (input[1] if len(input) > 1 else None)
@@ -81,8 +87,8 @@ def _layer_class():
                                         problem=problem, chunks=self.pipeline_chunks)
             gate.last_routing = routing.detached()
             self.l_aux = gate.unscaled_aux(routing.aux_loss)
-            routed = routing.expert_idx >= 0
-            self.exp_counts = torch.bincount(routing.expert_idx[routed], minlength=gate.router.num_experts)
+            idx = routing.expert_idx[routing.expert_idx >= 0]  # by DeepSpeed's physical slot, as its gates count
+            self.exp_counts = torch.bincount(gate.physical_slot.to(idx.device)[idx], minlength=gate.router.num_experts)
             return y.reshape(x.shape)
 
     return DistMoEDispatchedMOELayer
@@ -91,9 +97,11 @@ def _layer_class():
 _CLASS = []
 
 
-def use_dist_moe_dispatcher(moe, dedup: str = "rank", pipeline_chunks: int = 1, topology: Topology | None = None):
+def use_dist_moe_dispatcher(moe, dedup: str = "rank", pipeline_chunks: int = 1, topology: Topology | None = None,
+                            timeout=None):
     """Let a ``deepspeed.moe.layer.MoE`` whose gate is a ``DistMoEGate`` exchange through dist-moe's
-    dispatcher; call before ``set_deepspeed_parallelism()`` / ``deepspeed.initialize``. Returns ``moe``."""
+    dispatcher (before or after ``set_deepspeed_parallelism()`` / ``deepspeed.initialize``). ``topology``:
+    the EP ranks' (None: the launch's); ``timeout`` (a timedelta) bounds node dedup's groups. Returns ``moe``."""
     check_dedup(dedup)
     if isinstance(pipeline_chunks, bool) or not isinstance(pipeline_chunks, int) or pipeline_chunks < 1:
         raise ValueError(f"pipeline_chunks must be an int >= 1, got {pipeline_chunks!r}")
@@ -105,7 +113,13 @@ def use_dist_moe_dispatcher(moe, dedup: str = "rank", pipeline_chunks: int = 1, 
                          "set it to None")
     if not _CLASS:
         _CLASS.append(_layer_class())
+    if topology is not None:  # the node boundary for node_limit / subtree_limit routers
+        from dist_moe.layer import bind_to_topology
+
+        bind_to_topology(old.gate.router, old.gate.placement, topology)
     layer = _CLASS[0](old.gate, old.experts, old.ep_group_name, old.ep_size, old.num_local_experts)
-    layer.configure(dedup, pipeline_chunks, topology)
+    layer.configure(dedup, pipeline_chunks, topology, timeout)
+    if old.ep_group is not None:  # DeepSpeed named the group already
+        layer._set_ep_group(old.ep_group)
     moe.deepspeed_moe = layer
     return moe

@@ -106,6 +106,7 @@ class DistMoERouter(nn.Module):
         if bool((routing.expert_idx < 0).any()):
             raise ValueError("Megatron's dropless dispatch needs every token routed to top_k experts; "
                              "use Megatron's moe_expert_capacity_factor for capacity, not the router's")
+        self.record(routing)
         probs = routing.dense_gates()  # [T, E], gates at the selected experts (the aux loss rides on them)
         routing_map = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, routing.expert_idx, True)
         return probs[:, self.logical_at], routing_map[:, self.logical_at]
@@ -122,26 +123,26 @@ class DistMoERouter(nn.Module):
 
     def routed(self, h: Tensor, extras: dict, valid: Tensor | None):
         """The strategy's ``Routing`` of ``h`` (logical expert ids) with padding's gates at zero and the
-        aux loss reported to Megatron's tracker and attached to the gates (``MoEAuxLossAutoScaler``)."""
+        aux loss attached to the gates (``MoEAuxLossAutoScaler``; scaled by the valid token count under
+        calculate_per_token_loss, as Megatron's routers do). Nothing is recorded yet (``record``)."""
         routing = self.router(h, valid=valid, **extras)
         if valid is not None:  # padding keeps its routes (Megatron sizes its buffers as T x topk)
             routing.gates = routing.gates * valid.unsqueeze(1).to(routing.gates.dtype)  # with zero weight
-        self.last_routing, self.last_aux_loss = routing.detached(), routing.aux_loss.detach()
-        routing.gates = self._attach_aux(routing.gates, self._report_aux(routing.aux_loss, valid, h.shape[0]))
+        aux = routing.aux_loss
+        if getattr(self.router, "aux_loss_coeff", 0.0) and getattr(self.config, "calculate_per_token_loss", False):
+            aux = aux * (valid.sum() if valid is not None else h.shape[0])
+        routing.gates = self._attach_aux(routing.gates, aux)
         return routing
 
-    def _report_aux(self, aux: Tensor, valid: Tensor | None, tokens: int) -> Tensor:
-        """The aux loss as Megatron's routers handle theirs: unscaled into its per-layer tracker (what
-        ``track_moe_metrics`` logs), and scaled by the valid token count under calculate_per_token_loss."""
+    def record(self, routing) -> None:
+        """Once the ranks agreed and the forward goes on: the aux loss, unscaled, into Megatron's
+        per-layer tracker (what ``track_moe_metrics`` logs), and this forward's routing."""
         coeff = getattr(self.router, "aux_loss_coeff", 0.0)
-        if not coeff:
-            return aux
-        layers = self.config.num_layers + (getattr(self.config, "mtp_num_layers", None) or 0)
-        self._track("load_balancing_loss", aux.detach() / coeff, self.layer_number, layers,
-                    reduce_group=self.track_group)
-        if getattr(self.config, "calculate_per_token_loss", False):
-            return aux * (valid.sum() if valid is not None else tokens)
-        return aux
+        if coeff:
+            layers = self.config.num_layers + (getattr(self.config, "mtp_num_layers", None) or 0)
+            self._track("load_balancing_loss", routing.aux_loss.detach() / coeff, self.layer_number, layers,
+                        reduce_group=self.track_group)
+        self.last_routing, self.last_aux_loss = routing.detached(), routing.aux_loss.detach()
 
 
 def aux_coefficient(config) -> float:

@@ -23,7 +23,7 @@ import functools
 import torch
 from torch import Tensor
 
-from dist_moe.dispatch.agree import agreed_routing
+from dist_moe.dispatch.agree import agree, agreed_routing
 from dist_moe.dispatch.dispatcher import CountsTraffic, ExpertParallelDispatcher, dispatch_locally
 from dist_moe.integrations import megatron_patches
 from dist_moe.integrations.megatron import DistMoERouter, MegatronHostedMoE
@@ -63,20 +63,23 @@ def _layer_class():
         """Megatron's MoELayer whose tokens travel through dist-moe's dispatcher."""
 
         def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *,
-                     dedup: str = "rank", pipeline_chunks: int = 1, topology: Topology | None = None):
+                     dedup: str = "rank", pipeline_chunks: int = 1, topology: Topology | None = None, timeout=None):
             check_dedup(dedup)
             if isinstance(pipeline_chunks, bool) or not isinstance(pipeline_chunks, int) or pipeline_chunks < 1:
                 raise ValueError(f"pipeline_chunks must be an int >= 1, got {pipeline_chunks!r}")
-            if config.moe_expert_capacity_factor is not None:
-                raise ValueError(f"config.moe_expert_capacity_factor={config.moe_expert_capacity_factor}: dist-moe's "
-                                 "dispatcher is dropless here; set it to None")
-            if config.moe_latent_size:
-                raise ValueError("config.moe_latent_size: latent projections need Megatron's own dispatcher")
+            _check_config(config)
             super().__init__(config, submodules, layer_number, pg_collection)
             if not isinstance(self.router, DistMoERouter):
                 raise ValueError(f"dist_moe_mlp_spec needs a DistMoERouter at mlp.router, got "
                                  f"{type(self.router).__name__}")
+            if self.moe_layer_recompute or self.shared_experts_recompute:
+                raise ValueError("config.recompute_modules 'moe' / 'shared_experts' recompute Megatron's own "
+                                 "dispatch; dist-moe's dispatcher keeps its own chunk graphs: leave them out")
             world = self.ep_group.size()
+            if dedup == "node" and 1 < world != torch.distributed.get_world_size():
+                # node groups are made collectively over the world's ranks; an EP group of part of it cannot
+                raise ValueError(f"dedup='node' needs the expert-parallel group to be the whole world ({world} of "
+                                 f"{torch.distributed.get_world_size()} ranks); use dedup='rank'")
             self.topology = topology if topology is not None else Topology.launched(world)
             if self.topology.world_size != world:
                 raise ValueError(f"topology {self.topology.describe()} has {self.topology.world_size} ranks, the "
@@ -84,8 +87,11 @@ def _layer_class():
             self.placement: Placement = self.router.placement
             bind_to_topology(self.router.router, self.placement, self.topology)
             self.dedup, self.pipeline_chunks = dedup, pipeline_chunks
-            self.dispatcher = (ExpertParallelDispatcher(self.ep_group, self.placement, self.topology, dedup)
+            self.dispatcher = (ExpertParallelDispatcher(self.ep_group, self.placement, self.topology, dedup, timeout)
                                if world > 1 else None)
+            # ranks that route different tokens beyond this EP group (data parallelism) agree too
+            agree_group = self.router.agree_group
+            self.agree_wider = agree_group is not None and agree_group.size() > world
             self.routed_experts = MegatronExperts(self.experts)
 
         def forward(self, hidden_states: Tensor, intermediate_tensors=None, padding_mask: Tensor | None = None):
@@ -94,22 +100,48 @@ def _layer_class():
                 raise ValueError("partial CUDA-graph capture of the MoE layer needs Megatron's own dispatcher")
             if padding_mask is not None:  # Megatron's layers pass [B, S]; its routers see [S, B]
                 padding_mask = padding_mask.transpose(0, 1).bool()
+            if self.training and self.attn_tp_group.size() > 1 and not self.config.sequence_parallel:
+                raise ValueError("MoE with tensor parallelism needs sequence_parallel in training (as Megatron's "
+                                 "MoELayer requires)")
             router = self.router
             h, extras, valid, problem = router.prepare(hidden_states, padding_mask)
             side = self.shared_experts if self.use_shared_expert else None
-            if self.dispatcher is None:  # one EP rank: the router checks its own input
+            if self.dispatcher is None and not self.agree_wider:  # alone: the router checks its own input
                 routing = router.routed(h, extras, valid)
                 y = dispatch_locally(h, routing.expert_idx, routing.gates, self.routed_experts,
                                      self.placement.slot_table(h.device), side=side)
-            else:  # the input check rides with the exchange's split sizes: no extra collective
+            else:
                 with agreed_routing(router.router):  # a refused input restores the router's buffers
                     routing = router.routed(h, extras, valid)
-                    y = self.dispatcher(h, routing.expert_idx, routing.gates, self.routed_experts,
-                                        tag=router.forwards, problem=problem, chunks=self.pipeline_chunks, side=side)
+                    if self.agree_wider:  # one small all-reduce over every rank that routes its own tokens
+                        agree(problem, router.forwards, router.agree_group, "DistMoERouter")
+                    if self.dispatcher is None:
+                        y = dispatch_locally(h, routing.expert_idx, routing.gates, self.routed_experts,
+                                             self.placement.slot_table(h.device), side=side)
+                    else:  # the EP group's check rides with the exchange's split sizes
+                        y = self.dispatcher(h, routing.expert_idx, routing.gates, self.routed_experts,
+                                            tag=router.forwards, problem=problem, chunks=self.pipeline_chunks,
+                                            side=side)
+            router.record(routing)  # the tracked aux loss and last routing: only once the forward goes on
             out = y if side is None else y[0] + y[1]
             return out.reshape(hidden_states.shape), None
 
     return DistMoEMoELayer
+
+
+def _check_config(config) -> None:
+    """What the layer cannot honour with dist-moe's dispatcher, refused before anything is built."""
+    refused = {"moe_expert_capacity_factor": "dist-moe's dispatcher is dropless here; set it to None",
+               "moe_latent_size": "latent projections need Megatron's own dispatcher",
+               "moe_apply_probs_on_input": "dist-moe gates the experts' outputs, not their inputs",
+               "moe_shared_expert_overlap": "the shared experts already run while the first chunks are in flight"}
+    for name, why in refused.items():
+        value = getattr(config, name, None)
+        if value not in (None, False, 0):
+            raise ValueError(f"config.{name}={value!r}: {why}")
+    if (getattr(config, "expert_tensor_parallel_size", None) or 1) > 1:
+        raise ValueError(f"config.expert_tensor_parallel_size={config.expert_tensor_parallel_size}: tensor-parallel "
+                         "experts leave their reduction to Megatron's dispatcher; dist-moe's needs 1")
 
 
 @functools.cache
@@ -119,13 +151,14 @@ def layer_class():
 
 
 def dist_moe_mlp_spec(router: dict, dedup: str = "rank", pipeline_chunks: int = 1,
-                      placement: Placement | None = None, topology: Topology | None = None, base=None):
+                      placement: Placement | None = None, topology: Topology | None = None, base=None, timeout=None):
     """A ModuleSpec for the MoE MLP of Megatron's GPT layer specs, with dist-moe's router and dispatcher.
 
     ``base``: the spec it replaces (``spec.submodules.mlp``), whose experts and shared experts are
     kept; None builds ``get_moe_module_spec(use_te=False)``'s SequentialMLP experts.
     ``topology=None`` reads the launch topology (``Topology.launched``: torchrun's or DeepSpeed's
-    variables, or ``DIST_MOE_TOPOLOGY``) of the expert-parallel group.
+    variables, or ``DIST_MOE_TOPOLOGY``) of the expert-parallel group. ``timeout`` (a timedelta)
+    bounds the collectives of node dedup's per-node groups (None: torch's default).
     """
     megatron_patches.apply()
     from megatron.core.transformer.moe.moe_layer import MoESubmodules
@@ -142,16 +175,18 @@ def dist_moe_mlp_spec(router: dict, dedup: str = "rank", pipeline_chunks: int = 
     submodules = MoESubmodules(experts=sub.experts, shared_experts=sub.shared_experts,
                                router=functools.partial(DistMoERouter, router=dict(router), placement=placement))
     return ModuleSpec(module=layer_class(), submodules=submodules,
-                      params={"dedup": dedup, "pipeline_chunks": pipeline_chunks, "topology": topology})
+                      params={"dedup": dedup, "pipeline_chunks": pipeline_chunks, "topology": topology,
+                              "timeout": timeout})
 
 
 def megatron_dist_moe_layer(config, router: dict, dedup: str = "rank", pipeline_chunks: int = 1,
-                            placement: Placement | None = None, topology: Topology | None = None, pg_collection=None):
+                            placement: Placement | None = None, topology: Topology | None = None, pg_collection=None,
+                            timeout=None):
     """One Megatron MoELayer (SequentialMLP experts) built from ``dist_moe_mlp_spec``, outside a GPTModel
     (benchmarks, tests). Needs ``parallel_state.initialize_model_parallel`` first."""
     from megatron.core.transformer.spec_utils import build_module
 
-    spec = dist_moe_mlp_spec(router, dedup, pipeline_chunks, placement, topology)
+    spec = dist_moe_mlp_spec(router, dedup, pipeline_chunks, placement, topology, timeout=timeout)
     return build_module(spec, config=config, pg_collection=pg_collection)
 
 
@@ -162,13 +197,14 @@ class MegatronDispatchedMoE(MegatronHostedMoE):
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, router: dict, ep_size: int = 1,
                  placement: Placement | None = None, expert_type: str = "swiglu", device=None,
-                 topology: Topology | None = None, dedup: str = "rank", pipeline_chunks: int = 1):
-        self._dispatch = (dedup, pipeline_chunks)
+                 topology: Topology | None = None, dedup: str = "rank", pipeline_chunks: int = 1, timeout=None):
+        self._dispatch = (dedup, pipeline_chunks, timeout)
         super().__init__(hidden_size, ffn_hidden_size, router, ep_size, placement, "alltoall", expert_type, device,
                          topology)
 
     def _layer(self, config, router: dict, placement, topology):
-        return megatron_dist_moe_layer(config, router, *self._dispatch, placement, topology)
+        dedup, chunks, timeout = self._dispatch
+        return megatron_dist_moe_layer(config, router, dedup, chunks, placement, topology, timeout=timeout)
 
     @property
     def topology(self) -> Topology:

@@ -103,11 +103,15 @@ class DeepSpeedEngine(Engine):
 
     def build_moe(self, rt, hidden, ffn, router, capacity_factor, expert_type, placement):
         if self.dispatches(rt.parallel):  # DeepSpeed's MoE module and experts, dist-moe's dispatcher
+            if capacity_factor is not None:
+                raise ValueError("parallel.deepspeed_dispatcher dist_moe runs dropless: set model.capacity_factor: "
+                                 f"null (got {capacity_factor})")
             from dist_moe.integrations.deepspeed import DeepSpeedDispatchedMoE
 
-            return DeepSpeedDispatchedMoE(hidden, ffn, router, rt.world, placement, capacity_factor, expert_type,
+            return DeepSpeedDispatchedMoE(hidden, ffn, router, rt.world, placement, None, expert_type,
                                           topology=rt.topology(), dedup=rt.parallel["dedup"],
-                                          pipeline_chunks=rt.parallel["pipeline_chunks"])
+                                          pipeline_chunks=rt.parallel["pipeline_chunks"],
+                                          timeout=datetime.timedelta(seconds=rt.timeout_s))
         from dist_moe.integrations.deepspeed import DeepSpeedHostedMoE
 
         return DeepSpeedHostedMoE(hidden, ffn, router, rt.world, placement, capacity_factor, expert_type,
@@ -147,7 +151,8 @@ class MegatronEngine(Engine):
             from dist_moe.integrations.megatron_layer import MegatronDispatchedMoE
 
             return MegatronDispatchedMoE(hidden, ffn, router, rt.world, placement, expert_type, rt.device,
-                                         rt.topology(), rt.parallel["dedup"], rt.parallel["pipeline_chunks"])
+                                         rt.topology(), rt.parallel["dedup"], rt.parallel["pipeline_chunks"],
+                                         datetime.timedelta(seconds=rt.timeout_s))
         from dist_moe.integrations.megatron import MegatronHostedMoE
 
         return MegatronHostedMoE(hidden, ffn, router, rt.world, placement, rt.parallel["megatron_dispatcher"],

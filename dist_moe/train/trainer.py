@@ -238,9 +238,9 @@ class _Run:
             record = {"loss": math.nan, "skipped": 1.0}
         else:
             record = self.strategy(self.model, self.step_fn, xb, yb, cb)
+            self.step_bytes.take()  # a step that ran its forwards (a skipped one sent nothing)
         # this step's time and its time blocked in exchanges, averaged over ranks with the losses
         record.update(step_s=time.perf_counter() - step_start, exchange_wait_s=blocked_seconds() - waited)
-        self.step_bytes.take()
         record = _mean_over_ranks(record, rt)
         self.train_seconds += time.perf_counter() - step_start
         self.exchange_wait_s += record["exchange_wait_s"]
