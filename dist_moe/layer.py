@@ -1,11 +1,13 @@
-"""MoELayer = router + (dispatcher) + local experts (+ shared expert).
+"""MoELayer = router + dispatcher + local experts (+ shared expert).
 
-With ``group=None`` or a world of one, every expert is local: tokens are grouped
-by expert with one sort, each expert runs once on its contiguous slice, and
-gated outputs are scattered back with ``index_add``. With a larger group, the
-router runs on this rank's tokens, and the expert-parallel dispatcher sends
-them to the ranks that hold their experts under ``placement`` (default
-contiguous) over ``topology`` (default: from the launcher's variables).
+Its forward reads tokens -> route -> capacity -> dispatch -> experts -> combine
+(``dispatch/moe_forward.py``, shared with the engines' layers). With ``group=None``
+or a world of one, the dispatcher is local (``LocalDispatcher``: tokens grouped by
+expert with one sort, each expert once on its contiguous slice, gated outputs
+scattered back with ``index_add``). With a larger group, the router runs on this
+rank's tokens, and the expert-parallel dispatcher sends them to the ranks that
+hold their experts under ``placement`` (default contiguous) over ``topology``
+(default: from the launcher's variables).
 A router built here from a dict reduces its data-parallel statistics (BRANCH
 anchor sums, DeepSeek-V3 loads) over the same group, whose ranks hold
 different tokens.
@@ -17,9 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dist_moe.dispatch.agree import agreed_routing, input_problem
-from dist_moe.dispatch.dispatcher import CountsTraffic, ExpertParallelDispatcher, dispatch_locally
+from dist_moe.dispatch.contract import Dispatcher
+from dist_moe.dispatch.dispatcher import CountsTraffic, make_dispatcher
 from dist_moe.dispatch.groups import WeakGroup
+from dist_moe.dispatch.moe_forward import Tokens, route_and_dispatch, tokens_in
 from dist_moe.experts import Experts, SharedExpert
 from dist_moe.routing import Router, Routing, build_router
 from dist_moe.routing.capacity import capacity_for, capacity_step, check_one_capacity
@@ -82,7 +85,7 @@ class MoELayer(CountsTraffic, nn.Module):
         bind_to_topology(router, placement, topology)  # may raise: before the dispatcher creates any group
         rank = dist.get_rank(group) if world > 1 else 0
         self.local_expert_ids = placement.local_experts(rank)
-        self.dispatcher = ExpertParallelDispatcher(group, placement, topology, dedup, timeout) if world > 1 else None
+        self.dispatcher: Dispatcher = make_dispatcher(group, placement, topology, dedup, timeout)
         self.experts = _local_experts(world, rank, len(self.local_expert_ids), hidden_size, ffn_hidden_size,
                                       expert_type, **expert_kwargs)
         self.shared_expert = SharedExpert(hidden_size, shared_expert_hidden) if shared_expert_hidden else None
@@ -104,54 +107,58 @@ class MoELayer(CountsTraffic, nn.Module):
         """x [..., hidden]; categories / token_ids per token (or [B] per sequence);
         padding_mask [B, S] bool, True at padding (routed like any token, left out of the
         router's statistics: aux loss, loads, anchors, biases; and of per-example summaries such
-        as GAR's)."""
+        as GAR's). Returns (y [..., hidden], the router's aux loss)."""
         self.forwards += 1
-        if x.shape[-1] != self.hidden_size:
-            raise ValueError(f"MoELayer input last dim {x.shape[-1]} != hidden_size {self.hidden_size}")
+        tokens = self._tokens(x, categories, token_ids, padding_mask)
+        # route -> capacity (self._route), then dispatch -> experts -> combine (pipelined by chunk)
+        routing, y = route_and_dispatch(tokens, self.router, self._route, self.dispatcher, self.experts,
+                                        chunks=self.pipeline_chunks, side=self.shared_expert,
+                                        copy_meta=tokens.categories, row_tags=self._row_tags(x, padding_mask))
+        if self.shared_expert is not None:  # it ran while the first chunks were in flight
+            y = y[0] + y[1]
+        self._record(routing, tokens, x.shape, padding_mask)
+        return y.reshape(x.shape), routing.aux_loss
+
+    def _tokens(self, x: Tensor, categories, token_ids, padding_mask) -> Tokens:
+        """Checked and flattened: [T, H] tokens and per-token categories, token ids and validity."""
         shape = x.shape
+        if shape[-1] != self.hidden_size:
+            raise ValueError(f"MoELayer input last dim {shape[-1]} != hidden_size {self.hidden_size}")
         if padding_mask is not None and padding_mask.shape != shape[:-1]:
             raise ValueError(f"padding_mask must have shape {tuple(shape[:-1])}, got {tuple(padding_mask.shape)}")
-        h = x.reshape(-1, self.hidden_size)
-        categories = per_token(categories, shape, "categories")
-        token_ids = per_token(token_ids, shape, "token_ids")
-        if self.dispatcher is None:
-            return self._forward(h, shape, categories, token_ids, padding_mask)
-        # bad input is agreed on at the first exchange, not raised here by one rank alone
-        problem = input_problem(h, categories, getattr(self.router, "num_categories", None))
-        with agreed_routing(self.router):
-            return self._forward(h, shape, categories, token_ids, padding_mask, problem)
-
-    def _forward(self, h, shape, categories, token_ids, padding_mask, problem=None):
         valid = None if padding_mask is None else ~padding_mask.reshape(-1)  # padding stays out of statistics
-        routing = self.router(h, categories=categories, token_ids=token_ids, valid=valid)
+        return tokens_in(x.reshape(-1, self.hidden_size), self.forwards, self.router,
+                         per_token(categories, shape, "categories"), per_token(token_ids, shape, "token_ids"), valid)
+
+    def _route(self, tokens: Tokens) -> Routing:
+        """The strategy's routing, then capacity (drops), then any zero-ablation."""
+        routing = tokens.route(self.router)
         routing.expert_idx, routing.gates = capacity_step(
             routing.expert_idx, routing.gates, self.num_experts, self.capacity_factor, routing.stats)
         if self.ablated_experts:  # the expert still runs; its gated output is zeroed (denominators unchanged)
-            off = torch.isin(routing.expert_idx, torch.tensor(sorted(self.ablated_experts), device=h.device))
+            off = torch.isin(routing.expert_idx, torch.tensor(sorted(self.ablated_experts), device=tokens.h.device))
             routing.gates = torch.where(off, torch.zeros_like(routing.gates), routing.gates)
+        return routing
+
+    def _row_tags(self, x: Tensor, padding_mask: Tensor | None) -> Tensor | None:
+        """Per-token tags the experts' capture asks for (GAR's source examples), or None."""
         capture = self.experts.capture
-        tags = None if capture is None or capture.source_tags is None else capture.source_tags(shape[:-1], padding_mask,
-                                                                                              h.device)
-        if self.dispatcher is None:
-            y = dispatch_locally(h, routing.expert_idx, routing.gates, self.experts, row_tags=tags,
-                                 side=self.shared_expert)
-        else:  # the shared expert runs while the first chunks are in flight
-            y = self.dispatcher(h, routing.expert_idx, routing.gates, self.experts, copy_meta=categories,
-                                row_tags=tags, tag=self.forwards, problem=problem, chunks=self.pipeline_chunks,
-                                side=self.shared_expert)
-        if self.shared_expert is not None:
-            y = y[0] + y[1]
+        if capture is None or capture.source_tags is None:
+            return None
+        return capture.source_tags(x.shape[:-1], padding_mask, x.device)
+
+    def _record(self, routing: Routing, tokens: Tokens, shape, padding_mask) -> None:
+        """What diagnostics and GAR's recomputation read after the forward."""
         self.last_routing = routing.detached()  # keeping the graph alive would pin activations
-        self.last_router_input = h.detach()
-        self.last_router_extras = {"categories": categories, "token_ids": token_ids}
+        self.last_router_input = tokens.h.detach()
+        self.last_router_extras = tokens.extras
         self.last_token_layout = (tuple(shape[:-1]), padding_mask)
-        return y.reshape(shape), routing.aux_loss
 
     def moe_view(self):
         """This layer's router, experts and last inputs (``dist_moe.moe_view.MoEView``)."""
         from dist_moe.moe_view import MoEView
 
-        ep = self.dispatcher is not None
+        ep = self.dispatcher.exchanges
         return MoEView(self.router, {n: [p] for n, p in self.experts.template().items()}, True,
                        list(self.experts.parameters()),
                        lambda: (self.last_router_input, self.last_router_extras, self.last_token_layout),
@@ -175,7 +182,7 @@ class MoELayer(CountsTraffic, nn.Module):
     @property
     def metadata_bytes(self) -> int:
         """Routing metadata (expert ids, gates, categories) this rank sent since the last reset."""
-        return 0 if self.dispatcher is None else self.dispatcher.metadata_bytes
+        return self.dispatcher.metadata_bytes
 
 
 def bind_to_topology(router: Router, placement: Placement, topology: Topology) -> None:

@@ -133,7 +133,8 @@ def after_exchange_time(model, data, rt) -> dict:
     from dist_moe.dispatch.calibrate import replay_dispatch, slowest
     from dist_moe.moe_view import moe_layers
 
-    layers = [m for m in moe_layers(model) if getattr(m, "dispatcher", None) is not None]  # dist-moe's, exchanging
+    # dist-moe's dispatcher, exchanging
+    layers = [m for m in moe_layers(model) if getattr(getattr(m, "dispatcher", None), "exchanges", False)]
     if not layers:
         return {}
     batch = data.x_train[torch.randperm(len(data.x_train))[:STEP_BATCH]].to(rt.device)

@@ -99,6 +99,12 @@ class Placement:
                 slot[e] = i
         return torch.tensor(slot, dtype=torch.long, device=device)
 
+    def engine_slots(self) -> torch.Tensor:
+        """[E] where an engine that keeps experts contiguous (slot s on rank s // (E/W): Megatron,
+        DeepSpeed) holds each expert under this placement: its rank * E/W + its local slot, so the
+        experts the engine holds on rank r are ``local_experts(r)`` in order."""
+        return self.rank_tensor() * (self.num_experts // self.world_size) + self.local_slot_tensor()
+
     def check(self, num_experts: int, world_size: int) -> None:
         if self.num_experts != num_experts or self.world_size != world_size:
             raise ValueError(

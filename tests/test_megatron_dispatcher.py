@@ -133,7 +133,7 @@ def _worker(rank, world, topology_spec, cases, ckpt_dir):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from dist_moe.integrations.megatron_layer import dist_moe_mlp_spec
+    from dist_moe.integrations.megatron import dist_moe_mlp_spec
     from placement import Topology
 
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world)

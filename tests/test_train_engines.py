@@ -16,8 +16,8 @@ GAR_PIPELINED = [*GAR, "parallel.pipeline_chunks=2"]  # factor captures per chun
 LM = ["--config", "configs/lm_branch.yaml", "data.per_domain=150", "data.seq_len=32", "train.max_steps=25",
       "data.categories=domains", "router.type=specdrop", "router.num_categories=4", "router.p_assigned=0.7",
       "parallel.placement=contiguous"]
-# Megatron's layer and experts with dist-moe's dispatcher, pipelined
-MEGATRON_DIST_MOE = ["parallel.megatron_dispatcher=dist_moe", "parallel.pipeline_chunks=2"]
+# Megatron's layer and experts with dist-moe's dispatcher, pipelined (megatron_dispatcher auto picks it)
+MEGATRON_DIST_MOE = ["parallel.pipeline_chunks=2"]
 # DeepSpeed's MoE module and experts under deepspeed.initialize, dist-moe's dispatcher, pipelined
 DEEPSPEED_DIST_MOE = ["parallel.deepspeed_dispatcher=dist_moe", "parallel.pipeline_chunks=2"]
 COMMON = ["data.max_rows=3000", "train.epochs=3", "train.batch_size=64", "train.log_every=5", "train.lr=3e-3"]
@@ -49,6 +49,7 @@ RUNS = {
     "torch": [["parallel.dedup=rank", "parallel.pipeline_chunks=3"],
               ["parallel.dedup=none", "parallel.placement=round_robin"], GAR_PIPELINED],
     # the allgather dispatcher and GAR on Megatron-hosted experts: test_engine_megatron.py, layer by layer
+    # LM: lm_branch.yaml's parallel.dedup node takes both engines through dist-moe's dispatcher (auto)
     "megatron": [["parallel.megatron_dispatcher=alltoall"], LM, MEGATRON_DIST_MOE],
     "deepspeed": [GAR, LM, DEEPSPEED_DIST_MOE],
 }
@@ -71,7 +72,9 @@ def _check_run(out: Path, engine: str, extra: list[str]) -> None:
     summary = json.loads((out / "summary.json").read_text())
     # bytes: uniform is 0.004
     assert summary["engine"] == engine and summary["val_acc"] > (0.1 if extra is LM else 0.7), extra
-    if engine == "torch" or extra in (MEGATRON_DIST_MOE, DEEPSPEED_DIST_MOE):  # dist-moe's dispatcher: bytes
+    # dist-moe's dispatcher logs bytes: engine torch, and the engines' dispatcher auto / dist_moe runs
+    # (LM's parallel.dedup node picks it); the engines' own log none
+    if engine == "torch" or extra in (MEGATRON_DIST_MOE, DEEPSPEED_DIST_MOE, LM):
         lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         sent = [sum(v for k, v in r.items() if k.startswith("bytes_")) for r in lines if "loss" in r]
         assert sent and all(b > 0 for b in sent)

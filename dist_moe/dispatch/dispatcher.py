@@ -49,16 +49,40 @@ def routing_pairs(expert_idx: Tensor, gates: Tensor) -> tuple[Tensor, Tensor, Te
     return token, expert_idx.reshape(-1)[valid], gates.reshape(-1)[valid]
 
 
-def dispatch_locally(h: Tensor, expert_idx: Tensor, gates: Tensor, experts, slot_of: Tensor | None = None,
-                     row_tags: Tensor | None = None, side: nn.Module | None = None):
-    """``ExpertParallelDispatcher``'s call when every expert is on this rank (one process, or one
-    expert-parallel rank): nothing is exchanged, so there is nothing to agree on (the router checks
-    its own input). ``slot_of`` maps expert ids to local slots (None: the same). Returns y [T, H],
-    or (y, side(h)) with a ``side`` module, as the dispatcher does."""
-    token, expert, gate = routing_pairs(expert_idx, gates)
-    slot = expert if slot_of is None else slot_of[expert]
-    y = apply_experts(experts, h, token, slot, gate, row_tags).to(h.dtype)  # accumulated in fp32
-    return y if side is None else (y, side(h))
+class LocalDispatcher:
+    """The dispatcher when every expert is on this rank (one process, or one expert-parallel rank):
+    nothing is exchanged, so there is nothing to agree on (the router checks its own input). Experts
+    run once each on their contiguous slice of the rows, grouped with one sort."""
+
+    exchanges = False
+    rank = 0
+    metadata_bytes = 0
+
+    def __init__(self, placement: Placement):
+        self.placement = placement  # its slot table maps expert ids to this rank's slots
+
+    def __call__(self, h: Tensor, expert_idx: Tensor, gates: Tensor, experts, copy_meta: Tensor | None = None,
+                 row_tags: Tensor | None = None, tag: int | None = None, problem: Tensor | None = None,
+                 chunks: int = 1, side: nn.Module | None = None):
+        token, expert, gate = routing_pairs(expert_idx, gates)
+        slot = self.placement.slot_table(h.device)[expert]
+        y = apply_experts(experts, h, token, slot, gate, row_tags).to(h.dtype)  # accumulated in fp32
+        return y if side is None else (y, side(h))
+
+    @property
+    def traffic(self) -> Tensor:
+        return torch.zeros(self.placement.world_size, self.placement.world_size, dtype=torch.long)
+
+    def reset_traffic(self) -> None:
+        pass
+
+
+def make_dispatcher(group, placement: Placement, topology: Topology, dedup: str = "rank", timeout=None):
+    """``ExpertParallelDispatcher`` over ``group`` when it has more than one rank, else ``LocalDispatcher``."""
+    world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+    if world == 1:
+        return LocalDispatcher(placement)
+    return ExpertParallelDispatcher(group, placement, topology, dedup, timeout)
 
 
 # weak values: torch.distributed owns the groups, and destroy_process_group() frees them (groups.py)
@@ -99,6 +123,7 @@ def release_node_groups() -> None:
 
 
 class ExpertParallelDispatcher:
+    exchanges = True
     group = WeakGroup()  # both held weakly: torch.distributed owns them (groups.py)
     node_group = WeakGroup()
 

@@ -38,13 +38,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dist_moe.dispatch.agree import agree, agreed_routing, input_problem
+from dist_moe.dispatch.agree import agree, agreed_routing
+from dist_moe.dispatch.moe_forward import Tokens, tokens_in
 from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.experts import SingleExpert
 from dist_moe.integrations import deepspeed_patches
 from dist_moe.integrations.context import routing_extras
 from dist_moe.integrations.deepspeed_dispatch import use_dist_moe_dispatcher
-from dist_moe.integrations.hosted import HostedMoE
+from dist_moe.integrations.hosted import DispatchedHost, HostedMoE
 from dist_moe.routing import Router, build_router
 from dist_moe.routing.capacity import apply_capacity, capacity_for, check_one_capacity, slot_positions
 from dist_moe.seeding import fork_rng
@@ -77,11 +78,6 @@ class DistMoEGate(nn.Module):
             raise ValueError(f"DeepSpeed needs num_experts ({e}) divisible by ep_size ({ep_size})")
         placement = placement if placement is not None else Placement.contiguous(e, ep_size)
         placement.check(e, ep_size)
-        per_rank = e // ep_size
-        uneven = [r for r in range(ep_size) if len(placement.local_experts(r)) != per_rank]
-        if uneven:
-            raise ValueError(f"DeepSpeed holds {per_rank} experts on every EP rank; the placement gives rank "
-                             f"{uneven[0]} {len(placement.local_experts(uneven[0]))}")
         if capacity_factor is not None:
             capacity_for(1, 1, 1, capacity_factor)  # validates
         check_one_capacity(router, capacity_factor)
@@ -93,8 +89,7 @@ class DistMoEGate(nn.Module):
             bind_to_topology(router, placement, topology)
         self.router, self.placement, self.ep_size = router, placement, ep_size
         self.capacity_factor, self.min_capacity = capacity_factor, min_capacity
-        self.register_buffer("physical_slot", placement.rank_tensor() * per_rank + placement.local_slot_tensor(),
-                             persistent=False)
+        self.register_buffer("physical_slot", placement.engine_slots(), persistent=False)
         self.ep_group = None
         self.forwards = 0  # the tag every EP rank agrees on (dist_moe/dispatch/agree.py)
         self.last_routing = None
@@ -122,7 +117,8 @@ class DistMoEGate(nn.Module):
         # bad input is agreed on by every EP rank (one all-reduce that also agrees on the capacity):
         # a rank that raised alone would pair its next batch with its peers' current one
         with agreed_routing(self.router):
-            routing, problem = self.route(x, used_token)
+            tokens = self.tokens(x, used_token)
+            routing = self.route(tokens)
             idx, gates = routing.expert_idx, routing.gates
             if self.capacity_factor is not None:  # DeepSpeed's rule, from the largest token count
                 need = x.shape[0]
@@ -130,7 +126,7 @@ class DistMoEGate(nn.Module):
                 counts = torch.bincount(idx[idx >= 0], minlength=e)
                 need = int(counts.max()) if counts.numel() else 0
             group = self.ep_group if self.ep_size > 1 else None
-            (agreed,) = agree(problem, self.forwards, group, "DistMoEGate", maxima=(need,))
+            (agreed,) = agree(tokens.problem, tokens.tag, group, "DistMoEGate", maxima=(need,))
         if self.capacity_factor is not None:
             capacity = deepspeed_capacity(agreed, idx.shape[1], e, self.capacity_factor, self.min_capacity)
             idx, gates, dropped = apply_capacity(idx, gates, e, capacity)
@@ -146,21 +142,23 @@ class DistMoEGate(nn.Module):
         self.last_routing = routing.detached()
         return self.unscaled_aux(routing.aux_loss), capacity, e, physical.t(), locations.t(), gates.t(), exp_counts
 
-    def route(self, x: Tensor, used_token: Tensor | None = None):
-        """Count this forward and route ``x`` [S, M] with the strategy (logical expert ids; tokens
-        with ``used_token`` 0 routed nowhere and left out of its statistics): (routing, the input
-        problem code the EP ranks agree on)."""
+    def tokens(self, x: Tensor, used_token: Tensor | None = None) -> Tokens:
+        """Count this forward; ``x`` [S, M] with categories / token ids from ``routing_context`` and
+        tokens whose ``used_token`` is 0 out of the router's statistics."""
         extras = routing_extras(x.shape[0])
         self.last_router_input, self.last_router_extras = x.detach(), extras  # for GAR's recomputation
         self.forwards += 1
-        problem = input_problem(x, extras.get("categories"), getattr(self.router, "num_categories", None))
-        used = None if used_token is None else used_token.reshape(-1) > 0  # unused: out of the statistics
-        routing = self.router(x, valid=used, **extras)
-        if used is not None:
-            used = used.unsqueeze(1)
+        used = None if used_token is None else used_token.reshape(-1) > 0
+        return tokens_in(x, self.forwards, self.router, extras.get("categories"), extras.get("token_ids"), used)
+
+    def route(self, tokens: Tokens):
+        """The strategy's routing (logical expert ids); unused tokens routed nowhere."""
+        routing = tokens.route(self.router)
+        if tokens.valid is not None:
+            used = tokens.valid.unsqueeze(1)
             routing.expert_idx = torch.where(used, routing.expert_idx, -1)
             routing.gates = torch.where(used, routing.gates, torch.zeros_like(routing.gates))
-        return routing, problem
+        return routing
 
     def unscaled_aux(self, aux: Tensor) -> Tensor:
         """DeepSpeed's convention: a gate returns l_aux without its coefficient and the training loop
@@ -320,7 +318,7 @@ class DeepSpeedHostedMoE(HostedMoE):
                        ep, gate._ep_rank())
 
 
-class DeepSpeedDispatchedMoE(DeepSpeedHostedMoE):
+class DeepSpeedDispatchedMoE(DispatchedHost, DeepSpeedHostedMoE):
     """``DeepSpeedHostedMoE`` with ``dispatcher="dist_moe"`` (the trainer's ``engine: deepspeed`` with
     ``parallel.deepspeed_dispatcher: dist_moe``): the layer measures its bytes (``traffic``) as
     dist-moe's own MoELayer does."""
@@ -329,27 +327,8 @@ class DeepSpeedDispatchedMoE(DeepSpeedHostedMoE):
         super().__init__(*args, dispatcher="dist_moe", **kwargs)
 
     @property
-    def _layer(self):
+    def dispatched(self):
         return self.moe.deepspeed_moe
-
-    @property
-    def topology(self):
-        return self._layer.topology
-
-    @property
-    def placement(self):
-        return self.gate.placement
-
-    @property
-    def dedup(self) -> str:
-        return self._layer.dedup
-
-    @property
-    def traffic(self):
-        return self._layer.traffic
-
-    def reset_traffic(self) -> None:
-        self._layer.reset_traffic()
 
 
 def expert_slots(expert: nn.Module) -> dict:

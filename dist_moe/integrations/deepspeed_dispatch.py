@@ -13,11 +13,13 @@ expert-parallel group (``set_deepspeed_parallelism`` / ``deepspeed.initialize``)
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
-from dist_moe.dispatch.agree import agreed_routing
-from dist_moe.dispatch.dispatcher import CountsTraffic, ExpertParallelDispatcher, dispatch_locally
+from dist_moe.dispatch.dispatcher import CountsTraffic, LocalDispatcher, make_dispatcher
+from dist_moe.dispatch.moe_forward import route_and_dispatch
 from dist_moe.integrations import deepspeed_patches
 from placement import Topology
 from placement.plan import check_dedup
@@ -44,7 +46,9 @@ class DeepSpeedExperts:
         return torch.cat(outs)
 
 
-def _layer_class():
+@functools.cache
+def layer_class():
+    """``DistMoEDispatchedMOELayer``: DeepSpeed's MOELayer with dist-moe's dispatcher (built on first use)."""
     deepspeed_patches.apply()
     from deepspeed.moe.sharded_moe import MOELayer
 
@@ -53,7 +57,10 @@ def _layer_class():
 
         def configure(self, dedup: str, pipeline_chunks: int, topology: Topology | None, timeout=None) -> None:
             self.dedup, self.pipeline_chunks, self.topology_given, self.timeout = dedup, pipeline_chunks, topology, timeout
-            self.dispatcher, self.topology = None, topology if topology is not None else Topology.flat(self.ep_size)
+            self.topology = topology if topology is not None else Topology.flat(self.ep_size)
+            self.placement = self.gate.placement
+            # one EP rank: every expert is here; more: made once DeepSpeed names the group (_set_ep_group)
+            self.dispatcher = LocalDispatcher(self.gate.placement) if self.ep_size == 1 else None
             self.routed_experts = DeepSpeedExperts(self.experts)
 
         def _set_ep_group(self, ep_group) -> None:
@@ -66,25 +73,17 @@ def _layer_class():
             if self.ep_size > 1:
                 if self.topology_given is None:
                     self.topology = Topology.launched(self.ep_size)
-                self.dispatcher = ExpertParallelDispatcher(ep_group, self.gate.placement, self.topology, self.dedup,
-                                                           self.timeout)
+                self.dispatcher = make_dispatcher(ep_group, self.placement, self.topology, self.dedup, self.timeout)
 
         def forward(self, *input: Tensor, **kwargs) -> Tensor:
             x, used_token = input[0], (input[1] if len(input) > 1 else None)
-            h = x.reshape(-1, x.shape[-1])
+            if self.dispatcher is None:
+                raise ValueError("the dist_moe dispatcher has no expert-parallel group yet: call "
+                                 "set_deepspeed_parallelism() (deepspeed.initialize does)")
             gate = self.gate  # a DistMoEGate
-            if self.dispatcher is None:  # one EP rank: every expert is here, the router checks its input
-                if self.ep_size > 1:
-                    raise ValueError("the dist_moe dispatcher has no expert-parallel group yet: call "
-                                     "set_deepspeed_parallelism() (deepspeed.initialize does)")
-                routing, _ = gate.route(h, used_token)
-                y = dispatch_locally(h, routing.expert_idx, routing.gates, self.routed_experts,
-                                     gate.placement.slot_table(h.device))
-            else:  # the input check rides with the exchange's split sizes: no extra collective
-                with agreed_routing(gate.router):
-                    routing, problem = gate.route(h, used_token)
-                    y = self.dispatcher(h, routing.expert_idx, routing.gates, self.routed_experts, tag=gate.forwards,
-                                        problem=problem, chunks=self.pipeline_chunks)
+            tokens = gate.tokens(x.reshape(-1, x.shape[-1]), used_token)
+            routing, y = route_and_dispatch(tokens, gate.router, gate.route, self.dispatcher, self.routed_experts,
+                                            what="DistMoEGate", chunks=self.pipeline_chunks)
             gate.last_routing = routing.detached()
             self.l_aux = gate.unscaled_aux(routing.aux_loss)
             idx = routing.expert_idx[routing.expert_idx >= 0]  # by DeepSpeed's physical slot, as its gates count
@@ -92,9 +91,6 @@ def _layer_class():
             return y.reshape(x.shape)
 
     return DistMoEDispatchedMOELayer
-
-
-_CLASS = []
 
 
 def use_dist_moe_dispatcher(moe, dedup: str = "rank", pipeline_chunks: int = 1, topology: Topology | None = None,
@@ -106,18 +102,16 @@ def use_dist_moe_dispatcher(moe, dedup: str = "rank", pipeline_chunks: int = 1, 
     if isinstance(pipeline_chunks, bool) or not isinstance(pipeline_chunks, int) or pipeline_chunks < 1:
         raise ValueError(f"pipeline_chunks must be an int >= 1, got {pipeline_chunks!r}")
     old = moe.deepspeed_moe
-    if not (hasattr(old.gate, "route") and hasattr(old.gate, "unscaled_aux")):  # DistMoEGate's (deepspeed.py)
+    if not (hasattr(old.gate, "tokens") and hasattr(old.gate, "unscaled_aux")):  # DistMoEGate's (deepspeed.py)
         raise ValueError(f"the dist_moe dispatcher routes with a DistMoEGate, got {type(old.gate).__name__}")
     if old.gate.capacity_factor is not None:
         raise ValueError(f"capacity_factor={old.gate.capacity_factor}: the dist_moe dispatcher is dropless; "
                          "set it to None")
-    if not _CLASS:
-        _CLASS.append(_layer_class())
     if topology is not None:  # the node boundary for node_limit / subtree_limit routers
         from dist_moe.layer import bind_to_topology
 
         bind_to_topology(old.gate.router, old.gate.placement, topology)
-    layer = _CLASS[0](old.gate, old.experts, old.ep_group_name, old.ep_size, old.num_local_experts)
+    layer = layer_class()(old.gate, old.experts, old.ep_group_name, old.ep_size, old.num_local_experts)
     layer.configure(dedup, pipeline_chunks, topology, timeout)
     if old.ep_group is not None:  # DeepSpeed named the group already
         layer._set_ep_group(old.ep_group)

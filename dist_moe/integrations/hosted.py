@@ -43,3 +43,31 @@ class HostedMoE(nn.Module):
         with routing_context(categories=categories, token_ids=token_ids):
             y, aux = self._run(x.reshape(-1, self.hidden_size), padding)
         return y.reshape(x.shape), aux
+
+
+class DispatchedHost:
+    """Mixed into a ``HostedMoE`` whose engine layer (``dispatched``) moves its tokens through dist-moe's
+    dispatcher: the layer's topology, placement, dedup and measured bytes, as dist-moe's MoELayer has them."""
+
+    @property
+    def dispatched(self):
+        raise NotImplementedError
+
+    @property
+    def topology(self):
+        return self.dispatched.topology
+
+    @property
+    def placement(self):
+        return self.dispatched.placement
+
+    @property
+    def dedup(self) -> str:
+        return self.dispatched.dedup
+
+    @property
+    def traffic(self):
+        return self.dispatched.traffic
+
+    def reset_traffic(self) -> None:
+        self.dispatched.reset_traffic()

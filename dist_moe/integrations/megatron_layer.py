@@ -9,7 +9,7 @@ The layer is Megatron's ``MoELayer``: its experts (``SequentialMLP``; ``GroupedM
 ``TEGroupedMLP`` where installed), shared experts, aux-loss tracker, ``sharded_state_dict`` and
 ``moe_*`` config fields stay Megatron's. The router is a ``DistMoERouter`` at ``mlp.router`` and the
 experts stay at ``mlp.experts``, so the state-dict keys are those of the router swap
-(``megatron.py``) and a checkpoint moves between the two. Only the tokens move another way:
+(``megatron.py``, ``megatron_router.py``) and a checkpoint moves between the two. Only the tokens move another way:
 dist-moe's expert-parallel dispatcher (rank or node dedup, pipelined chunks, bytes measured per
 topology level) in place of Megatron's token dispatcher. Megatron's experts scale by the gate
 inside (``per_token_scale``); here they run with a scale of 1 and the dispatcher gates their
@@ -23,12 +23,12 @@ import functools
 import torch
 from torch import Tensor
 
-from dist_moe.dispatch.agree import agree, agreed_routing
-from dist_moe.dispatch.dispatcher import CountsTraffic, ExpertParallelDispatcher, dispatch_locally
+from dist_moe.dispatch.dispatcher import CountsTraffic, make_dispatcher
+from dist_moe.dispatch.moe_forward import route_and_dispatch
 from dist_moe.integrations import megatron_patches
-from dist_moe.integrations.megatron import DistMoERouter, MegatronHostedMoE
+from dist_moe.integrations.megatron_router import DistMoERouter
 from dist_moe.layer import bind_to_topology
-from placement import Placement, Topology, Traffic
+from placement import Placement, Topology
 from placement.plan import check_dedup
 
 
@@ -55,7 +55,9 @@ class MegatronExperts:
         return out
 
 
-def _layer_class():
+@functools.cache
+def layer_class():
+    """``DistMoEMoELayer``: Megatron's MoELayer with dist-moe's dispatcher (built on first use)."""
     megatron_patches.apply()
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
@@ -87,9 +89,7 @@ def _layer_class():
             self.placement: Placement = self.router.placement
             bind_to_topology(self.router.router, self.placement, self.topology)
             self.dedup, self.pipeline_chunks = dedup, pipeline_chunks
-            self.dispatcher = (ExpertParallelDispatcher(self.ep_group, self.placement, self.topology, dedup, timeout)
-                               if world > 1 else None)
-            # ranks that route different tokens beyond this EP group (data parallelism) agree too
+            self.dispatcher = make_dispatcher(self.ep_group, self.placement, self.topology, dedup, timeout)
             agree_group = self.router.agree_group
             self.agree_wider = agree_group is not None and agree_group.size() > world
             self.routed_experts = MegatronExperts(self.experts)
@@ -104,24 +104,12 @@ def _layer_class():
                 raise ValueError("MoE with tensor parallelism needs sequence_parallel in training (as Megatron's "
                                  "MoELayer requires)")
             router = self.router
-            h, extras, valid, problem = router.prepare(hidden_states, padding_mask)
+            tokens = router.prepare(hidden_states, padding_mask)
             side = self.shared_experts if self.use_shared_expert else None
-            if self.dispatcher is None and not self.agree_wider:  # alone: the router checks its own input
-                routing = router.routed(h, extras, valid)
-                y = dispatch_locally(h, routing.expert_idx, routing.gates, self.routed_experts,
-                                     self.placement.slot_table(h.device), side=side)
-            else:
-                with agreed_routing(router.router):  # a refused input restores the router's buffers
-                    routing = router.routed(h, extras, valid)
-                    if self.agree_wider:  # one small all-reduce over every rank that routes its own tokens
-                        agree(problem, router.forwards, router.agree_group, "DistMoERouter")
-                    if self.dispatcher is None:
-                        y = dispatch_locally(h, routing.expert_idx, routing.gates, self.routed_experts,
-                                             self.placement.slot_table(h.device), side=side)
-                    else:  # the EP group's check rides with the exchange's split sizes
-                        y = self.dispatcher(h, routing.expert_idx, routing.gates, self.routed_experts,
-                                            tag=router.forwards, problem=problem, chunks=self.pipeline_chunks,
-                                            side=side)
+            # ranks that route different tokens beyond this EP group (data parallelism) agree too
+            routing, y = route_and_dispatch(tokens, router.router, router.routed, self.dispatcher, self.routed_experts,
+                                            agree_group=router.agree_group if self.agree_wider else None,
+                                            what="DistMoERouter", chunks=self.pipeline_chunks, side=side)
             router.record(routing)  # the tracked aux loss and last routing: only once the forward goes on
             out = y if side is None else y[0] + y[1]
             return out.reshape(hidden_states.shape), None
@@ -142,12 +130,6 @@ def _check_config(config) -> None:
     if (getattr(config, "expert_tensor_parallel_size", None) or 1) > 1:
         raise ValueError(f"config.expert_tensor_parallel_size={config.expert_tensor_parallel_size}: tensor-parallel "
                          "experts leave their reduction to Megatron's dispatcher; dist-moe's needs 1")
-
-
-@functools.cache
-def layer_class():
-    """``DistMoEMoELayer``: Megatron's MoELayer with dist-moe's dispatcher (built on first use)."""
-    return _layer_class()
 
 
 def dist_moe_mlp_spec(router: dict, dedup: str = "rank", pipeline_chunks: int = 1,
@@ -188,39 +170,3 @@ def megatron_dist_moe_layer(config, router: dict, dedup: str = "rank", pipeline_
 
     spec = dist_moe_mlp_spec(router, dedup, pipeline_chunks, placement, topology, timeout=timeout)
     return build_module(spec, config=config, pg_collection=pg_collection)
-
-
-class MegatronDispatchedMoE(MegatronHostedMoE):
-    """``MegatronHostedMoE`` over ``dist_moe_mlp_spec``'s layer (the trainer's ``engine: megatron`` with
-    ``parallel.megatron_dispatcher: dist_moe``): dist-moe's dispatcher moves the tokens, so the layer
-    has dedup, pipeline chunks and measured bytes, as dist-moe's own MoELayer does."""
-
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, router: dict, ep_size: int = 1,
-                 placement: Placement | None = None, expert_type: str = "swiglu", device=None,
-                 topology: Topology | None = None, dedup: str = "rank", pipeline_chunks: int = 1, timeout=None):
-        self._dispatch = (dedup, pipeline_chunks, timeout)
-        super().__init__(hidden_size, ffn_hidden_size, router, ep_size, placement, "alltoall", expert_type, device,
-                         topology)
-
-    def _layer(self, config, router: dict, placement, topology):
-        dedup, chunks, timeout = self._dispatch
-        return megatron_dist_moe_layer(config, router, dedup, chunks, placement, topology, timeout=timeout)
-
-    @property
-    def topology(self) -> Topology:
-        return self.moe.topology
-
-    @property
-    def placement(self) -> Placement:
-        return self.moe.placement
-
-    @property
-    def dedup(self) -> str:
-        return self.moe.dedup
-
-    @property
-    def traffic(self) -> Traffic:
-        return self.moe.traffic
-
-    def reset_traffic(self) -> None:
-        self.moe.reset_traffic()

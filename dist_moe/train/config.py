@@ -42,10 +42,11 @@ DEFAULT_CONFIG: dict = {
     # timeout_s: how long any collective may wait for a peer before every rank stops with an error
     # device: auto (this process's GPU when one is visible, else the CPU), cpu or cuda; the backend follows
     # pipeline_chunks: C > 1 cuts each exchange into C token chunks in flight while experts run; it and dedup
-    # apply to dist-moe's dispatcher: engine torch, or megatron / deepspeed with megatron_dispatcher /
-    # deepspeed_dispatcher dist_moe (the engines' own dispatchers send one copy per selected expert)
-    "parallel": {"placement": "contiguous", "dedup": "rank", "megatron_dispatcher": "alltoall",
-                 "deepspeed_dispatcher": "deepspeed", "timeout_s": 300.0, "device": "auto", "pipeline_chunks": 1},
+    # apply to dist-moe's dispatcher: engine torch, or megatron / deepspeed through megatron_dispatcher /
+    # deepspeed_dispatcher dist_moe. auto (their default): dist_moe when dedup is node or pipeline_chunks > 1,
+    # else the engine's own (alltoall / deepspeed), which sends one copy per selected expert
+    "parallel": {"placement": "contiguous", "dedup": "rank", "megatron_dispatcher": "auto",
+                 "deepspeed_dispatcher": "auto", "timeout_s": 300.0, "device": "auto", "pipeline_chunks": 1},
     # categories: a coarse label per row (data.CATEGORY_SETS), required by specdrop routing
     # name "corpus": the multi-domain byte corpus (dist_moe/data/corpus.py) for model.kind lm, with seq_len and
     # per_domain sequences; categories "domains" makes each sequence's domain its category.
@@ -94,8 +95,8 @@ _RULES = {
     "parallel.placement": (str, False, (f"one of {', '.join(PLACEMENTS)} or a placement .yaml (dist-moe place --out)",
                                         lambda v: v in PLACEMENTS or v.endswith((".yaml", ".yml")))),
     "parallel.dedup": (str, False, _one_of(DEDUP_MODES)),
-    "parallel.megatron_dispatcher": (str, False, _one_of((*DISPATCHERS, "dist_moe"))),
-    "parallel.deepspeed_dispatcher": (str, False, _one_of(("deepspeed", "dist_moe"))),
+    "parallel.megatron_dispatcher": (str, False, _one_of(("auto", *DISPATCHERS, "dist_moe"))),
+    "parallel.deepspeed_dispatcher": (str, False, _one_of(("auto", "deepspeed", "dist_moe"))),
     # beyond a week a hung peer is never reported; far beyond, the backends' own timers overflow
     "parallel.timeout_s": (float, False, (f"a number of seconds in (0, {MAX_TIMEOUT_S}] (a week)",
                                           lambda v: 0 < v <= MAX_TIMEOUT_S)),
@@ -165,13 +166,32 @@ def validate(cfg: dict) -> dict:
         raise e.under("router") from None
     if cfg["train"]["gar"] is not None:
         GARConfig.for_router(cfg["train"]["gar"], cfg["router"]["type"])
-    chunks = cfg["parallel"]["pipeline_chunks"]
-    if not ENGINES[cfg["engine"]].dispatches(cfg["parallel"]) and chunks != 1:  # before any process group exists
-        own = {"megatron": "parallel.megatron_dispatcher: dist_moe",
-               "deepspeed": "parallel.deepspeed_dispatcher: dist_moe"}.get(cfg["engine"], "engine: torch")
-        raise ValueError(f"parallel.pipeline_chunks={chunks} pipelines dist-moe's own dispatcher ({own}); "
-                         f"engine {cfg['engine']} exchanges through its own: set it to 1")
+    _check_engine_dispatch(cfg)
     return cfg
+
+
+def _check_engine_dispatch(cfg: dict) -> None:
+    """Before any process group exists: what only dist-moe's dispatcher does, refused when the config
+    names the engine's own (it would be silently ignored); dist-moe's dispatcher in an engine is dropless."""
+    engine = cfg["engine"]
+    if engine == "torch":
+        return
+    key = f"parallel.{engine}_dispatcher"
+    if ENGINES[engine].dispatches(cfg["parallel"]):
+        if cfg["model"]["capacity_factor"] is not None:
+            raise ValueError(f"engine {engine} through dist-moe's dispatcher ({key}: "
+                             f"{cfg['parallel'][f'{engine}_dispatcher']}, with parallel.dedup="
+                             f"{cfg['parallel']['dedup']}, parallel.pipeline_chunks={cfg['parallel']['pipeline_chunks']}) "
+                             f"runs dropless: set model.capacity_factor: null (got {cfg['model']['capacity_factor']})")
+        return
+    chunks, dedup = cfg["parallel"]["pipeline_chunks"], cfg["parallel"]["dedup"]
+    if chunks != 1:
+        raise ValueError(f"parallel.pipeline_chunks={chunks} pipelines dist-moe's own dispatcher ({key}: dist_moe "
+                         f"or auto); {key}: {cfg['parallel'][f'{engine}_dispatcher']} exchanges through the engine's "
+                         "own: set it to 1")
+    if dedup == "node":  # the engines' own dispatchers send one copy per (token, expert)
+        raise ValueError(f"parallel.dedup=node is dist-moe's dispatcher's ({key}: dist_moe or auto); {key}: "
+                         f"{cfg['parallel'][f'{engine}_dispatcher']} sends one copy per (token, expert)")
 
 
 def _finite(v) -> bool:

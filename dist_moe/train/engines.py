@@ -9,6 +9,8 @@ deepspeed  DeepSpeed's MoE layer with dist-moe's gate; ``deepspeed.initialize`` 
 megatron   Megatron-core's MoELayer with dist-moe's router; its tokens move through
            ``parallel.megatron_dispatcher``: Megatron's alltoall or allgather, or dist_moe (dist-moe's
            dispatcher: ``parallel.dedup``, ``parallel.pipeline_chunks``); plain Adam.
+           Both keys default to auto: dist_moe when the config asks for node dedup or pipelined
+           chunks (``chooses_dist_moe``), else the engine's own.
 
 Every engine puts all experts across the launched world (expert parallelism = world size) and
 keeps the router, placement and topology of the config. An ``Engine`` is what differs between
@@ -23,6 +25,13 @@ from torch import nn
 
 # the engine releases whose internals dist-moe's adapters and patches were written against
 SUPPORTED = {"deepspeed": ("deepspeed", "0.19."), "megatron": ("megatron-core", "0.16.")}
+
+
+def chooses_dist_moe(choice: str, parallel: dict) -> bool:
+    """An engine's ``parallel.<engine>_dispatcher``: dist_moe, or auto when the config asks for what only
+    dist-moe's dispatcher does (node dedup, pipelined chunks)."""
+    return choice == "dist_moe" or (choice == "auto" and (parallel["dedup"] == "node" or
+                                                          parallel["pipeline_chunks"] > 1))
 
 
 class Engine:
@@ -94,7 +103,7 @@ class DeepSpeedEngine(Engine):
 
     @staticmethod
     def dispatches(parallel):
-        return parallel["deepspeed_dispatcher"] == "dist_moe"
+        return chooses_dist_moe(parallel["deepspeed_dispatcher"], parallel)
 
     def before_group(self, timeout_s, device):
         from dist_moe.integrations.deepspeed import init_distributed
@@ -133,7 +142,7 @@ class MegatronEngine(Engine):
 
     @staticmethod
     def dispatches(parallel):
-        return parallel["megatron_dispatcher"] == "dist_moe"
+        return chooses_dist_moe(parallel["megatron_dispatcher"], parallel)
 
     def after_group(self, rt):
         from dist_moe.integrations import megatron_patches
@@ -148,14 +157,15 @@ class MegatronEngine(Engine):
             raise ValueError("engine megatron runs dropless: set model.capacity_factor: null "
                              f"(got {capacity_factor})")
         if self.dispatches(rt.parallel):  # Megatron's layer and experts, dist-moe's dispatcher
-            from dist_moe.integrations.megatron_layer import MegatronDispatchedMoE
+            from dist_moe.integrations.megatron import MegatronDispatchedMoE
 
             return MegatronDispatchedMoE(hidden, ffn, router, rt.world, placement, expert_type, rt.device,
                                          rt.topology(), rt.parallel["dedup"], rt.parallel["pipeline_chunks"],
                                          datetime.timedelta(seconds=rt.timeout_s))
         from dist_moe.integrations.megatron import MegatronHostedMoE
 
-        return MegatronHostedMoE(hidden, ffn, router, rt.world, placement, rt.parallel["megatron_dispatcher"],
+        own = rt.parallel["megatron_dispatcher"]
+        return MegatronHostedMoE(hidden, ffn, router, rt.world, placement, "alltoall" if own == "auto" else own,
                                  expert_type, device=rt.device, topology=rt.topology())
 
     def shutdown(self):

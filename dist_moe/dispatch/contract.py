@@ -1,0 +1,51 @@
+"""The two contracts every MoE layer here is built from (Megatron-core's router / token dispatcher
+/ experts split): a dispatcher moves routed tokens to their experts and back; experts compute
+on the rows that arrived. ``MoELayer`` and both engines' layers hold one of each.
+
+Dispatchers: ``LocalDispatcher`` (every expert on this rank: nothing exchanged) and
+``ExpertParallelDispatcher`` (over a process group; rank or node dedup; pipelined by chunk),
+both in ``dispatcher.py``; ``make_dispatcher`` picks one. Experts: dist-moe's ``Experts``,
+``MegatronExperts`` (Megatron's SequentialMLP) and ``DeepSpeedExperts`` (DeepSpeed's copies).
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+from torch import Tensor, nn
+
+
+class ExpertsContract(Protocol):
+    """Rows grouped by local expert in, one output row per input row out."""
+
+    num_experts: int  # local experts on this rank
+    capture: object | None  # GAR's factor capture (dist-moe's Experts only), else None
+
+    def __call__(self, x: Tensor, counts: list[int], tags: Tensor | None = None) -> Tensor: ...
+
+    def template(self) -> dict[str, Tensor]:
+        """The trainable tensors the dispatch's backward returns gradients for."""
+        ...
+
+
+class Dispatcher(Protocol):
+    """dispatch a routed batch by its ``DispatchPlan`` -> run ``experts`` on what arrived -> combine the
+    gated outputs back per token. One call does all three, so the pipelined implementation can run
+    one chunk's experts while the others' exchanges are in flight."""
+
+    exchanges: bool  # True: other ranks take part, and the exchange's header carries the agreement
+    rank: int
+    metadata_bytes: int
+
+    def __call__(self, h: Tensor, expert_idx: Tensor, gates: Tensor, experts: ExpertsContract,
+                 copy_meta: Tensor | None = None, row_tags: Tensor | None = None, tag: int | None = None,
+                 problem: Tensor | None = None, chunks: int = 1,
+                 side: nn.Module | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """h [T, H], expert_idx / gates [T, K] (-1: dropped) -> y [T, H], or (y, side(h))."""
+        ...
+
+    @property
+    def traffic(self) -> Tensor:
+        """[W, W] int64 payload bytes this rank sent to each peer since the last reset (its row)."""
+        ...
+
+    def reset_traffic(self) -> None: ...

@@ -1,0 +1,72 @@
+"""One dispatcher contract and one routing prologue for dist-moe's MoELayer and both engines'
+layers (the local == expert-parallel equality on one rank is tests/test_gpu_check.py's ep_fp32;
+across ranks, tests/test_layer.py, test_megatron_dispatcher.py and test_deepspeed_dispatcher.py)."""
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_moe.dispatch.contract import Dispatcher
+from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher, LocalDispatcher
+from dist_moe.layer import MoELayer
+from placement import Placement
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = ["dist_moe/layer.py", "dist_moe/integrations/megatron_layer.py", "dist_moe/integrations/deepspeed_dispatch.py"]
+
+
+def _calls(path: str) -> set:
+    names = set()
+    for node in ast.walk(ast.parse((ROOT / path).read_text())):
+        if isinstance(node, ast.Call):
+            f = node.func
+            names.add(f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else "")
+    return names
+
+
+def test_every_layer_runs_the_one_forward_and_none_writes_the_prologue_again():
+    for path in LAYERS:
+        calls = _calls(path)
+        assert "route_and_dispatch" in calls, path
+        # the agreement and the input check belong to dispatch/moe_forward.py alone
+        assert not calls & {"agreed_routing", "agree", "input_problem", "ExpertParallelDispatcher"}, path
+    # the engines' routers build their tokens with tokens_in, as MoELayer does
+    for path in ("dist_moe/layer.py", "dist_moe/integrations/megatron_router.py", "dist_moe/integrations/deepspeed.py"):
+        assert "tokens_in" in _calls(path) and "input_problem" not in _calls(path), path
+
+
+def test_both_dispatchers_have_the_contracts_members():
+    members = {n for n in vars(Dispatcher) if not n.startswith("_")} | set(Dispatcher.__annotations__) | {"__call__"}
+    assert {"exchanges", "traffic", "reset_traffic", "metadata_bytes", "rank"} <= members
+    for cls in (LocalDispatcher, ExpertParallelDispatcher):
+        missing = [m for m in members if not hasattr(cls, m) and m not in ("rank", "metadata_bytes")]
+        assert not missing, (cls.__name__, missing)
+    assert LocalDispatcher.exchanges is False and ExpertParallelDispatcher.exchanges is True
+
+
+def test_the_local_dispatcher_counts_nothing_and_maps_ids_to_slots():
+    layer = MoELayer(8, 16, {"type": "switch", "num_experts": 4, "top_k": 2})
+    assert isinstance(layer.dispatcher, LocalDispatcher) and not layer.dispatcher.exchanges
+    layer(torch.randn(5, 8))
+    assert layer.traffic.matrix.tolist() == [[0]] and layer.metadata_bytes == 0
+
+
+def test_engine_slots_are_where_contiguous_engines_hold_each_expert():
+    p = Placement.round_robin(8, 2)  # expert e on rank e % 2, local slot e // 2
+    assert p.engine_slots().tolist() == [(e % 2) * 4 + e // 2 for e in range(8)]
+    for r in range(2):  # the engine holds local_experts(r) in order at slots r * E/W ...
+        assert [int(p.engine_slots()[e]) for e in p.local_experts(r)] == list(range(r * 4, r * 4 + 4))
+    with pytest.raises(ValueError, match=r"every rank must hold 4 experts, got counts \[5, 3\]"):
+        Placement([0, 0, 0, 0, 0, 1, 1, 1], 2)  # why the engines need no check of their own
+
+
+def test_the_design_names_import_where_it_puts_them():
+    pytest.importorskip("megatron.core")
+    from dist_moe.integrations import megatron_layer, megatron_router
+    from dist_moe.integrations.deepspeed import deepspeed_moe_layer  # noqa: F401
+    from dist_moe.integrations.megatron import DistMoERouter, dist_moe_mlp_spec, megatron_dist_moe_layer
+
+    assert dist_moe_mlp_spec is megatron_layer.dist_moe_mlp_spec
+    assert megatron_dist_moe_layer is megatron_layer.megatron_dist_moe_layer
+    assert DistMoERouter is megatron_router.DistMoERouter
