@@ -3,7 +3,7 @@ PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test lint install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -29,6 +29,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 timeout 2400 $(PY) -m pytest -q
+
+# ruff's settings: pyproject.toml [tool.ruff]
+lint: $(STAMP)
+	.venv/bin/ruff check .
 
 clean:
 	rm -rf .venv runs data

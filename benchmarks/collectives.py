@@ -72,7 +72,8 @@ def worker(rank, world, out_path):
     gathered = [None] * world
     dist.all_gather_object(gathered, rows)
     if rank == 0:
-        lines = ["| dedup | chunks | all-to-alls forward | backward | other collectives (fwd + bwd) | same on every rank |",
+        lines = ["| dedup | chunks | all-to-alls forward | backward | other collectives (fwd + bwd) "
+                 "| same on every rank |",
                  "|---|---|---|---|---|---|"]
         for i, (dedup, chunks, fwd, both) in enumerate(rows):
             a2a_f = fwd.get("all_to_all_single", 0)

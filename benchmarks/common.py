@@ -12,9 +12,9 @@ import copy
 import torch
 import torch.nn.functional as F
 
+from dist_moe.data.tabular import tabular_split
 from dist_moe.models import TabularMoE
 from dist_moe.train.config import load_config
-from dist_moe.data.tabular import tabular_split
 
 E, K = 16, 4
 ROUTERS = {
@@ -50,20 +50,11 @@ def train_router(router_cfg: dict, expert_groups: torch.Tensor, d_model: int = 0
     return model.eval(), data
 
 
-@torch.no_grad()
-def coactivation(expert_idx: torch.Tensor, num_experts: int = E) -> torch.Tensor:
-    """[E, E] count of tokens that selected both experts."""
-    onehot = torch.zeros(expert_idx.shape[0], num_experts)
-    onehot.scatter_(1, expert_idx.clamp_min(0), (expert_idx >= 0).float())
-    c = onehot.t() @ onehot
-    c.fill_diagonal_(0)
-    return c
-
-
 def optimized_placement(model, data, topology):
     """Placement.optimized from the co-activation counts of the training split under ``model``."""
     from placement import Placement
+    from placement.placement import coactivation
 
     with torch.no_grad():
         model(data.x_train)
-    return Placement.optimized(coactivation(model.moe.last_routing.expert_idx), topology)
+    return Placement.optimized(coactivation(model.moe.last_routing.expert_idx, E), topology)

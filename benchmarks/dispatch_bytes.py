@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import E, ROUTERS, optimized_placement, train_router  # noqa: E402
+from benchmarks.common import ROUTERS, E, optimized_placement, train_router  # noqa: E402
 from placement import Placement, Topology, dispatch_traffic, tree_distance  # noqa: E402
 from tests.dist_utils import run_workers  # noqa: E402
 

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import E, ROUTERS, optimized_placement, train_router  # noqa: E402
+from benchmarks.common import ROUTERS, E, optimized_placement, train_router  # noqa: E402
 from dist_moe.dispatch.calibrate import calibrate, replay_dispatch, slowest  # noqa: E402
 from dist_moe.dispatch.process_group import shutdown  # noqa: E402
 from placement import Placement, Topology, Traffic  # noqa: E402
@@ -139,7 +139,8 @@ def measure(ffn: int) -> None:
               f"over {world} ranks, E={E}, top-4, expert ffn {ffn}, dropless")
         for name, c in cost.levels.items():
             link = "per node" if c.shared else "per rank"
-            print(f"fitted {name:>5}: alpha {1e6 * c.alpha_s:8.1f} us, bandwidth {c.bandwidth_Bps / 1e6:9.1f} MB/s {link}")
+            print(f"fitted {name:>5}: alpha {1e6 * c.alpha_s:8.1f} us, "
+                  f"bandwidth {c.bandwidth_Bps / 1e6:9.1f} MB/s {link}")
         print(f"collective latency {1e6 * cost.latency_s:.0f} us, overlap {cost.overlap:.2f}, "
               f"chunks in flight {cost.chunked:.2f}x the time of one exchange")
         base_a2a, base_layer = rows[0][5], rows[0][7]
@@ -158,7 +159,8 @@ def measure(ffn: int) -> None:
         for what, errors in (("all-to-all", a2a_errors), ("layer fwd+bwd", layer_errors)):
             print(f"model error, {what}: median {100 * statistics.median(errors):.0f}%, max {100 * max(errors):.0f}% "
                   "(|predicted - measured| / measured)")
-        print(f"ratios: to switch + contiguous + none, C = 1, whose all-to-all is {100 * 4 * base_a2a / base_layer:.0f}% "
+        print("ratios: to switch + contiguous + none, C = 1, whose all-to-all is "
+              f"{100 * 4 * base_a2a / base_layer:.0f}% "
               "of its layer fwd+bwd (4 exchanges: dispatch and combine, forward and backward)")
         peer = min((r for r in rows if r[0] == "deepseek_v3 node-limited M=1" and r[2] == "node"), key=lambda r: r[7])
         mine = min((r for r in rows if r[0] == "branch subtree_limit=1" and r[2] == "node"), key=lambda r: r[7])

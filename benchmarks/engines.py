@@ -77,8 +77,8 @@ def worker(rank, world, args, out_path):
     megatron_patches.apply()
     from megatron.core import parallel_state
 
-    from dist_moe.integrations.megatron import megatron_config, megatron_moe_layer, sent_bytes
     from dist_moe.integrations.megatron import load_dist_moe_experts as load_megatron
+    from dist_moe.integrations.megatron import megatron_config, megatron_moe_layer, sent_bytes
     from dist_moe.integrations.megatron_layer import megatron_dist_moe_layer
 
     torch.set_num_threads(1)
@@ -202,7 +202,8 @@ def report(world: int, totals: dict, args) -> None:
         print(f"{name} / Megatron alltoall (TopKRouter's switch) = {totals[name][0] / mg:.2f}x"
               + (goal if "BRANCH" in name else ""))
     for name in (n for n in totals if n.startswith("DeepSpeed+dm")):
-        print(f"{name} / DeepSpeed MOELayer (switch) = {totals[name][0] / ds:.2f}x" + (goal if "BRANCH" in name else ""))
+        print(f"{name} / DeepSpeed MOELayer (switch) = {totals[name][0] / ds:.2f}x"
+              + (goal if "BRANCH" in name else ""))
 
 
 def main() -> None:

@@ -75,7 +75,8 @@ def main() -> None:
     }
     times = {name: timed(fwd_bwd(build_router(c).train(), x, cats), a.repeats) for name, c in cfgs.items()}
     ref = times["switch"]
-    print(f"T={a.tokens} H={a.hidden} E={a.experts} K={a.top_k}, {torch.get_num_threads()} threads, best of {a.repeats}")
+    print(f"T={a.tokens} H={a.hidden} E={a.experts} K={a.top_k}, {torch.get_num_threads()} threads, "
+          f"best of {a.repeats}")
     print(f"{'router':<20}{'ms':>9}{'vs switch':>11}")
     for name, t in times.items():
         print(f"{name:<20}{1e3 * t:>9.2f}{t / ref:>10.2f}x")

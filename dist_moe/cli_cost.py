@@ -8,10 +8,10 @@ import time
 from pathlib import Path
 
 from placement import Placement, Topology
+from placement.cost import CostModel
 from placement.exact import EXACT_MAX_EXPERTS, exact_placement
 from placement.files import read_yaml
 from placement.placement import NAMED as PLACEMENTS
-from placement.cost import CostModel
 from placement.report import link_rates, write_report
 from placement.simulate import RoutingRecord, simulate
 from placement.traffic import DEDUP_MODES, dispatch_traffic

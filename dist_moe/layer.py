@@ -14,7 +14,6 @@ different tokens.
 """
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn

@@ -28,8 +28,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer.moe.moe_utils import track_moe_metrics  # noqa: E402
 
-from dist_moe.integrations.megatron import DistMoERouter  # noqa: E402
-from dist_moe.integrations.megatron import dist_moe_mlp_spec  # noqa: E402
+from dist_moe.integrations.megatron import DistMoERouter, dist_moe_mlp_spec  # noqa: E402
 
 STEPS, BATCH, SEQ, VOCAB, EXPERTS = 4, 4, 16, 64, 4
 

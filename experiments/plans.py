@@ -191,7 +191,8 @@ def throughput_link(seeds=(0,), steps: int = 40) -> Plan:
     return plan
 
 
-LM_ROUTER_ARMS = ("branch_linear", "branch_linear_limit1", "branch_linear_limit1_bal", "switch", "deepseek_v3", "deepseek_v3_node1")
+LM_ROUTER_ARMS = ("branch_linear", "branch_linear_limit1", "branch_linear_limit1_bal", "switch", "deepseek_v3",
+                  "deepseek_v3_node1")
 
 
 def lm_routers(seeds=range(3), steps: int = 200) -> Plan:

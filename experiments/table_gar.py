@@ -5,7 +5,7 @@ import numpy as np
 
 from experiments.plans import GAR_ARMS
 from experiments.stats import paired
-from experiments.tables import by, runs_header
+from experiments.table_cells import by, runs_header
 
 METRICS = (("val_macro_acc", "macro acc"), ("lvar", "LVar"), ("utilization", "Util"),
            ("gradient_purity", "grad purity"), ("nmi", "NMI"))
@@ -14,7 +14,8 @@ METRICS = (("val_macro_acc", "macro acc"), ("lvar", "LVar"), ("utilization", "Ut
 def make(rows, out_dir) -> str:
     groups = by(rows, "arm")
     base = {r["seed"]: r for r in groups.get(("task_only",), [])}
-    lines = [f"{runs_header('gar', rows, 'arm')} One process: same-task groups span the whole batch. Five tasks from installed text (WordNet part of speech, "
+    lines = [f"{runs_header('gar', rows, 'arm')} One process: same-task groups span the whole batch. "
+             "Five tasks from installed text (WordNet part of speech, "
              "noun and verb lexicographer files, fortunes-min source, corpus domain), 400 examples each, 20% "
              "held out by the seed; frozen all-MiniLM-L6-v2 token states (32 tokens), E=8 LoRA experts (rank 8) "
              "top-4, switch router (jitter 0.01), groups of 8 same-task examples, 5 epochs (170 steps), Adam lr "

@@ -5,7 +5,7 @@ import numpy as np
 
 from experiments.plans import DATASETS, ROUTER_ARMS
 from experiments.stats import paired
-from experiments.tables import by, fmt, mean_sd, runs_header
+from experiments.table_cells import by, fmt, mean_sd, runs_header
 from placement.report import legend_below
 
 FLAT = ("switch", "deepseek_v3", "skywork", "hash")  # the unlimited flat routers

@@ -5,7 +5,7 @@ import numpy as np
 
 from experiments.plans import SPECDROP_ARMS
 from experiments.stats import paired
-from experiments.tables import by, mean_sd, runs_header
+from experiments.table_cells import by, mean_sd, runs_header
 
 LABELS = {"fashion_mnist": "Fashion-MNIST, 4 garment superclasses (this project's grouping; 20,000 images, 3 epochs)",
           "wordnet_glosses": "WordNet glosses -> 45 lexicographer files inside 4 parts of speech "

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from experiments.step_model import calibrated_cost, moe_share, predicted_steps
-from experiments.tables import runs_header
+from experiments.table_cells import runs_header
 from placement.report import legend_below
 
 
@@ -15,7 +15,8 @@ def make(rows, out_dir) -> str:
     cost = calibrated_cost(calib[-1])
     fit = calib[-1]["calibration"]
     lines = [f"{runs_header('throughput', runs, 'router', 'placement', 'dedup')} launch/emulate_cluster.sh: 2 "
-             "network-namespace nodes x 2 ranks, inter-node link shaped to 400 mbit. The tiny LM of `configs/lm_branch.yaml` "
+             "network-namespace nodes x 2 ranks, inter-node link shaped to 400 mbit. "
+             "The tiny LM of `configs/lm_branch.yaml` "
              f"(E=8, top-2, 2 MoE layers, d_model 64), 16 sequences x 64 bytes per rank, {base['steps']} steps, "
              "seed 0; step time is the trainer's `train_seconds` / steps (evaluation excluded). Links calibrated "
              "at the start of the launch: " + ", ".join(
@@ -33,13 +34,14 @@ def make(rows, out_dir) -> str:
                      f"{1e3 * r['measured_a2a_s']:.1f} | {1e3 * pred_step:.1f} | "
                      f"{base['step_s'] / pred_step:.2f}x | {100 * err:+.0f}% |")
         points.append((f"{r['router']}/{r['placement'][:5]}/{r['dedup']}", r["step_s"], pred_step))
-    _plot(points, out_dir / "throughput.png")
+    plot_throughput(points, out_dir / "throughput.png")
     lines += ["", "Ratios are throughput (tokens/s) over switch + contiguous + no dedup; the predicted ratio is "
-              f"baseline step / predicted step. Model error: {summary}.", "", "![measured and predicted step times](results/throughput.png)"]
+              f"baseline step / predicted step. Model error: {summary}.", "",
+              "![measured and predicted step times](results/throughput.png)"]
     return "\n".join(lines)
 
 
-def _plot(points, path) -> None:
+def plot_throughput(points, path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

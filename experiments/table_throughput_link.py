@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from experiments.plans import LINK_REGIMES
-from experiments.table_throughput import _plot
-from experiments.tables import runs_header
 from experiments.step_model import calibrated_cost, moe_share, predicted_steps
+from experiments.table_cells import runs_header
+from experiments.table_throughput import plot_throughput
 
 # multi-node MoE training reports, for the all-to-all's share of a step (cited in the table)
 LITERATURE = ("FSMoE (Pan et al., ASPLOS 2025) profiles the communication of multi-node MoE training (all-to-all, "
@@ -23,7 +23,7 @@ def make(rows, out_dir) -> str:
             lines, regime_points = _regime_table(regime, runs, cost)
             parts.append(lines)
             points += regime_points
-    _plot(points, out_dir / "throughput_link.png")
+    plot_throughput(points, out_dir / "throughput_link.png")
     return "\n\n".join(parts) + ("\n\nRatios are tokens/s over each regime's baseline (switch + contiguous + no "
                                   f"dedup, C = 1). For the all-to-all's share in the literature: {LITERATURE}.\n\n"
                                   "![measured and predicted step times](results/throughput_link.png)")

@@ -110,8 +110,14 @@ class LevelSplit:
 def exact_placement(coactivation, topology, time_limit_s: float = 10.0, sweeps: int = 200):
     """(Placement, [LevelSplit]): ``Placement.optimized``'s level-by-level splits, each solved by the ILP
     from the heuristic's split (so never worse than it); ``time_limit_s`` per split."""
-    from placement.placement import Placement, balanced_partition, cut_weight, shares_of, split_by_levels, \
-        symmetric_coactivation
+    from placement.placement import (
+        Placement,
+        balanced_partition,
+        cut_weight,
+        shares_of,
+        split_by_levels,
+        symmetric_coactivation,
+    )
 
     c = symmetric_coactivation(coactivation)
     if c.shape[0] > EXACT_MAX_EXPERTS:

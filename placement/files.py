@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-
 MAX_YAML_BYTES = 1 << 20  # 1 MiB: a config or placement is kilobytes (65,536 experts' placement: ~0.5 MB)
 MAX_YAML_DEPTH = 50  # nesting levels; a config has 4
 MAX_YAML_NODES = 1_000_000  # values once every alias is expanded
@@ -185,8 +184,8 @@ def read_yaml_mapping(path, what: str, required=(), optional=()) -> dict:
 
 @contextlib.contextmanager
 def replacing(path, mode: int = 0o644):
-    """A binary file (permissions ``mode``) that becomes ``path`` when the block ends. It is written beside ``path`` under a
-    fresh name (``mkstemp``: O_EXCL, so never through a planted link) and renamed over it: a reader
+    """A binary file (permissions ``mode``) that becomes ``path`` when the block ends. It is written beside
+    ``path`` under a fresh name (``mkstemp``: O_EXCL, so never through a planted link) and renamed over it: a reader
     never sees half a file, and a symlink planted at ``path`` is replaced, not written through."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

@@ -112,7 +112,6 @@ def exchange_counts(expert_idx: torch.Tensor, src: torch.Tensor, placement: Plac
 
 def stage_seconds(per_level: dict, topology: Topology, scale: float, token_bytes: int) -> dict:
     """Alpha-beta seconds per level for one stage's counts, scaled to the full batch."""
-    w = topology.world_size
     out = {}
     for i, name in enumerate(topology.levels):
         c = topology.cost.levels[name]

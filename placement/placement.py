@@ -165,6 +165,16 @@ class Placement:
         return cls(etr, world)
 
 
+def coactivation(expert_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E, E] float32 from [T, K] routing: how many tokens selected both experts (diagonal: each
+    expert's selections). A dropped slot (-1) counts nowhere: it goes to a spare column that is cut off
+    (clamping it to 0 and scattering a 0 there would overwrite a token's real selection of expert 0)."""
+    onehot = torch.zeros(expert_idx.shape[0], num_experts + 1)
+    onehot.scatter_(1, torch.where(expert_idx >= 0, expert_idx, num_experts).long().cpu(), 1.0)
+    onehot = onehot[:, :num_experts]
+    return onehot.t() @ onehot
+
+
 def symmetric_coactivation(coactivation) -> torch.Tensor:
     """C as float64, checked, symmetrised, with a zero diagonal (what every placement objective reads)."""
     c = torch.as_tensor(coactivation, dtype=torch.float64)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from placement.files import read_npz, replacing, write_atomic
-from placement.placement import Placement
+from placement.placement import Placement, coactivation
 from placement.topology import Topology
 from placement.traffic import DEDUP_MODES, dispatch_traffic
 
@@ -113,10 +113,7 @@ class RoutingRecord:
         e = self.num_experts
         check_memory(4 * (e + 1) * (2 * e + self.expert_idx.shape[0]), f"the co-activation of {e} recorded experts",
                      "record a run with fewer experts")
-        onehot = torch.zeros(self.expert_idx.shape[0], e + 1)
-        onehot.scatter_(1, torch.where(self.expert_idx >= 0, self.expert_idx, e), 1.0)
-        onehot = onehot[:, :e]
-        return onehot.t() @ onehot
+        return coactivation(self.expert_idx, e)
 
 
 def _dispatch(routing: Path) -> dict | None:

@@ -105,7 +105,8 @@ def check_equivalence(router: str, dedup: str, topology: Topology, placement: Pl
         dst = placement.rank_tensor()[ep.last_routing.expert_idx.clamp_min(0)][ep.last_routing.expert_idx >= 0]
         pairs = int((dst != rank).sum())
         copies = pairs if dedup == "none" else sum(
-            len(set(placement.rank_of(e) for e in row.tolist() if e >= 0) - {rank}) for row in ep.last_routing.expert_idx)
+            len(set(placement.rank_of(e) for e in row.tolist() if e >= 0) - {rank})
+            for row in ep.last_routing.expert_idx)
         assert ep.metadata_bytes == pairs * 16 + copies * 8, f"{tag}: metadata bytes {ep.metadata_bytes}"
 
 

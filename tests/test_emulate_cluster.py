@@ -113,7 +113,8 @@ def test_a_failing_node_fails_the_run_and_cleans_up(tmp_path):
 
 
 def test_loopback_fallback_says_the_link_is_not_throttled():
-    r = _run("--nodes", "2", "--procs-per-node", "1", "--port", str(free_port()), str(ROOT / "tests/scripts/cluster_check.py"),
+    r = _run("--nodes", "2", "--procs-per-node", "1", "--port", str(free_port()),
+             str(ROOT / "tests/scripts/cluster_check.py"),
              EMULATE_CLUSTER_LOOPBACK="1")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "NOT throttled" in r.stderr and "CLUSTER OK node=2,gpu=1" in r.stdout

@@ -15,7 +15,7 @@ def _equivalence_worker(rank, world, routers):
     from dist_moe.integrations.context import routing_context
     from dist_moe.integrations.deepspeed import deepspeed_moe_layer, init_distributed, load_dist_moe_experts
     from placement import Placement
-    from tests.engine_checks import E, F, H, ROUTERS, compare, rank_inputs, reference_layer
+    from tests.engine_checks import ROUTERS, E, F, H, compare, rank_inputs, reference_layer
 
     init_distributed()
     placement = Placement.round_robin(E, world)  # non-contiguous: DeepSpeed's slots are relabelled
@@ -63,8 +63,8 @@ def _equivalence_worker(rank, world, routers):
 def _gar_worker(rank, world, host):
     import os
 
-    from dist_moe.integrations.deepspeed import DeepSpeedHostedMoE, init_distributed, load_dist_moe_experts
     from dist_moe.gar.step import gar_train_step
+    from dist_moe.integrations.deepspeed import DeepSpeedHostedMoE, init_distributed, load_dist_moe_experts
     from dist_moe.train.steppers import DeepSpeedStepper
     from tests.engine_checks import GAR_HIDDEN, GAR_KW, Record, gar_case
 

@@ -1,7 +1,7 @@
 """dist-moe strategies hosted as megatron-core 0.16.1 routers (2 gloo ranks, CPU patches)."""
 import pytest
 
-from tests.dist_utils import run_cases, run_workers
+from tests.dist_utils import run_cases
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'dist-moe[megatron]')")
 
@@ -24,7 +24,7 @@ def _equivalence_worker(rank, world, routers, dispatcher):
         sent_bytes,
     )
     from placement import Placement
-    from tests.engine_checks import E, F, H, ROUTERS, compare, rank_inputs, reference_layer
+    from tests.engine_checks import ROUTERS, E, F, H, compare, rank_inputs, reference_layer
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=world)
     placement = Placement.round_robin(E, world)  # non-contiguous: Megatron's columns are relabelled
@@ -72,8 +72,8 @@ def _gar_worker(rank, world, dispatcher):
     megatron_patches.apply()
     from megatron.core import parallel_state
 
-    from dist_moe.integrations.megatron import MegatronHostedMoE, load_dist_moe_experts
     from dist_moe.gar.step import gar_train_step
+    from dist_moe.integrations.megatron import MegatronHostedMoE, load_dist_moe_experts
     from tests.engine_checks import GAR_HIDDEN, GAR_KW, Record, gar_case
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=world)

@@ -47,8 +47,8 @@ def test_heuristic_within_five_percent_of_the_proven_optimum(c):
     assert cut_weight(c, heuristic) <= 1.05 * exact.cut
 
 
-@pytest.mark.parametrize("name", ["planted32", "planted64", "recorded_switch32", "recorded_switch64", "recorded_branch32",
-                                  "sparse64"])
+@pytest.mark.parametrize("name", ["planted32", "planted64", "recorded_switch32", "recorded_switch64",
+                                  "recorded_branch32", "sparse64"])
 def test_heuristic_within_five_percent_of_the_solvers_best_at_larger_e(name):
     c = {"planted32": lambda: planted_c(32, 4, 8), "planted64": lambda: planted_c(64, 4, 9),
          "recorded_switch32": lambda: recorded_c(32, "switch"),  # the two fixed starts alone: 36% above the solver

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
+from dist_moe.data.text_tasks import TextSplit
 from dist_moe.layer import MoELayer
 from dist_moe.models.text import TextMoE
 from dist_moe.train.config import load_config
-from dist_moe.data.text_tasks import TextSplit
 from experiments import measures, plans, stats, tables
 
 
@@ -163,8 +163,8 @@ def _needs_wordnet():
 def test_wordnet_lexicographer_files_sit_inside_their_part_of_speech():
     """The 45 lexname labels: each data.<pos> file holds exactly the files named for its part of speech."""
     _needs_wordnet()
-    from dist_moe.data.tabular import class_categories
     from dist_moe.data.sources import wordnet_synsets
+    from dist_moe.data.tabular import class_categories
     from dist_moe.data.wordnet_glosses import LEXNAMES, PARTS
 
     assert len(LEXNAMES) == 45

@@ -7,23 +7,41 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def import_graph() -> dict:
-    modules = {}
-    for pkg in ("dist_moe", "placement"):
+PACKAGES = ("dist_moe", "placement", "experiments")
+
+
+def modules() -> dict:
+    found = {}
+    for pkg in PACKAGES:
         for path in (ROOT / pkg).rglob("*.py"):
             parts = path.relative_to(ROOT).with_suffix("").parts
-            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-            modules[name] = path
-    graph = {}
-    for name, path in modules.items():
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imported(name: str, is_package: bool, node) -> list:
+    """The module names an import statement of module ``name`` may reach (relative ones resolved)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    base = node.module or ""
+    if node.level:  # from .x import y / from .. import z: relative to this module's package
+        package = name.split(".") if is_package else name.split(".")[:-1]
+        package = package[:len(package) - (node.level - 1)]
+        base = ".".join(package + ([node.module] if node.module else []))
+    return [base] + [f"{base}.{a.name}" for a in node.names]
+
+
+def import_graph(planted: dict | None = None) -> dict:
+    """Module -> the modules it imports, lazy imports inside functions included; ``planted`` maps a
+    module to a source text to read instead of its file (the tests' planted violations)."""
+    found, graph = modules(), {}
+    for name, path in found.items():
+        text = (planted or {}).get(name) or path.read_text()
         deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            targets = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            deps |= {t for t in targets if t in modules and t != name}
+        for node in ast.walk(ast.parse(text)):
+            deps |= {t for t in imported(name, path.name == "__init__.py", node) if t in found and t != name}
         graph[name] = deps
     return graph
 
@@ -44,27 +62,43 @@ def cycles_through(graph: dict, start: str) -> list:
     return found
 
 
+def circles(graph: dict) -> list:
+    return [" -> ".join(c) for m in sorted(graph) for c in cycles_through(graph, m)]
+
+
 def test_no_import_circle():
     graph = import_graph()
-    assert {"dist_moe.data.corpus", "dist_moe.layer", "placement.plan"} <= set(graph)
+    assert {"dist_moe.data.corpus", "dist_moe.layer", "placement.plan", "experiments.tables"} <= set(graph)
     assert "dist_moe.dispatch.pipeline" in graph["dist_moe.dispatch.dispatcher"]  # edges are read
-    circles = [" -> ".join(c) for m in sorted(graph) for c in cycles_through(graph, m)]
-    assert not circles, circles
+    assert not circles(graph), circles(graph)
+
+
+def test_the_walk_sees_relative_and_lazy_imports():
+    base = (ROOT / "dist_moe" / "routing" / "base.py").read_text()
+    # a real circle through a relative import: routing.base -> routing.registry -> ... -> routing.base
+    planted = import_graph({"dist_moe.routing.base": base + "\nfrom .registry import ROUTERS\n"})
+    assert "dist_moe.routing.registry" in planted["dist_moe.routing.base"]
+    assert any(c.startswith("dist_moe.routing.base ->") for c in circles(planted))
+    # the experiments' tables once imported their table modules lazily, which imported them back
+    tables = (ROOT / "experiments" / "table_gar.py").read_text()
+    planted = import_graph({"experiments.table_gar": tables + "\ndef f():\n    from experiments.tables import write\n"})
+    assert any("experiments.tables" in c for c in circles(planted))
 
 
 def test_routing_is_pure_tensor_math():
     """Routing strategies run no backward, no optimizer and no collective (GAR's step lives in
     dist_moe/gar, gradient collectives in dist_moe/dispatch)."""
-    def calls(path):
+    def calls(path, text=None):
         found = []
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(ast.parse(text or path.read_text())):
             name = None
             if isinstance(node, ast.Attribute) and node.attr in ("backward", "zero_grad", "distributed", "grad"):
                 name = node.attr  # x.backward(), opt.zero_grad(), torch.distributed.*, torch.autograd.grad
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "step":
                 name = "optimizer step" if "opt" in ast.unparse(node.func.value) else None
-            elif isinstance(node, (ast.Import, ast.ImportFrom)):
-                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):  # from torch import distributed too
+                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
                 name = next((m for m in mods if m.startswith(("torch.distributed", "torch.optim"))), None)
             if name:
                 found.append(f"{path.name}:{node.lineno} {name}")
@@ -74,3 +108,6 @@ def test_routing_is_pure_tensor_math():
     # the check reads what it should: GAR's step and the gradient collectives fail it
     assert {c.split(" ", 1)[1] for c in calls(ROOT / "dist_moe" / "gar" / "step.py")} >= {"backward", "optimizer step"}
     assert calls(ROOT / "dist_moe" / "dispatch" / "stats.py")
+    flat = ROOT / "dist_moe" / "routing" / "flat.py"
+    for planted in ("from torch import distributed", "from torch import optim", "import torch.distributed as d"):
+        assert calls(flat, flat.read_text() + f"\n{planted}\n"), planted

@@ -92,7 +92,8 @@ def _check_bytes(model, topology, rank):
     for layer in layers:
         idx = layer.router.last_routing.expert_idx
         src = all_gather_rows(torch.full((idx.shape[0],), rank, dtype=torch.long), dist.group.WORLD)
-        want = dispatch_traffic(all_gather_rows(idx, dist.group.WORLD), src, layer.placement, topology, 16 * 4, layer.dedup)
+        want = dispatch_traffic(all_gather_rows(idx, dist.group.WORLD), src, layer.placement, topology, 16 * 4,
+                                layer.dedup)
         got = layer.traffic.matrix.clone()
         dist.all_reduce(got)
         assert torch.equal(got, want.matrix), (rank, layer.dedup, got, want.matrix)

@@ -252,3 +252,15 @@ def test_cost_model_estimate_and_fit():
     secs = [2e-4 * p + b / 5e8 for p, b in zip(peers, nbytes)]
     fitted = fit_level(peers, nbytes, secs)
     assert math.isclose(fitted.alpha_s, 2e-4, rel_tol=1e-6) and math.isclose(fitted.bandwidth_Bps, 5e8, rel_tol=1e-6)
+
+
+def test_coactivation_counts_every_selection_and_no_dropped_slot():
+    """One helper for the recorded runs and the benchmarks. The benchmarks' old copy scattered a 0
+    into expert 0's column for each dropped slot, which overwrote a real selection of expert 0."""
+    from placement.placement import coactivation
+
+    idx = torch.tensor([[0, -1], [1, 0], [2, 3], [-1, -1], [0, 3]])
+    c = coactivation(idx, 4)
+    assert c.diagonal().tolist() == [3, 1, 1, 2]  # selections per expert; dropped slots nowhere
+    assert c[0, 1] == c[1, 0] == 1 and c[0, 3] == c[3, 0] == 1 and c[2, 3] == 1 and c[0, 2] == 0
+    assert torch.equal(c, c.t())

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from dist_moe import MoELayer
 from dist_moe.routing import build_router
-from placement.subtree import limited_top_k
 from placement import Placement, Topology
+from placement.subtree import limited_top_k
 
 
 def _router(e, k, **kw):

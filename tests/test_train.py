@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from dist_moe.cli import main
-from dist_moe.train.config import DEFAULT_CONFIG, load_config, parse_override
 from dist_moe.data.tabular import load_keel, tabular_split
+from dist_moe.train.config import DEFAULT_CONFIG, load_config, parse_override
 
 
 @pytest.fixture(autouse=True)

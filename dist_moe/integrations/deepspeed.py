@@ -39,8 +39,8 @@ import torch
 from torch import Tensor, nn
 
 from dist_moe.dispatch.agree import agree, agreed_routing
-from dist_moe.dispatch.moe_forward import Tokens, tokens_in
 from dist_moe.dispatch.groups import WeakGroup
+from dist_moe.dispatch.moe_forward import Tokens, tokens_in
 from dist_moe.experts import SingleExpert
 from dist_moe.integrations import deepspeed_patches
 from dist_moe.integrations.context import routing_extras

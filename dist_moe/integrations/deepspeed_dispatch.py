@@ -56,7 +56,8 @@ def layer_class():
         """DeepSpeed's MOELayer whose tokens travel through dist-moe's dispatcher."""
 
         def configure(self, dedup: str, pipeline_chunks: int, topology: Topology | None, timeout=None) -> None:
-            self.dedup, self.pipeline_chunks, self.topology_given, self.timeout = dedup, pipeline_chunks, topology, timeout
+            self.dedup, self.pipeline_chunks, self.timeout = dedup, pipeline_chunks, timeout
+            self.topology_given = topology
             self.topology = topology if topology is not None else Topology.flat(self.ep_size)
             self.placement = self.gate.placement
             # one EP rank: every expert is here; more: made once DeepSpeed names the group (_set_ep_group)

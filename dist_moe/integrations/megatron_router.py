@@ -44,9 +44,7 @@ class DistMoERouter(nn.Module):
                  topology=None):
         super().__init__()
         megatron_patches.apply()
-        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-        from megatron.core.transformer.moe.moe_utils import save_to_aux_losses_tracker
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, save_to_aux_losses_tracker
 
         self._attach_aux, self._track = MoEAuxLossAutoScaler.apply, save_to_aux_losses_tracker
         self.config = config

@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-
 VOCAB = 256  # bytes
 
 

@@ -18,7 +18,6 @@ from torch import Tensor, nn
 from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.dispatch.stats import all_reduce_sum
 
-
 MAX_EXPERTS = 1 << 16  # 65,536: far beyond published MoE models (DeepSeek-V3: 256 routed experts)
 
 

@@ -21,7 +21,8 @@ from dist_moe.routing.node_map import NodeMap
 from placement.subtree import balance_step, check_limits, level_depths, limited_top_k
 
 BALANCES = ("none", "bias")
-DEFAULT_BALANCE = "bias"  # chosen by measurement (benchmarks/README.md "Balanced subtree limit"): what a limit balances with
+# chosen by measurement (benchmarks/README.md "Balanced subtree limit"): what a limit balances with
+DEFAULT_BALANCE = "bias"
 
 
 class BranchRouter(Router):

@@ -65,7 +65,8 @@ class _LearnedFlatRouter(Router):
         if (counts != counts[0]).any():
             raise ValueError(f"expert groups must be equally sized, got sizes {counts.tolist()}")
         if self.node_limit is not None and self.top_k > self.node_limit * int(counts[0]):
-            raise ValueError(f"top_k={self.top_k} cannot fit in node_limit={self.node_limit} groups of {int(counts[0])}")
+            raise ValueError(f"top_k={self.top_k} cannot fit in node_limit={self.node_limit} groups of "
+                             f"{int(counts[0])}")
         members = torch.argsort(expert_group, stable=True).reshape(len(counts), -1)
         self.group_members = members.to(self.node_map.parameters().__next__().device)
 

@@ -15,10 +15,10 @@ import warnings
 from dataclasses import dataclass
 
 from dist_moe.errors import shown
+from dist_moe.gar.config import GARConfig
 from dist_moe.routing.base import Router, check_shape
 from dist_moe.routing.branch import BranchRouter
 from dist_moe.routing.flat import DeepSeekV3Router, HashRouter, SkyworkRouter, SwitchRouter, UniformRouter
-from dist_moe.gar.config import GARConfig
 from dist_moe.routing.specdrop import SpecDropRouter
 
 ROUTERS: dict[str, type[Router]] = {

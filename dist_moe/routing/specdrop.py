@@ -142,7 +142,8 @@ class SpecDropRouter(Router):
     def set_progress(self, fraction: float) -> None:
         """Position in training, 0 at the start and 1 at the end (per step or per epoch)."""
         if self.total_steps is not None:
-            raise ValueError("this router counts its own steps (total_steps is set); set_progress is for the other mode")
+            raise ValueError("this router counts its own steps (total_steps is set); "
+                             "set_progress is for the other mode")
         fraction = float(fraction)
         if not (0.0 <= fraction <= 1.0) or math.isnan(fraction):
             raise ValueError(f"progress fraction must lie in [0, 1], got {fraction!r}")

@@ -1,9 +1,9 @@
 """A run's data and model from its config: tabular, image, LM or text, hosted by the run's engine."""
 from __future__ import annotations
 
+from dist_moe.data.tabular import tabular_split
 from dist_moe.models import TabularMoE
 from dist_moe.models.image import ImageMoE
-from dist_moe.data.tabular import tabular_split
 
 
 def categorised_router(cfg: dict, data) -> dict:
@@ -49,8 +49,8 @@ def _data_and_model(cfg: dict, rt):
         raise ValueError(f"model.kind={kind!r} needs data.name={wants.get(kind, 'a keel dataset')}, "
                          f"got {dcfg['name']!r}")
     if kind == "lm":
-        from dist_moe.models.tiny_lm import TinyMoELM
         from dist_moe.data.corpus import lm_split
+        from dist_moe.models.tiny_lm import TinyMoELM
 
         if mcfg["label_mask"] or not mcfg["d_model"]:
             raise ValueError("model.kind=lm needs model.d_model > 0 and model.label_mask: false")
@@ -62,8 +62,8 @@ def _data_and_model(cfg: dict, rt):
         model.class_category = None  # categories come from the data, not from classes
         return data, model
     if kind == "text":
-        from dist_moe.models.text import TextMoE
         from dist_moe.data.text_tasks import text_split
+        from dist_moe.models.text import TextMoE
 
         if dcfg["categories"] not in (None, "tasks"):
             raise ValueError(f"data.categories for text_tasks must be 'tasks' or null, got {dcfg['categories']!r}")

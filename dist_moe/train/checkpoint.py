@@ -33,9 +33,18 @@ import torch
 from torch import nn
 
 from dist_moe.dispatch.process_group import barrier
-from dist_moe.train.checkpoint_files import (CONFIG, MANIFEST, SAFE_GLOBALS, CheckpointError,
-                                             checked_bytes, manifest_files, read_json, read_regular, verify,
-                                             write_manifest)
+from dist_moe.train.checkpoint_files import (
+    CONFIG,
+    MANIFEST,
+    SAFE_GLOBALS,
+    CheckpointError,
+    checked_bytes,
+    manifest_files,
+    read_json,
+    read_regular,
+    verify,
+    write_manifest,
+)
 from placement.files import write_atomic
 
 __all__ = ["CONFIG", "LATEST", "MANIFEST", "SAFE_GLOBALS", "CheckpointError", "latest", "load", "save",

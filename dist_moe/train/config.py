@@ -181,7 +181,8 @@ def _check_engine_dispatch(cfg: dict) -> None:
         if cfg["model"]["capacity_factor"] is not None:
             raise ValueError(f"engine {engine} through dist-moe's dispatcher ({key}: "
                              f"{cfg['parallel'][f'{engine}_dispatcher']}, with parallel.dedup="
-                             f"{cfg['parallel']['dedup']}, parallel.pipeline_chunks={cfg['parallel']['pipeline_chunks']}) "
+                             f"{cfg['parallel']['dedup']}, "
+                             f"parallel.pipeline_chunks={cfg['parallel']['pipeline_chunks']}) "
                              f"runs dropless: set model.capacity_factor: null (got {cfg['model']['capacity_factor']})")
         return
     chunks, dedup = cfg["parallel"]["pipeline_chunks"], cfg["parallel"]["dedup"]

@@ -30,13 +30,13 @@ def _load_distribution(load: Tensor) -> Tensor:
 
 
 def lvar(load: Tensor) -> float:
-    l = _load_distribution(load)
-    return float(((l - 1.0 / l.numel()) ** 2).mean())
+    share = _load_distribution(load)
+    return float(((share - 1.0 / share.numel()) ** 2).mean())
 
 
 def utilization(load: Tensor) -> float:
-    l = _load_distribution(load)
-    return float((l >= 1.0 / (2 * l.numel())).double().mean())
+    share = _load_distribution(load)
+    return float((share >= 1.0 / (2 * share.numel())).double().mean())
 
 
 def gradient_mass_purity(task_expert_grads: Tensor, floor: float = 1e-12) -> float:

@@ -40,6 +40,7 @@ from dist_moe.train.steps import step_strategy
 from placement import random_pair_tree_distance
 from placement.files import write_atomic
 
+
 def json_safe(record: dict) -> dict:
     """NaN / inf (e.g. tree distance with top-1 routing) become null: strict JSON has no NaN."""
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}

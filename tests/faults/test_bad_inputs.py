@@ -176,7 +176,8 @@ def test_other_caches_missing_a_key_name_it(tmp_path, monkeypatch):
     _plant(tmp_path, monkeypatch, {"tokens": np.zeros((12, 65), np.uint8)}, "corpus_64_3_0.npz")
     with pytest.raises(ValueError, match="corpus_64_3_0.npz lacks the array 'domain'"):
         load_corpus(64, 3, 0)
-    _plant(tmp_path, monkeypatch, {"y": np.zeros(4, np.int64)}, "text_tasks_pos-lexname-verblex-source-domain_2_8_0.npz")
+    _plant(tmp_path, monkeypatch, {"y": np.zeros(4, np.int64)},
+           "text_tasks_pos-lexname-verblex-source-domain_2_8_0.npz")
     with pytest.raises(ValueError, match="lacks the array 'x'"):
         text_split(2, 8, 0.2, 0)
 

@@ -109,8 +109,8 @@ def test_the_planted_payloads_would_run_without_the_allow_list(tmp_path):
             assert type(out).__name__ == "Metadata"
 
 
-@pytest.mark.parametrize("what", ["posix.system", "dotted name in an allowed module", "payload before the real metadata",
-                                  "builtins.eval", "getattr chain"])
+@pytest.mark.parametrize("what", ["posix.system", "dotted name in an allowed module",
+                                  "payload before the real metadata", "builtins.eval", "getattr chain"])
 def test_a_planted_metadata_pickle_is_refused_not_run(tmp_path, what):
     path, model, opt = _saved(tmp_path)
     marker = tmp_path / "pwned"
@@ -165,7 +165,8 @@ def test_yaml_tags_that_build_objects_are_rejected(tmp_path):
 
 
 def test_sources_avoid_unsafe_loaders_and_shells():
-    patterns = {r"\bpickle\.loads?\(": "pickle.load", r"yaml\.load\((?![^)]*Loader=_Loader)": "yaml.load without a safe loader",
+    patterns = {r"\bpickle\.loads?\(": "pickle.load",
+                r"yaml\.load\((?![^)]*Loader=_Loader)": "yaml.load without a safe loader",
                 r"yaml\.unsafe_load|yaml\.full_load": "unsafe yaml", r"shell\s*=\s*True": "shell=True",
                 r"os\.system\(|os\.popen\(": "os.system/popen", r"(?<![.\w])eval\(|(?<![.\w])exec\(": "eval/exec",
                 r"allow_pickle\s*=\s*True": "np.load(allow_pickle=True)",
