@@ -22,13 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-from placement.placement import Placement
+from placement.placement import NAMED, Placement
 from placement.plan import DEDUP_MODES, DispatchPlan
 from placement.simulate import check_memory
 from placement.topology import Topology
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
-PLACEMENTS = ("contiguous", "round_robin", "tree_prefix")
+PLACEMENTS = NAMED  # every named placement, compared side by side
 
 
 @dataclass(frozen=True)
@@ -173,9 +173,7 @@ def forecast(shape: ModelShape, topology: Topology, routing=None, ep: int | None
 
 
 def _placement(kind: str, experts: int, topology: Topology) -> Placement | None:
-    if kind == "tree_prefix":
-        if experts & (experts - 1) or any(s & (s - 1) for s in topology.sizes):
-            return None  # the tree's subtrees are units only on power-of-two levels
-        return Placement.tree_prefix(experts, topology)
-    return getattr(Placement, kind)(experts, topology.world_size)
+    if kind == "tree_prefix" and (experts & (experts - 1) or any(s & (s - 1) for s in topology.sizes)):
+        return None  # the tree's subtrees are units only on power-of-two levels
+    return Placement.named(kind, experts, topology)
 

@@ -149,6 +149,16 @@ class Placement:
         return cls(split_by_levels(c.shape[0], topology, min_cut_shares), topology.world_size)
 
     # --- files ---------------------------------------------------------------
+    @classmethod
+    def named(cls, kind: str, num_experts: int, topology: Topology) -> "Placement":
+        """The placement ``NAMED`` ``kind`` for ``num_experts`` on ``topology``'s ranks: the one place a
+        name becomes a placement (training configs, reports, simulation, planning)."""
+        if kind not in NAMED:
+            raise ValueError(f"placement must be one of {', '.join(NAMED)}, got {kind!r}")
+        if kind == "tree_prefix":
+            return cls.tree_prefix(num_experts, topology)
+        return getattr(cls, kind)(num_experts, topology.world_size)
+
     def to_yaml(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump({"world_size": self.world_size, "expert_to_rank": self.expert_to_rank}))
 

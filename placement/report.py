@@ -31,7 +31,7 @@ import torch
 from placement.cost import CostModel
 from placement.files import replacing, write_atomic
 from placement.locality import node_share, random_pair_tree_distance, tree_distance
-from placement.placement import Placement, cut_weight
+from placement.placement import NAMED, Placement, cut_weight
 from placement.simulate import RoutingRecord, recorded_layers
 from placement.topology import Topology
 from placement.traffic import DEDUP_MODES, dispatch_traffic
@@ -47,10 +47,8 @@ def _placements(record: RoutingRecord, topology: Topology, run_placement: str) -
     recorded co-activation."""
     e, w = record.num_experts, topology.world_size
     out = {}
-    if run_placement == "tree_prefix":
-        out["tree_prefix"] = Placement.tree_prefix(e, topology)
-    elif run_placement in ("contiguous", "round_robin"):
-        out[run_placement] = getattr(Placement, run_placement)(e, w)
+    if run_placement in NAMED:
+        out[run_placement] = Placement.named(run_placement, e, topology)
     else:
         own = _file_placement(record, w, run_placement)
         if own is not None:

@@ -222,12 +222,7 @@ def simulate(record: RoutingRecord, topology: Topology, placement_kind: str = "t
     n = w * tokens_per_rank
     rows, block, idx = record.sample(n, r, g)
     src = torch.arange(w).repeat_interleave(tokens_per_rank)
-    if placement_kind == "tree_prefix":
-        placement = Placement.tree_prefix(e_sim, topology)
-    elif placement_kind in ("contiguous", "round_robin"):
-        placement = getattr(Placement, placement_kind)(e_sim, w)
-    else:
-        raise ValueError(f"placement must be contiguous, round_robin or tree_prefix, got {placement_kind!r}")
+    placement = Placement.named(placement_kind, e_sim, topology)
     out = {"world_size": w, "topology": topology.describe(), "experts_simulated": e_sim, "replicas": r,
            "tokens": n, "placement": placement_kind}
     routings = {"modes": idx}

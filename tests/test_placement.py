@@ -264,3 +264,12 @@ def test_coactivation_counts_every_selection_and_no_dropped_slot():
     assert c.diagonal().tolist() == [3, 1, 1, 2]  # selections per expert; dropped slots nowhere
     assert c[0, 1] == c[1, 0] == 1 and c[0, 3] == c[3, 0] == 1 and c[2, 3] == 1 and c[0, 2] == 0
     assert torch.equal(c, c.t())
+
+
+def test_a_placement_name_becomes_a_placement_in_one_place():
+    t = Topology(("node", "gpu"), (2, 2))
+    assert Placement.named("contiguous", 8, t) == Placement.contiguous(8, 4)
+    assert Placement.named("round_robin", 8, t) == Placement.round_robin(8, 4)
+    assert Placement.named("tree_prefix", 8, t) == Placement.tree_prefix(8, t)
+    with pytest.raises(ValueError, match="placement must be one of contiguous, round_robin, tree_prefix, got 'tree'"):
+        Placement.named("tree", 8, t)

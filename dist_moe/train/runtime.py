@@ -46,8 +46,6 @@ class Runtime:
 
     def placement(self, num_experts: int) -> Placement:
         kind = self.parallel["placement"]
-        if kind == "tree_prefix":
-            return Placement.tree_prefix(num_experts, self.topology())
         if kind.endswith((".yaml", ".yml")):  # written by `dist-moe place --out`
             placement = Placement.from_yaml(kind)
             if (placement.num_experts, placement.world_size) != (num_experts, self.world):
@@ -55,7 +53,7 @@ class Runtime:
                                  f"{placement.world_size} ranks, but this run has {num_experts} experts on "
                                  f"{self.world} ranks")
             return placement
-        return getattr(Placement, kind)(num_experts, self.world)
+        return Placement.named(kind, num_experts, self.topology())
 
     def build_moe(self, hidden: int, ffn: int, router: dict, capacity_factor, expert_type: str) -> nn.Module:
         """One MoE layer, built by the engine, its experts placed by ``parallel.placement``."""
