@@ -237,7 +237,7 @@ def ep_bf16(device):
 def cuda_rng(device):
     if device.type != "cuda":
         return "skip: needs a GPU (tests/test_device.py covers save and restore with the CUDA calls faked)"
-    from dist_moe.train import checkpoint, records
+    from dist_moe.train.training_state import DataCursor, restore_state, save_state
 
     rt = SimpleNamespace(device=device, world=1, rank=0, group=None)
     model = torch.nn.Linear(3, 2).to(device)
@@ -246,10 +246,10 @@ def cuda_rng(device):
     torch.rand(7, device=device)  # a stream somewhere past its seed
     state = torch.cuda.get_rng_state(device)
     with tempfile.TemporaryDirectory() as tmp:
-        path = checkpoint.save(Path(tmp) / "ckpt", 3, model, opt, records.position(3, records.DataCursor(10, 0, 5), rt))
+        path = save_state(Path(tmp) / "ckpt", 3, model, opt, DataCursor(10, 0, 5), rt)
         want = torch.rand(1000, device=device)
         torch.rand(12345, device=device)  # training went on
-        records.resume(path, model, opt, records.DataCursor(10, 0, 5), rt)
+        restore_state(path, model, opt, DataCursor(10, 0, 5), rt)
         restored = torch.cuda.get_rng_state(device)
         got = torch.rand(1000, device=device)
     assert torch.equal(restored, state), "the restored generator state differs from the saved one"

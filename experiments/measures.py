@@ -41,8 +41,8 @@ def after_gar_diagnostics(model, data, rt, group_size: int = 8, batches_per_task
     """
     import torch
 
-    from dist_moe.train.evaluate import loss_of
     from dist_moe.train.expert_metrics import contingency, gradient_mass_purity, lvar, nmi, utilization
+    from dist_moe.train.steps import loss_of
 
     if rt.world != 1:
         raise ValueError("the GAR diagnostics run in one process")

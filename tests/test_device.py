@@ -77,19 +77,19 @@ def test_a_checkpoint_restores_this_rank_s_gpu_random_stream_bit_for_bit(monkeyp
     resume sets it back on that GPU, not on another one."""
     from types import SimpleNamespace
 
-    from dist_moe.train import checkpoint, records
+    from dist_moe.train.training_state import DataCursor, restore_state, save_state
 
     gpus = _FakeGPUs(monkeypatch, 4, visible=False)
     rt = SimpleNamespace(device=torch.device("cuda", 2), world=1, rank=0, group=None)
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    cursor = records.DataCursor(10, 0, 5)
+    cursor = DataCursor(10, 0, 5)
     saved_gpu, saved_cpu = gpus.states[2].clone(), torch.get_rng_state()
-    path = checkpoint.save(tmp_path / "ckpt", 7, model, opt, records.position(7, cursor, rt))
+    path = save_state(tmp_path / "ckpt", 7, model, opt, cursor, rt)
     untouched = {i: s.clone() for i, s in gpus.states.items() if i != 2}
     gpus.states[2] = torch.zeros(16, dtype=torch.uint8)  # training went on: the streams moved
     torch.rand(5)
-    assert records.resume(path, model, opt, records.DataCursor(10, 0, 5), rt) == 7
+    assert restore_state(path, model, opt, DataCursor(10, 0, 5), rt) == 7
     assert torch.equal(gpus.states[2], saved_gpu), "the GPU's random stream was not restored"
     assert torch.equal(torch.get_rng_state(), saved_cpu), "the CPU's random stream was not restored"
     assert all(torch.equal(gpus.states[i], s) for i, s in untouched.items()), "another GPU's stream was changed"

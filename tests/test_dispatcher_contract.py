@@ -46,8 +46,14 @@ def test_both_dispatchers_have_the_contracts_members():
 
 
 def test_the_local_dispatcher_counts_nothing_and_maps_ids_to_slots():
+    from dist_moe.dispatch.contract import CountsBytes
+    from dist_moe.integrations.deepspeed import DistMoEGate
+
     layer = MoELayer(8, 16, {"type": "switch", "num_experts": 4, "top_k": 2})
     assert isinstance(layer.dispatcher, LocalDispatcher) and not layer.dispatcher.exchanges
+    # what the byte log asks of a layer; DeepSpeed's gate counts its own engine's bytes, another way
+    assert isinstance(layer, CountsBytes)
+    assert not isinstance(DistMoEGate({"type": "switch", "num_experts": 4, "top_k": 2}, 8), CountsBytes)
     layer(torch.randn(5, 8))
     assert layer.traffic.matrix.tolist() == [[0]] and layer.metadata_bytes == 0
 

@@ -9,7 +9,7 @@ both in ``dispatcher.py``; ``make_dispatcher`` picks one. Experts: dist-moe's ``
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
@@ -46,6 +46,23 @@ class Dispatcher(Protocol):
     @property
     def traffic(self) -> Tensor:
         """[W, W] int64 payload bytes this rank sent to each peer since the last reset (its row)."""
+        ...
+
+    def reset_traffic(self) -> None: ...
+
+
+@runtime_checkable
+class CountsBytes(Protocol):
+    """A layer whose tokens move through dist-moe's dispatcher (``CountsTraffic``, the engines'
+    dispatched hosts): what the trainer's byte log, the routing record and the benchmarks ask for."""
+
+    topology: object  # placement.Topology
+    placement: object  # placement.Placement
+    dedup: str
+
+    @property
+    def traffic(self):
+        """placement.Traffic: payload bytes this rank sent since the last reset."""
         ...
 
     def reset_traffic(self) -> None: ...

@@ -4,16 +4,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from dist_moe.moe_view import moe_layers
 from dist_moe.train.align import specdrop_align
 from dist_moe.train.metrics import layers_metrics, routing_metrics
-
-
-def loss_of(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy over classes ([B, C] vs [B]) or next bytes ([B, S, V] vs [B, S])."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction=reduction)
+from dist_moe.train.steps import loss_of
 
 
 @torch.no_grad()

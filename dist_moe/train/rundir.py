@@ -19,7 +19,7 @@ from placement.files import write_atomic
 LOCK = ".dist-moe.lock"
 METRICS = "metrics.jsonl"
 # What dist-moe writes into a run directory, and all that output.overwrite removes: the run's files and
-# folders, the routing record (records.record_routing) and dist-moe report's files.
+# folders, the routing record (routing_record.record_routing) and dist-moe report's files.
 RUN_FILES = ("config.yaml", METRICS, "summary.json", "train_traffic.json", "report.json", "report.md",
              "traffic_heatmap.png", "bytes_by_level.png", "expert_load.png", "tree_distance.png")
 RUN_DIRS = ("checkpoints", "tensorboard")

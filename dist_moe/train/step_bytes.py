@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from dist_moe.dispatch.contract import CountsBytes
 from dist_moe.moe_view import moe_layers
 from placement import Topology, Traffic
 from placement.files import write_atomic
@@ -23,7 +24,7 @@ TRAFFIC_FILE = "train_traffic.json"
 class StepBytes:
     def __init__(self, model, rt):
         # the layers dist-moe's dispatcher runs; one process exchanges nothing
-        self.layers = [m for m in moe_layers(model) if hasattr(m, "traffic")] if rt.world > 1 else []
+        self.layers = [m for m in moe_layers(model) if isinstance(m, CountsBytes)] if rt.world > 1 else []
         self.rt, w = rt, rt.world
         self.unlogged = torch.zeros(len(self.layers), w, w, dtype=torch.long)  # this rank's rows
         self.run = torch.zeros(len(self.layers), w, w, dtype=torch.long)  # logged, summed over ranks

@@ -5,10 +5,16 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from dist_moe.gar.config import GARConfig
 from dist_moe.gar.step import equal_task_weights, gar_train_step
-from dist_moe.train.evaluate import loss_of
+
+
+def loss_of(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """The task loss a training step minimises (evaluation reports it too): cross-entropy over
+    classes ([B, C] vs [B]) or next bytes ([B, S, V] vs [B, S])."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction=reduction)
 
 
 def step_strategy(tcfg: dict, rt):

@@ -28,15 +28,17 @@ from dist_moe.dispatch.agree import agree_on_errors
 from dist_moe.dispatch.all_to_all import blocked_seconds
 from dist_moe.dispatch.process_group import collective_failure
 from dist_moe.moe_view import moe_layers
-from dist_moe.train import checkpoint, records
+from dist_moe.train import checkpoint
 from dist_moe.train.build import data_and_model
 from dist_moe.train.config import model_changes, validate
 from dist_moe.train.evaluate import evaluate
 from dist_moe.train.metrics import layer_metrics, layers_metrics
+from dist_moe.train.routing_record import record_routing
 from dist_moe.train.rundir import RunDir, check_writable, open_metrics, output_dir, truncate_metrics
 from dist_moe.train.runtime import Runtime
 from dist_moe.train.step_bytes import StepBytes
 from dist_moe.train.steps import step_strategy
+from dist_moe.train.training_state import DataCursor, restore_state, save_state
 from placement import random_pair_tree_distance
 from placement.files import write_atomic
 
@@ -160,7 +162,7 @@ def _train_in(run: "_Run", after) -> dict:
                 if last or run.cursor.offset == 0:
                     break
             run.evaluate_epoch()
-        records.record_routing(out_dir, run.model, run.data, rt)
+        record_routing(out_dir, run.model, run.data, rt)
         extra = after(run.model, run.data, rt) if after is not None else {}
     finally:
         run.close()
@@ -186,14 +188,14 @@ class _Run:
         self.steps_per_epoch = math.ceil(self.n / self.global_bs)
         self.max_steps = tcfg["max_steps"]
         self.total_samples = tcfg["epochs"] * self.n  # the run's length in samples, unless max_steps sets it
-        self.cursor = records.DataCursor(self.n, cfg["seed"], self.global_bs)  # one order; each rank its share
+        self.cursor = DataCursor(self.n, cfg["seed"], self.global_bs)  # one order; each rank its share
         self.step, self.start, self.last_eval = 0, time.time(), {}
         self.train_seconds = 0.0  # inside training steps only: no evaluation, logging or checkpoints
         self.exchange_wait_s = 0.0  # of those, blocked in the dispatcher's exchanges (mean over ranks)
         self.step_bytes = StepBytes(self.model, rt)  # what the training steps sent, nothing else
         self.skipped = 0  # steps skipped for a non-finite loss or gradients
         if resume_from is not None:
-            self.step = records.resume(resume_from, self.model, self.step_fn.opt, self.cursor, rt)
+            self.step = restore_state(resume_from, self.model, self.step_fn.opt, self.cursor, rt)
         self.first_step, self.resumed_at = self.step, self.cursor.consumed
         if rt.is_main:
             write_atomic(out_dir / "config.yaml", yaml.safe_dump(cfg, sort_keys=False))
@@ -269,10 +271,8 @@ class _Run:
     def maybe_checkpoint(self, last: bool) -> None:
         every = self.tcfg["checkpoint_every"]
         if every and (self.step % every == 0 or last):
-            rt = self.rt
-            checkpoint.save(self.out_dir / "checkpoints", self.step, self.model, self.step_fn.opt,
-                            records.position(self.step, self.cursor, rt), rt.group if rt.world > 1 else None,
-                            config=self.cfg)
+            save_state(self.out_dir / "checkpoints", self.step, self.model, self.step_fn.opt, self.cursor, self.rt,
+                       config=self.cfg)
 
     def evaluate(self) -> dict:
         data = self.data

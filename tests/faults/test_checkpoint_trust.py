@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from dist_moe import MoELayer
-from dist_moe.train import checkpoint, records
+from dist_moe.train import checkpoint, training_state
 from tests.file_audit import opened_files
 
 SHARD = "__0_0.distcp"
@@ -268,12 +268,12 @@ class _Runtime:
 def test_a_forged_position_is_refused(tmp_path, key, value):
     model = MoELayer(8, 16, {"type": "switch", "num_experts": 4, "top_k": 2})
     opt = torch.optim.Adam(model.parameters())
-    cursor = records.DataCursor(100, 0, 10)
-    position = records.position(1, cursor, _Runtime())
+    cursor = training_state.DataCursor(100, 0, 10)
+    position = training_state.position(1, cursor, _Runtime())
     position[key] = torch.tensor(value)
     path = checkpoint.save(tmp_path / "ckpt", 1, model, opt, position)
     with pytest.raises(checkpoint.CheckpointError, match=f"{key!r} holds a negative count|{key} is {value}, not a"):
-        records.resume(path, model, opt, records.DataCursor(100, 0, 10), _Runtime())
+        training_state.restore_state(path, model, opt, training_state.DataCursor(100, 0, 10), _Runtime())
 
 
 def test_a_non_finite_or_negative_model_tensor_is_refused(tmp_path):

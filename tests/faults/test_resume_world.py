@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from dist_moe.train.records import DataCursor
+from dist_moe.train.training_state import DataCursor
 from tests.dist_utils import run_workers
 
 N, EPOCHS, BATCH = 400, 2, 32  # training rows (data.max_rows=500, 20% held out), per-rank batch

@@ -1,5 +1,6 @@
-"""What a run records beside its metrics: the routing record for ``dist-moe report``, and the
-training position a checkpoint resumes from."""
+"""Where training stands, saved and restored together: the step, the data cursor, every rank's
+random streams and the checkpoint of model and optimizer. The trainer calls ``save_state`` and
+``restore_state``; both go through ``position`` and ``checkpoint``, one way each."""
 from __future__ import annotations
 
 import math
@@ -7,48 +8,7 @@ from pathlib import Path
 
 import torch
 
-from dist_moe.dispatch.stats import all_gather_rows
-from dist_moe.moe_view import moe_layers
 from dist_moe.train import checkpoint
-from placement.simulate import RoutingRecord, recorded_layers, routing_file
-
-
-@torch.no_grad()
-def record_routing(out_dir: Path, model, data, rt) -> None:
-    """routing.npz (and routing.layer<i>.npz) for `dist-moe report / place / simulate`: every
-    validation token's experts and rank at each MoE layer; under dist-moe's expert parallelism also
-    the bytes that forward sent, per topology level."""
-    rows = torch.tensor_split(torch.arange(len(data.x_val)), rt.world)[rt.rank]
-    layers = moe_layers(model)  # every MoE layer, any host
-    measured = rt.world > 1 and all(hasattr(m, "traffic") for m in layers)
-    for m in layers if measured else ():
-        m.reset_traffic()
-    model.eval()
-    device = next(model.parameters()).device
-    cats = data.val_categories(rows)
-    model(data.x_val[rows].to(device), None if cats is None else cats.to(device))
-    model.train()
-    group = rt.group if rt.world > 1 else None
-    for i, layer in enumerate(layers):
-        dispatch = None
-        if measured:
-            levels = layer.traffic.by_level()
-            total = rt.sum(torch.tensor(list(levels.values()), dtype=torch.float64)).tolist()
-            dispatch = {"topology": layer.topology.describe(), "expert_to_rank": layer.placement.expert_to_rank,
-                        "dedup": layer.dedup, "measured_bytes_by_level": dict(zip(levels, map(int, total)))}
-            layer.reset_traffic()
-        idx = layer.last_routing.expert_idx.cpu()
-        idx_all = all_gather_rows(idx, group)
-        probs = all_gather_rows(layer.last_routing.probs.float().cpu(), group)  # replays other limits later
-        src = all_gather_rows(torch.full((idx.shape[0],), rt.rank, dtype=torch.long), group)
-        if rt.is_main:
-            record = RoutingRecord(idx_all, src, layer.router.num_experts, rt.world, layer.hidden_size * 4, dispatch,
-                                   probs)
-            record.save(out_dir, i)
-    if rt.is_main:  # a previous run in this directory may have had more layers
-        for stale in range(len(layers), recorded_layers(out_dir)):
-            for suffix in (".npz", ".json"):
-                Path(out_dir, routing_file(stale)).with_suffix(suffix).unlink(missing_ok=True)
 
 
 class DataCursor:
@@ -114,7 +74,7 @@ def position(step: int, cursor: DataCursor, rt) -> dict:
     return out
 
 
-def resume(path: Path, model, opt, cursor: DataCursor, rt) -> int:
+def restore_state(path: Path, model, opt, cursor: DataCursor, rt) -> int:
     """Load ``path`` into the model and optimizer and the cursor's position; returns the step."""
     extra = position(0, cursor, rt)
     loaded = checkpoint.load(path, model, opt, extra, rt.group if rt.world > 1 else None)
@@ -141,3 +101,7 @@ def resume(path: Path, model, opt, cursor: DataCursor, rt) -> int:
     return int(loaded["step"])
 
 
+def save_state(directory: Path, step: int, model, opt, cursor: DataCursor, rt, config: dict | None = None) -> Path:
+    """Checkpoint ``step-<step>`` under ``directory`` with this position (every rank calls it)."""
+    return checkpoint.save(directory, step, model, opt, position(step, cursor, rt), rt.group if rt.world > 1 else None,
+                           config=config)

@@ -1,0 +1,49 @@
+"""The routing record a run writes beside its metrics, for ``dist-moe report / place / simulate``."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dist_moe.dispatch.contract import CountsBytes
+from dist_moe.dispatch.stats import all_gather_rows
+from dist_moe.moe_view import moe_layers
+from placement.simulate import RoutingRecord, recorded_layers, routing_file
+
+
+@torch.no_grad()
+def record_routing(out_dir: Path, model, data, rt) -> None:
+    """routing.npz (and routing.layer<i>.npz) for `dist-moe report / place / simulate`: every
+    validation token's experts and rank at each MoE layer; under dist-moe's expert parallelism also
+    the bytes that forward sent, per topology level."""
+    rows = torch.tensor_split(torch.arange(len(data.x_val)), rt.world)[rt.rank]
+    layers = moe_layers(model)  # every MoE layer, any host
+    measured = rt.world > 1 and all(isinstance(m, CountsBytes) for m in layers)
+    for m in layers if measured else ():
+        m.reset_traffic()
+    model.eval()
+    device = next(model.parameters()).device
+    cats = data.val_categories(rows)
+    model(data.x_val[rows].to(device), None if cats is None else cats.to(device))
+    model.train()
+    group = rt.group if rt.world > 1 else None
+    for i, layer in enumerate(layers):
+        dispatch = None
+        if measured:
+            levels = layer.traffic.by_level()
+            total = rt.sum(torch.tensor(list(levels.values()), dtype=torch.float64)).tolist()
+            dispatch = {"topology": layer.topology.describe(), "expert_to_rank": layer.placement.expert_to_rank,
+                        "dedup": layer.dedup, "measured_bytes_by_level": dict(zip(levels, map(int, total)))}
+            layer.reset_traffic()
+        idx = layer.last_routing.expert_idx.cpu()
+        idx_all = all_gather_rows(idx, group)
+        probs = all_gather_rows(layer.last_routing.probs.float().cpu(), group)  # replays other limits later
+        src = all_gather_rows(torch.full((idx.shape[0],), rt.rank, dtype=torch.long), group)
+        if rt.is_main:
+            record = RoutingRecord(idx_all, src, layer.router.num_experts, rt.world, layer.hidden_size * 4, dispatch,
+                                   probs)
+            record.save(out_dir, i)
+    if rt.is_main:  # a previous run in this directory may have had more layers
+        for stale in range(len(layers), recorded_layers(out_dir)):
+            for suffix in (".npz", ".json"):
+                Path(out_dir, routing_file(stale)).with_suffix(suffix).unlink(missing_ok=True)
