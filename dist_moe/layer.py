@@ -22,6 +22,7 @@ from dist_moe.dispatch.contract import Dispatcher
 from dist_moe.dispatch.dispatcher import CountsTraffic, make_dispatcher
 from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.dispatch.moe_forward import Tokens, route_and_dispatch, tokens_in
+from dist_moe.dispatch.pipeline import check_chunks
 from dist_moe.experts import Experts, SharedExpert
 from dist_moe.routing import Router, Routing, build_router
 from dist_moe.routing.capacity import capacity_for, capacity_step, check_one_capacity
@@ -56,9 +57,7 @@ class MoELayer(CountsTraffic, nn.Module):
         Without expert parallelism nothing is exchanged and C changes nothing."""
         super().__init__()
         check_dedup(dedup)
-        if isinstance(pipeline_chunks, bool) or not isinstance(pipeline_chunks, int) or pipeline_chunks < 1:
-            raise ValueError(f"pipeline_chunks must be an int >= 1, got {pipeline_chunks!r}")
-        self.pipeline_chunks = pipeline_chunks
+        self.pipeline_chunks = check_chunks(pipeline_chunks)
         if capacity_factor is not None:
             capacity_for(1, 1, 1, capacity_factor)  # validates the value
         world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1

@@ -27,6 +27,13 @@ from dist_moe.dispatch.all_to_all import Hop, pairs_back
 from dist_moe.experts import Experts, apply_experts
 
 
+def check_chunks(chunks) -> int:
+    """A layer's ``pipeline_chunks``: an int >= 1 (the same on every rank), or ValueError naming it."""
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"pipeline_chunks must be an int >= 1, got {chunks!r}")
+    return chunks
+
+
 def chunk_bounds(tokens: int, chunks: int) -> list[tuple[int, int]]:
     """``chunks`` contiguous token ranges, sizes differing by at most one (some empty if few tokens)."""
     base, extra = divmod(tokens, chunks)

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from dist_moe.dispatch.dispatcher import CountsTraffic, LocalDispatcher, make_dispatcher
 from dist_moe.dispatch.moe_forward import route_and_dispatch
+from dist_moe.dispatch.pipeline import check_chunks
 from dist_moe.integrations import deepspeed_patches
 from placement import Topology
 from placement.plan import check_dedup
@@ -61,7 +62,7 @@ def layer_class():
             self.topology = topology if topology is not None else Topology.flat(self.ep_size)
             self.placement = self.gate.placement
             # one EP rank: every expert is here; more: made once DeepSpeed names the group (_set_ep_group)
-            self.dispatcher = LocalDispatcher(self.gate.placement) if self.ep_size == 1 else None
+            self.dispatcher = LocalDispatcher(self.placement) if self.ep_size == 1 else None
             self.routed_experts = DeepSpeedExperts(self.experts)
 
         def _set_ep_group(self, ep_group) -> None:
@@ -100,8 +101,7 @@ def use_dist_moe_dispatcher(moe, dedup: str = "rank", pipeline_chunks: int = 1, 
     dispatcher (before or after ``set_deepspeed_parallelism()`` / ``deepspeed.initialize``). ``topology``:
     the EP ranks' (None: the launch's); ``timeout`` (a timedelta) bounds node dedup's groups. Returns ``moe``."""
     check_dedup(dedup)
-    if isinstance(pipeline_chunks, bool) or not isinstance(pipeline_chunks, int) or pipeline_chunks < 1:
-        raise ValueError(f"pipeline_chunks must be an int >= 1, got {pipeline_chunks!r}")
+    check_chunks(pipeline_chunks)
     old = moe.deepspeed_moe
     if not (hasattr(old.gate, "tokens") and hasattr(old.gate, "unscaled_aux")):  # DistMoEGate's (deepspeed.py)
         raise ValueError(f"the dist_moe dispatcher routes with a DistMoEGate, got {type(old.gate).__name__}")

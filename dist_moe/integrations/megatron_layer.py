@@ -25,6 +25,7 @@ from torch import Tensor
 
 from dist_moe.dispatch.dispatcher import CountsTraffic, make_dispatcher
 from dist_moe.dispatch.moe_forward import route_and_dispatch
+from dist_moe.dispatch.pipeline import check_chunks
 from dist_moe.integrations import megatron_patches
 from dist_moe.integrations.megatron_router import DistMoERouter
 from dist_moe.layer import bind_to_topology
@@ -67,8 +68,7 @@ def layer_class():
         def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *,
                      dedup: str = "rank", pipeline_chunks: int = 1, topology: Topology | None = None, timeout=None):
             check_dedup(dedup)
-            if isinstance(pipeline_chunks, bool) or not isinstance(pipeline_chunks, int) or pipeline_chunks < 1:
-                raise ValueError(f"pipeline_chunks must be an int >= 1, got {pipeline_chunks!r}")
+            check_chunks(pipeline_chunks)
             _check_config(config)
             super().__init__(config, submodules, layer_number, pg_collection)
             if not isinstance(self.router, DistMoERouter):
