@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dist_moe import MoELayer
+from placement import Placement, Topology
 from tests.dist_utils import run_workers  # noqa: E402
 
 ROUTER = {"type": "branch", "num_experts": 16, "top_k": 4, "subtree_limit": 1}  # the node level
@@ -50,9 +52,6 @@ def count_collectives(run) -> dict:
 
 
 def worker(rank, world, out_path):
-    from dist_moe import MoELayer
-    from placement import Placement, Topology
-
     topology = Topology(("node", "gpu"), (2, 2))
     rows = []
     for dedup, chunks in CASES:

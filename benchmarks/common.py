@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from dist_moe.data.tabular import tabular_split
 from dist_moe.models import TabularMoE
 from dist_moe.train.config import load_config
+from placement import Placement
+from placement.placement import coactivation
 
 E, K = 16, 4
 ROUTERS = {
@@ -32,8 +34,7 @@ def train_router(router_cfg: dict, expert_groups: torch.Tensor, d_model: int = 0
     cfg = load_config(None, [f"seed={seed}", f"model.d_model={d_model}"])
     torch.manual_seed(seed)
     data = tabular_split("magic", 0.2, seed)
-    model_cfg = {k: v for k, v in cfg["model"].items() if k not in ("kind", "layers", "heads")}  # trainer-only keys
-    model = TabularMoE(data.x_train.shape[1], data.num_classes, copy.deepcopy(router_cfg), **model_cfg)
+    model = TabularMoE(data.x_train.shape[1], data.num_classes, copy.deepcopy(router_cfg), **cfg.model.block_keys())
     if getattr(model.moe.router, "node_limit", None):
         model.moe.router.set_expert_groups(expert_groups)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -45,16 +46,13 @@ def train_router(router_cfg: dict, expert_groups: torch.Tensor, d_model: int = 0
             logits, aux = model(data.x_train[rows])
             opt.zero_grad(set_to_none=True)
             (F.cross_entropy(logits, data.y_train[rows]) + aux).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["train"]["max_grad_norm"])
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
             opt.step()
     return model.eval(), data
 
 
 def optimized_placement(model, data, topology):
     """Placement.optimized from the co-activation counts of the training split under ``model``."""
-    from placement import Placement
-    from placement.placement import coactivation
-
     with torch.no_grad():
         model(data.x_train)
     return Placement.optimized(coactivation(model.moe.last_routing.expert_idx, E), topology)

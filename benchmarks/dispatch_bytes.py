@@ -27,6 +27,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ROUTERS, E, optimized_placement, train_router  # noqa: E402
+from dist_moe import MoELayer
 from placement import Placement, Topology, dispatch_traffic, tree_distance  # noqa: E402
 from tests.dist_utils import run_workers  # noqa: E402
 
@@ -35,8 +36,6 @@ DEDUPS = ("none", "rank", "node")
 
 
 def worker(rank, world, jobs, x_val, out_path):
-    from dist_moe import MoELayer
-
     shard = torch.tensor_split(x_val, world)[rank]
     rows = []
     for router_name, placement_name, etr, router_cfg, state in jobs:

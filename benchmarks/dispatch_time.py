@@ -43,6 +43,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ROUTERS, E, optimized_placement, train_router  # noqa: E402
+from dist_moe import MoELayer
 from dist_moe.dispatch.calibrate import calibrate, replay_dispatch, slowest  # noqa: E402
 from dist_moe.dispatch.process_group import shutdown  # noqa: E402
 from placement import Placement, Topology, Traffic  # noqa: E402
@@ -90,7 +91,6 @@ def measure(ffn: int) -> None:
     level = topo.level_matrix()
     cross = level == 0
     rows = []
-    from dist_moe import MoELayer
 
     for name in CONFIG_ROUTERS:
         state, optimized, tokens = trained[name]

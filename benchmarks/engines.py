@@ -34,7 +34,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import os
+
+import torch.distributed as dist
+
+from dist_moe import MoELayer
 from dist_moe.dispatch.contract import CountsBytes  # noqa: E402
+from dist_moe.dispatch.process_group import launched_world_size
+from dist_moe.integrations import megatron_patches
+from dist_moe.integrations.deepspeed import deepspeed_moe_layer, init_distributed, load_dist_moe_experts
+from dist_moe.integrations.megatron import load_dist_moe_experts as load_megatron
+from dist_moe.integrations.megatron import megatron_config, megatron_moe_layer, sent_bytes
+from dist_moe.integrations.megatron_layer import megatron_dist_moe_layer
+from placement import Placement, Topology
 from tests.dist_utils import run_workers  # noqa: E402
 
 E, K = 8, 2
@@ -44,8 +56,6 @@ PIPELINED = 4  # chunks of the pipelined dist-moe hosts
 
 
 def launched() -> bool:
-    from dist_moe.dispatch.process_group import launched_world_size
-
     return launched_world_size() > 1
 
 
@@ -68,19 +78,8 @@ def _dispatched(layer):
 
 
 def worker(rank, world, args, out_path):
-    import torch.distributed as dist
-
-    from dist_moe import MoELayer
-    from dist_moe.integrations import megatron_patches
-    from dist_moe.integrations.deepspeed import deepspeed_moe_layer, init_distributed, load_dist_moe_experts
-    from placement import Placement, Topology
-
     megatron_patches.apply()
-    from megatron.core import parallel_state
-
-    from dist_moe.integrations.megatron import load_dist_moe_experts as load_megatron
-    from dist_moe.integrations.megatron import megatron_config, megatron_moe_layer, sent_bytes
-    from dist_moe.integrations.megatron_layer import megatron_dist_moe_layer
+    from megatron.core import parallel_state  # megatron-core: optional, imported after its patches apply
 
     torch.set_num_threads(1)
     init_distributed()
@@ -216,7 +215,6 @@ def main() -> None:
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     args = ap.parse_args()
     if launched():  # one run on the launched ranks
-        import os
 
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         out = Path("/tmp") / f"engines_launched_{os.environ.get('MASTER_PORT', '0')}.pt"

@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from dist_moe.data.tabular import tabular_split
+from dist_moe.routing import build_router
 from placement.exact import exact_balanced_partition
 from placement.placement import balanced_partition, cut_weight, symmetric_coactivation
 
@@ -31,9 +33,6 @@ def planted_c(m: int, blocks: int, seed: int) -> torch.Tensor:
 
 
 def recorded_c(m: int, router_type: str, seed: int = 0) -> torch.Tensor:
-    from dist_moe.data.tabular import tabular_split
-    from dist_moe.routing import build_router
-
     data = tabular_split("magic", 0.2, 0, 4000, None)
     torch.manual_seed(seed)
     router = build_router({"type": router_type, "hidden_size": data.x_train.shape[1], "num_experts": m, "top_k": 4})

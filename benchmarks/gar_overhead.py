@@ -26,16 +26,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch.distributed as dist
+
+from dist_moe.dispatch.grads import sum_replicated_grads
+from dist_moe.gar.step import equal_task_weights, gar_train_step, rank_local_param_ids
+from dist_moe.models import MoERegressor
+from dist_moe.moe_view import moe_views
 from tests.dist_utils import run_workers  # noqa: E402
 
 
 def worker(rank, world, args, out_path):
-    import torch.distributed as dist
-
-    from dist_moe.dispatch.grads import sum_replicated_grads
-    from dist_moe.gar.step import equal_task_weights, gar_train_step, rank_local_param_ids
-    from dist_moe.models import MoERegressor
-    from dist_moe.moe_view import moe_views
 
     torch.set_num_threads(1)
     H = args.hidden

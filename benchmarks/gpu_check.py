@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -43,11 +44,24 @@ import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (the shared EP checks) beside the packages
+
+from dist_moe import MoELayer
+from dist_moe.data.corpus import cache_path
+from dist_moe.data.paths import save_cache
+from dist_moe.data.sources import stdlib_code
+from dist_moe.dispatch.all_to_all import HOST_READS
+from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher
+from dist_moe.dispatch.process_group import init_from_env, resolve_device
+from dist_moe.train.training_state import DataCursor, restore_state, save_state
+from tests.ep_checks import ROUTERS
+from tests.sync_budget import counting
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 RESULTS: list[dict] = []
 H, F, T = 16, 32, 96  # layer shape and tokens of the EP runs
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -73,8 +87,6 @@ def check(name: str):
 # --- the expert-parallel layer on one rank -------------------------------------------------------
 def _one_rank_group(device: torch.device):
     """WORLD as a group of one: NCCL on the GPU, gloo in --cpu mode."""
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         if device.type == "cuda":
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -92,8 +104,6 @@ def no_sync_allowed(device: torch.device):
     """Every synchronising call inside fails the check, except the dispatcher's bracketed split-size
     reads, which are counted: yields a namespace whose ``reads`` and ``other`` (unbracketed stalls,
     CPU mode; on CUDA they raise at once) are filled in on exit."""
-    from dist_moe.dispatch.all_to_all import HOST_READS
-
     seen = SimpleNamespace(reads=0, other=[])
     before = HOST_READS[0]
     if device.type == "cuda":
@@ -104,8 +114,6 @@ def no_sync_allowed(device: torch.device):
         finally:
             torch.cuda.set_sync_debug_mode(0)
     else:
-        from tests.sync_budget import counting
-
         with counting() as counter:
             yield seen
         seen.other = [w for w in counter.where() if not w.endswith("(read_to_host)")]
@@ -153,9 +161,6 @@ def ep_run(name: str, cfg: dict, dedup: str, chunks: int, device, dtype, group) 
 
 
 def _ep_run(row: dict, cfg: dict, dedup: str, chunks: int, device, dtype, group) -> None:
-    from dist_moe import MoELayer
-    from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher
-
     kwargs = dict(shared_expert_hidden=6, capacity_factor=1.25 if cfg["type"] == "switch" and "node_limit" not in cfg
                   else None, pipeline_chunks=chunks, dedup=dedup)
     torch.manual_seed(0)
@@ -194,8 +199,6 @@ _RUNS: dict = {}  # dtype -> the runs, made once for the checks that read them
 
 def ep_runs(device, dtype) -> list[dict]:
     if dtype not in _RUNS:
-        from tests.ep_checks import ROUTERS
-
         group = _one_rank_group(device)
         _RUNS[dtype] = [ep_run(name, cfg, dedup, chunks, device, dtype, group) for name, cfg in ROUTERS.items()
                         for dedup in ("none", "rank", "node") for chunks in (1, 4)]
@@ -237,7 +240,6 @@ def ep_bf16(device):
 def cuda_rng(device):
     if device.type != "cuda":
         return "skip: needs a GPU (tests/test_device.py covers save and restore with the CUDA calls faked)"
-    from dist_moe.train.training_state import DataCursor, restore_state, save_state
 
     rt = SimpleNamespace(device=device, world=1, rank=0, group=None)
     model = torch.nn.Linear(3, 2).to(device)
@@ -261,7 +263,6 @@ def cuda_rng(device):
 def device_choice(device):
     if device.type != "cuda":
         return "skip: needs a GPU (tests/test_device.py covers LOCAL_RANK with the device count faked)"
-    from dist_moe.dispatch.process_group import init_from_env, resolve_device
 
     count, saved = torch.cuda.device_count(), os.environ.get("LOCAL_RANK")
     try:
@@ -292,11 +293,6 @@ LM = ["--config", "configs/lm_branch.yaml", "data.seq_len=32", "data.per_domain=
 def make_data(folder: Path) -> Path:
     """The LM corpus cache ``load_corpus`` reads, cut from Python's standard library sources (on every
     machine): four "domains" are four stretches of it, so no Debian data package is needed."""
-    import numpy as np
-
-    from dist_moe.data.corpus import cache_path
-    from dist_moe.data.paths import save_cache
-    from dist_moe.data.sources import stdlib_code
 
     os.environ["DIST_MOE_DATA"] = str(folder)
     data = np.frombuffer(stdlib_code(2_000_000).encode("utf-8", errors="replace"), dtype=np.uint8)
@@ -320,8 +316,6 @@ def _train(engine: str, device, data: Path) -> str:
 
 
 def _train_if_installed(engine: str, module: str, package: str, device, data: Path) -> str:
-    import importlib.util
-
     if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
         return f"skip: {package} is not installed on this machine"
     return _train(engine, device, data)
@@ -358,9 +352,6 @@ def _tokens_per_s(step, tokens: int, repeats: int = 10) -> float:
 def throughput(device):
     if device.type != "cuda":
         return "skip: a GPU measure"
-    from dist_moe import MoELayer
-    from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher
-
     h, f, e, k, t = 1024, 4096, 8, 2, 16384
     x = torch.randn(t, h, device=device, dtype=torch.bfloat16, requires_grad=True)
     ours = MoELayer(h, f, {"type": "switch", "num_experts": e, "top_k": k, "jitter_eps": 0.0}).to(device).bfloat16()
@@ -376,6 +367,7 @@ def throughput(device):
         rates[f"C={chunks}"] = _tokens_per_s(step, t)
     mine = ", ".join(f"{n} {v:,.0f}" for n, v in rates.items()) + " tokens/s"
     try:
+        # megatron-core: an optional engine, imported only where it is used (after megatron_patches.apply())
         from megatron.core import parallel_state
         from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
         from megatron.core.transformer.moe.moe_layer import MoELayer as MegatronMoE

@@ -6,7 +6,10 @@ import json
 import os
 import sys
 
+from dist_moe import cli_calibrate, cli_cost, cli_plan
 from dist_moe.errors import report
+from dist_moe.train.config import load_config
+from dist_moe.train.trainer import train
 
 
 def _print_summary(s: dict) -> None:
@@ -66,7 +69,6 @@ def build_parser() -> _Parser:
     tr.add_argument("overrides", nargs="*",
                     help="key.sub=value overrides, e.g. router.type=switch train.epochs=2 (a new router type "
                          "keeps the keys it also takes, such as num_experts and top_k)")
-    from dist_moe import cli_calibrate, cli_cost, cli_plan
 
     cli_cost.add_parsers(sub, debug)
     cli_plan.add_parser(sub, debug)
@@ -75,8 +77,6 @@ def build_parser() -> _Parser:
 
 
 def main(argv=None) -> int:
-    from dist_moe import cli_calibrate, cli_cost, cli_plan
-
     parser = build_parser()
     args = None
     try:
@@ -96,9 +96,6 @@ def _train(parser, args, extra) -> int:
     stray = [a for a in extra if a.startswith("-") or "=" not in a]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
-    from dist_moe.train.config import load_config
-    from dist_moe.train.trainer import train
-
     cfg = load_config(args.config, [*args.overrides, *extra])
     summary = train(cfg, quiet=args.quiet)
     if os.environ.get("RANK", "0") != "0":  # under a launcher, rank 0 speaks for the run

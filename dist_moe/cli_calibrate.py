@@ -3,6 +3,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import yaml
+
+from dist_moe.dispatch.calibrate import calibrate, to_yaml
+from dist_moe.dispatch.process_group import init_from_env, launched_world_size, resolve_device, shutdown
+from placement import Topology
+
 
 def add_parser(sub, debug) -> None:
     cp = sub.add_parser("calibrate", parents=[debug],
@@ -17,12 +23,6 @@ def add_parser(sub, debug) -> None:
 
 
 def run(args) -> int:
-    import yaml
-
-    from dist_moe.dispatch.calibrate import calibrate, to_yaml
-    from dist_moe.dispatch.process_group import init_from_env, launched_world_size, resolve_device, shutdown
-    from placement import Topology
-
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     world = launched_world_size()

@@ -12,7 +12,9 @@ import re
 import time
 from pathlib import Path
 
+from dist_moe.cli_cost import topology_of
 from placement.forecast import PLACEMENTS, ModelShape, forecast
+from placement.simulate import RoutingRecord
 
 _RATE = re.compile(r"^([0-9.]+(?:e[0-9]+)?)\s*([kMGT]?)(B|b)/s$")
 _TIME = re.compile(r"^([0-9.]+)\s*(s|ms|us|ns)$")
@@ -71,8 +73,6 @@ def _seconds(text: str) -> float:
 
 
 def topology_with_links(spec: str, links: list[str], shared: list[str]):
-    from dist_moe.cli_cost import topology_of
-
     topo = topology_of(spec)
     overrides: dict = {}
     for item in links:
@@ -91,8 +91,6 @@ def topology_with_links(spec: str, links: list[str], shared: list[str]):
 
 def recorded_routing(run_dir: str, experts: int, top_k: int):
     """Tokens drawn from a recorded run, each in a uniform replica block of its experts (as simulate)."""
-    from placement.simulate import RoutingRecord
-
     record = RoutingRecord.load(run_dir)
     e, k = record.num_experts, record.expert_idx.shape[1]
     if experts % e or k != top_k:
@@ -150,9 +148,11 @@ def run(args) -> int:
 
 
 def _plot(out: dict, path: Path) -> None:
+    # matplotlib: optional and slow to import, only when a figure is drawn
     import matplotlib
 
     matplotlib.use("Agg")
+    # matplotlib: optional and slow to import, only when a figure is drawn
     import matplotlib.pyplot as plt
 
     rows = out["rows"]

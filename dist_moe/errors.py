@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import reprlib
 import sys
 import time
 from pathlib import Path
@@ -26,11 +27,14 @@ USER, RUNTIME, INTERRUPTED = 2, 1, 130
 MAX_LINE = 1000  # characters of one error line
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed: a peer died, the network between ranks broke, or the timeout passed
+    (``dispatch.process_group.collective_failure`` says so in one line: exit 1)."""
+
+
 def shown(value) -> str:
     """``repr(value)`` for a message, cut to a few hundred characters without walking all of a huge
     value (a YAML list of millions of items once cost 800 MB of stderr)."""
-    import reprlib
-
     r = reprlib.Repr()
     r.maxstring = r.maxother = r.maxlong = 200
     r.maxlist = r.maxtuple = r.maxdict = r.maxset = 10
@@ -39,8 +43,6 @@ def shown(value) -> str:
 
 
 def _line(e: BaseException) -> tuple[str, int]:
-    from dist_moe.dispatch.process_group import CollectiveError
-
     if isinstance(e, KeyboardInterrupt):
         return "interrupted", INTERRUPTED
     if isinstance(e, ValueError):

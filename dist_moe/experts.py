@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import psutil
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -26,8 +27,6 @@ def _init(shape, fan_in) -> nn.Parameter:
 
 def _check_fits(e: int, h: int, f: int, kind: str, lora_rank: int) -> None:
     """Refuse, before allocating, expert weights (and their Adam state) larger than the memory available."""
-    import psutil
-
     per_expert = {"swiglu": 3 * h * f, "gelu": 2 * h * f, "lora": 2 * h * lora_rank}[kind]
     needed = 4 * 4 * (e * per_expert + (h * h if kind == "lora" else 0))  # fp32 weights, grads, Adam's two
     free = psutil.virtual_memory().available

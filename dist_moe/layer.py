@@ -24,8 +24,10 @@ from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.dispatch.moe_forward import Tokens, route_and_dispatch, tokens_in
 from dist_moe.dispatch.pipeline import check_chunks
 from dist_moe.experts import Experts, SharedExpert
+from dist_moe.moe_view import MoEView
 from dist_moe.routing import Router, Routing, build_router
 from dist_moe.routing.capacity import capacity_for, capacity_step, check_one_capacity
+from dist_moe.routing.registry import RouterConfig, router_config
 from dist_moe.seeding import fork_rng
 from placement import Placement, Topology
 from placement.plan import check_dedup
@@ -38,7 +40,7 @@ class MoELayer(CountsTraffic, nn.Module):
         self,
         hidden_size: int,
         ffn_hidden_size: int,
-        router: Router | dict,
+        router: Router | RouterConfig | dict,
         placement=None,
         topology=None,
         group=None,
@@ -61,13 +63,13 @@ class MoELayer(CountsTraffic, nn.Module):
         if capacity_factor is not None:
             capacity_for(1, 1, 1, capacity_factor)  # validates the value
         world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
-        if isinstance(router, dict):
-            cfg = dict(router)
-            if cfg.setdefault("hidden_size", hidden_size) != hidden_size:
-                raise ValueError(f"router hidden_size {cfg['hidden_size']} != layer hidden_size {hidden_size}")
-            router = build_router(cfg, stats_group=group if world > 1 else None)
+        if isinstance(router, (dict, RouterConfig)):
+            config = router_config(router, given_later=("hidden_size",))
+            if config.hidden_size not in (None, hidden_size):
+                raise ValueError(f"router hidden_size {config.hidden_size} != layer hidden_size {hidden_size}")
+            router = build_router(config.given(hidden_size=hidden_size), stats_group=group if world > 1 else None)
         if not isinstance(router, Router):
-            raise ValueError(f"router must be a Router or a config dict, got {type(router).__name__}")
+            raise ValueError(f"router must be a Router or a config, got {type(router).__name__}")
         check_one_capacity(router, capacity_factor)
         e = router.num_experts
         # every check below happens before the first collective
@@ -154,8 +156,6 @@ class MoELayer(CountsTraffic, nn.Module):
 
     def moe_view(self):
         """This layer's router, experts and last inputs (``dist_moe.moe_view.MoEView``)."""
-        from dist_moe.moe_view import MoEView
-
         ep = self.dispatcher.exchanges
         return MoEView(self.router, {n: [p] for n, p in self.experts.template().items()}, True,
                        list(self.experts.parameters()),
@@ -187,13 +187,12 @@ def bind_to_topology(router: Router, placement: Placement, topology: Topology) -
     """Tell a router the cluster's node boundary, where its config asks for it: DeepSeek-V3's
     ``node_limit`` groups (the experts of each node), BRANCH's ``subtree_limit`` by level (the
     tree depth of each level's units under tree-prefix placement). The engine hosts call it too."""
-    if (getattr(router, "node_limit", None) or getattr(router, "needs_topology", False)) and \
-            topology.world_size != placement.world_size:
+    if (router.node_limit or router.needs_topology) and topology.world_size != placement.world_size:
         raise ValueError(f"topology {topology.describe()} has {topology.world_size} ranks but the expert-parallel "
                          f"group has {placement.world_size}: give the EP group's topology")
-    if getattr(router, "node_limit", None):
+    if router.node_limit:
         router.set_expert_groups(placement.expert_nodes(topology))
-    if getattr(router, "needs_topology", False):
+    if router.needs_topology:
         tree = placement == Placement.tree_prefix(router.num_experts, topology)
         router.resolve_subtree_levels(topology.levels, topology.sizes, tree)
 

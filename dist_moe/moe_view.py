@@ -7,6 +7,7 @@ find them, in module order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 
 @dataclass
@@ -33,9 +34,24 @@ class MoEView:
         return [(ps[0][0] if self.stacked else ps[0]).numel() for ps in self.template.values()]
 
 
-def moe_layers(model) -> list:
+@runtime_checkable
+class MoEHost(Protocol):
+    """What the trainer, metrics, checkpoints and GAR ask of every MoE layer, whichever engine hosts it."""
+
+    num_experts: int
+    expert_node: object  # [E] each expert's node when the layer knows several nodes, else None
+    expert_rank: object  # [E] each expert's rank under expert parallelism, else None
+
+    def moe_view(self) -> MoEView: ...
+
+    def expert_state_keys(self, prefix: str = "") -> dict:
+        """{state-dict key of a local expert tensor: (global expert ids, checkpoint stem, stacked)}."""
+        ...
+
+
+def moe_layers(model) -> list[MoEHost]:
     """Every MoE layer module in ``model`` (dist-moe's, or DeepSpeed- or Megatron-hosted)."""
-    return [m for m in model.modules() if hasattr(m, "moe_view")]
+    return [m for m in model.modules() if isinstance(m, MoEHost)]
 
 
 def moe_views(model) -> list[MoEView]:

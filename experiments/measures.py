@@ -5,18 +5,27 @@
 """
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
+
+from dist_moe.dispatch.calibrate import calibrate, replay_dispatch, slowest, to_yaml
+from dist_moe.moe_view import moe_layers
+from dist_moe.train.expert_metrics import contingency, gradient_mass_purity, lvar, nmi, utilization
+from dist_moe.train.step_bytes import per_step_traffic
+from dist_moe.train.training_step import loss_of
 from placement import Topology
+from placement import Topology as Topo
 from placement.report import analyze
-from placement.simulate import RoutingRecord
+from placement.simulate import RoutingRecord, recorded_layers, simulate
 
 CLUSTER = "node=2,gpu=2"  # the experiments' 4 ranks as 2 nodes x 2
 
 
-def post_routing_bytes(summary: dict, cfg: dict) -> dict:
+def post_routing_bytes(summary: dict, cfg) -> dict:
     """Node-crossing copies per token (bytes / token bytes) of the run's validation routing
     under every placement the report compares and every dedup mode, on 2 nodes x 2."""
     record = RoutingRecord.load(summary["output_dir"])
-    report = analyze(record, Topology.parse(CLUSTER), cfg["parallel"]["placement"])
+    report = analyze(record, Topology.parse(CLUSTER), cfg.parallel.placement)
     out = {"lower_bound_copies": report["node_lower_bound_bytes_per_token"] / record.token_bytes}
     for placement, entry in report["placements"].items():
         for dedup, mode in entry["modes"].items():
@@ -39,10 +48,6 @@ def after_gar_diagnostics(model, data, rt, group_size: int = 8, batches_per_task
     ``batches_per_task`` same-task micro-batches of ``group_size`` validation examples,
     each micro-batch's mean-loss gradient, averaged within the task.
     """
-    import torch
-
-    from dist_moe.train.expert_metrics import contingency, gradient_mass_purity, lvar, nmi, utilization
-    from dist_moe.train.steps import loss_of
 
     if rt.world != 1:
         raise ValueError("the GAR diagnostics run in one process")
@@ -81,8 +86,6 @@ def after_gar_diagnostics(model, data, rt, group_size: int = 8, batches_per_task
 
 def _macro_accuracy(model, x, y, t, num_tasks: int) -> float:
     """Equal-task macro validation accuracy (tasks weigh the same whatever their size)."""
-    import torch
-
     model.eval()
     with torch.no_grad():
         pred = torch.cat([model(x[r], t[r])[0].argmax(-1) for r in torch.split(torch.arange(len(x)), 256)])
@@ -96,8 +99,6 @@ def after_masking(model, data, rt) -> dict:
     masked, minus without, and the share of predictions that leave the given category.
     Reduced over ranks (each rank takes its share of the rows). Models without a
     class -> category map (the LM) report nothing."""
-    import torch
-
     if getattr(model, "class_category", None) is None:
         return {}
     rows = torch.tensor_split(torch.arange(len(data.x_val)), rt.world)[rt.rank]
@@ -127,11 +128,6 @@ def after_exchange_time(model, data, rt) -> dict:
     with ``all_to_all_single`` (``benchmarks/dispatch_time.py``'s replay; node dedup: its cross-node
     stage, then its intra-node stage), four exchanges per layer per step (dispatch and combine,
     forward and backward). Median of 5, the slowest rank's."""
-    import torch
-    import torch.distributed as dist
-
-    from dist_moe.dispatch.calibrate import replay_dispatch, slowest
-    from dist_moe.moe_view import moe_layers
 
     # dist-moe's dispatcher, exchanging
     layers = [m for m in moe_layers(model) if getattr(getattr(m, "dispatcher", None), "exchanges", False)]
@@ -157,16 +153,13 @@ _FITTED = {}  # the link calibration of this launch: "cost" -> CostModel
 
 def before_calibrate() -> dict:
     """Fit the cost model on this launch's links (``dist-moe calibrate``'s sweeps)."""
-    from dist_moe.dispatch.calibrate import calibrate, to_yaml
-    from placement import Topology as Topo
-
     topo = Topo.from_env()
     cost = calibrate(topo)
     _FITTED["cost"] = cost
     return {"calibration": to_yaml(topo, cost)["cost"], "exchange": to_yaml(topo, cost)["exchange"]}
 
 
-def post_step_prediction(summary: dict, cfg: dict) -> dict:
+def post_step_prediction(summary: dict, cfg) -> dict:
     """Measured step time and tokens/s, and the cost model's all-to-all seconds per step.
 
     Per MoE layer and step the model counts four all-to-alls (dispatch and combine, forward
@@ -175,19 +168,16 @@ def post_step_prediction(summary: dict, cfg: dict) -> dict:
     from before it was written, a dispatch of batch x seq_len tokens per rank drawn from the run's
     recorded validation routing (``placement.simulate``) under the run's placement and dedup.
     """
-    from dist_moe.train.step_bytes import per_step_traffic
-    from placement.simulate import recorded_layers, simulate
-
     topo = Topology.from_env()
     topo = Topology(topo.levels, topo.sizes, _FITTED.get("cost"))
-    dedup = cfg["parallel"]["dedup"]
-    tokens_per_rank = cfg["train"]["batch_size"] * cfg["data"]["seq_len"]
+    dedup = cfg.parallel.dedup
+    tokens_per_rank = cfg.train.batch_size * cfg.data.seq_len
     steps_traffic = per_step_traffic(summary["output_dir"], topo)
     if steps_traffic is not None:
         stages = [topo.cost.stage_seconds(t, dedup) for t in steps_traffic]
         comm = sum(4 * topo.cost.estimate(t, dedup) for t in steps_traffic)
     else:
-        sims = [simulate(RoutingRecord.load(summary["output_dir"], layer), topo, cfg["parallel"]["placement"],
+        sims = [simulate(RoutingRecord.load(summary["output_dir"], layer), topo, cfg.parallel.placement,
                          tokens_per_rank=tokens_per_rank)["modes"][dedup]
                 for layer in range(recorded_layers(summary["output_dir"]))]
         stages, comm = [s["stage_seconds"] for s in sims], sum(4 * s["estimated_seconds"] for s in sims)

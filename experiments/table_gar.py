@@ -52,9 +52,11 @@ def make(rows, out_dir) -> str:
 
 
 def _plot(plot, path) -> None:
+    # matplotlib: optional and slow to import, only when a figure is drawn
     import matplotlib
 
     matplotlib.use("Agg")
+    # matplotlib: optional and slow to import, only when a figure is drawn
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(METRICS), figsize=(3.2 * len(METRICS), 3.4))

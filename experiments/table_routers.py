@@ -145,9 +145,11 @@ def _targets(summary, groups) -> str:
 
 
 def _plot(summary, path, arms, what: str) -> None:
+    # matplotlib: optional and slow to import, only when a figure is drawn
     import matplotlib
 
     matplotlib.use("Agg")
+    # matplotlib: optional and slow to import, only when a figure is drawn
     import matplotlib.pyplot as plt
 
     datasets = list(dict.fromkeys(s[0] for s in summary))

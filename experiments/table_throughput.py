@@ -42,9 +42,11 @@ def make(rows, out_dir) -> str:
 
 
 def plot_throughput(points, path) -> None:
+    # matplotlib: optional and slow to import, only when a figure is drawn
     import matplotlib
 
     matplotlib.use("Agg")
+    # matplotlib: optional and slow to import, only when a figure is drawn
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(10, 3.8))

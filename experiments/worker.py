@@ -32,7 +32,7 @@ def run_plan(plan: dict) -> None:
                                     "date": time.strftime("%Y-%m-%d"), **row}) + "\n")
     for run in plan["runs"]:
         cfg = load_config(run.get("config"), run["overrides"])
-        torch.manual_seed(cfg["seed"])
+        torch.manual_seed(cfg.seed)
         start = time.time()
         after = getattr(measures, plan["after"]) if plan.get("after") else None
         summary = train(cfg, quiet=True, after=after)

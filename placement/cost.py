@@ -55,6 +55,10 @@ class LevelCost:
         if not (self.alpha_s >= 0 and self.bandwidth_Bps > 0):
             raise ValueError(f"level cost needs alpha_s >= 0 and bandwidth_Bps > 0, got {self}")
 
+    def seconds(self, peers: float, link_bytes: float) -> float:
+        """The alpha-beta time at this level: alpha per peer reached, the link's bytes over its bandwidth."""
+        return self.alpha_s * peers + link_bytes / self.bandwidth_Bps
+
 
 @dataclass(frozen=True)
 class CostModel:
@@ -98,21 +102,27 @@ class CostModel:
         if list(self.levels) != list(names):
             raise ValueError(f"cost model levels {list(self.levels)} do not match topology levels {list(names)}")
 
+    def link_load(self, i: int, topology, sent: torch.Tensor, recv: torch.Tensor) -> torch.Tensor:
+        """Each link's load at level ``i`` from [W] amounts each rank sends and receives across it: its
+        larger direction, a link per rank, or per unit just inside the level when the level is shared."""
+        if self.levels[topology.levels[i]].shared:  # the unit's ranks share one link
+            unit = math.prod(topology.sizes[i + 1 :])
+            sent, recv = sent.reshape(-1, unit).sum(1), recv.reshape(-1, unit).sum(1)
+        return torch.maximum(sent.double(), recv.double())
+
     def phase_times(self, matrix: torch.Tensor, topology) -> dict:
-        """Seconds per level for a [W, W] byte matrix on ``topology``."""
+        """Seconds per level for a [W, W] byte matrix on ``topology``: the busiest link and the most peers."""
         out = {}
         m = matrix.double()
         level_of = topology.level_matrix()
         for i, (name, c) in enumerate(self.levels.items()):
             mask = level_of == i
             crossing = m * mask
-            sent, recv = crossing.sum(1), crossing.sum(0)
-            if c.shared:  # sum over the ranks of each unit inside this level
-                unit = math.prod(topology.sizes[i + 1 :])
-                sent, recv = sent.reshape(-1, unit).sum(1), recv.reshape(-1, unit).sum(1)
-            peers = ((m > 0) & mask).sum(1).double()
-            alpha = c.alpha_s * float(peers.max()) if peers.numel() else 0.0
-            out[name] = alpha + float(torch.maximum(sent, recv).max()) / c.bandwidth_Bps if sent.numel() else 0.0
+            if not crossing.numel():
+                out[name] = 0.0
+                continue
+            peers = float(((m > 0) & mask).sum(1).max())
+            out[name] = c.seconds(peers, float(self.link_load(i, topology, crossing.sum(1), crossing.sum(0)).max()))
         return out
 
     def estimate(self, traffic, dedup: str = "rank") -> float:

@@ -26,6 +26,15 @@ from dataclasses import dataclass
 
 import torch
 
+from placement.placement import (
+    Placement,
+    balanced_partition,
+    cut_weight,
+    shares_of,
+    split_by_levels,
+    symmetric_coactivation,
+)
+
 EXACT_MAX_EXPERTS = 64  # beyond this the heuristic alone (the ILP has E^2 * parts variables)
 _SCALE = 10**6
 
@@ -41,9 +50,9 @@ class ExactPartition:
 
 def exact_balanced_partition(c: torch.Tensor, n: int, hint: list[int] | None = None, time_limit_s: float = 10.0,
                              workers: int = 2) -> ExactPartition:
+    # OR-Tools: optional (the exact extra), only for the exact partition
     from ortools.sat.python import cp_model
 
-    from placement.placement import cut_weight
 
     c = torch.as_tensor(c, dtype=torch.float64)
     m = c.shape[0]
@@ -110,15 +119,6 @@ class LevelSplit:
 def exact_placement(coactivation, topology, time_limit_s: float = 10.0, sweeps: int = 200):
     """(Placement, [LevelSplit]): ``Placement.optimized``'s level-by-level splits, each solved by the ILP
     from the heuristic's split (so never worse than it); ``time_limit_s`` per split."""
-    from placement.placement import (
-        Placement,
-        balanced_partition,
-        cut_weight,
-        shares_of,
-        split_by_levels,
-        symmetric_coactivation,
-    )
-
     c = symmetric_coactivation(coactivation)
     if c.shape[0] > EXACT_MAX_EXPERTS:
         raise ValueError(f"the exact partition is for up to {EXACT_MAX_EXPERTS} experts, got {c.shape[0]}: "

@@ -4,16 +4,17 @@ model's shape, a routing assumption and a topology with link rates (``dist-moe p
 No [W, W] matrix is built, so 16,384 GPUs plan in seconds: ``sample`` tokens per rank are
 routed by the assumption, grouped into copies by the one dispatch plan (``DispatchPlan``, the
 rules the dispatcher executes), and every copy is counted at the level it crosses, read from
-its two ranks' coordinates. Scaled by tokens_per_rank / sample, the counts are one exchange's
-bytes. Time per level follows ``placement.cost``'s alpha-beta model on the mean link (every
-placement here treats ranks alike, so a sample's maximum would be its noise, not a slow
-link), with the peers a rank reaches at a level estimated as N (1 - exp(-c / N)) for c
-copies over the level's N candidate ranks. A step of one MoE layer moves four exchanges
-(dispatch and combine, forward and backward: the backward sends the same bytes back) and
-runs its experts' matmuls (SwiGLU: 3 matrices of hidden x ffn, 2 flops a multiply-add,
-backward twice forward) at the given TFLOP/s, combined by ``CostModel.layer_time``: blocking
-exchanges add to the matmuls, pipelined ones (C chunks) overlap them by the topology's
-calibrated ``overlap`` share, and every collective pays its ``latency_s``.
+its two ranks' coordinates (``DispatchPlan.copies_by_level``). Scaled by tokens_per_rank /
+sample, the counts are one exchange's bytes. Time per level is ``placement.cost``'s alpha-beta
+time (``LevelCost.seconds`` of ``CostModel.link_load``) on the mean link (every placement here
+treats ranks alike, so a sample's maximum would be its noise, not a slow link), with the peers
+a rank reaches at a level estimated as N (1 - exp(-c / N)) for c copies over the level's N
+candidate ranks. A step of one MoE layer moves four exchanges (dispatch and combine, forward
+and backward: the backward sends the same bytes back) and runs its experts' matmuls (SwiGLU:
+3 matrices of hidden x ffn, 2 flops a multiply-add, backward twice forward) at the given
+TFLOP/s, combined by ``CostModel.layer_time``: blocking exchanges add to the matmuls,
+pipelined ones (C chunks) overlap them by the topology's calibrated ``overlap`` share, and
+every collective pays its ``latency_s``.
 """
 from __future__ import annotations
 
@@ -90,39 +91,18 @@ def uniform_routing(tokens: int, experts: int, top_k: int, generator: torch.Gene
     raise ValueError(f"could not draw {top_k} distinct experts of {experts}")
 
 
-def exchange_counts(expert_idx: torch.Tensor, src: torch.Tensor, placement: Placement, topology: Topology,
-                    dedup: str) -> list[dict]:
-    """Per stage: {level: (copies, [W] copies sent per rank, [W] received)} of one dispatch."""
-    w, n_levels = topology.world_size, len(topology.sizes)
-    plan = DispatchPlan.build(expert_idx, placement, topology, dedup, src_rank=src)
-    stages = []
-    for stage, senders, receivers in zip(plan.stages, plan.senders, plan.receivers):
-        s, r = senders[stage.order], receivers[stage.order]
-        sent = stage.leader & (r < w) & (s < w) & (s != r)
-        s, r = s[sent], r[sent]
-        level = topology.crossing_levels(s, r)
-        per = {}
-        for i in range(n_levels):
-            at = level == i
-            per[topology.levels[i]] = (int(at.sum()), torch.bincount(s[at], minlength=w),
-                                       torch.bincount(r[at], minlength=w))
-        stages.append(per)
-    return stages
-
-
 def stage_seconds(per_level: dict, topology: Topology, scale: float, token_bytes: int) -> dict:
-    """Alpha-beta seconds per level for one stage's counts, scaled to the full batch."""
+    """``CostModel``'s alpha-beta seconds per level for one stage's counts (``DispatchPlan.copies_by_level``),
+    scaled to the full batch, on the mean link and the expected peers."""
     out = {}
+    cost = topology.cost
     for i, name in enumerate(topology.levels):
-        c = topology.cost.levels[name]
         _, sent, recv = per_level[name]
-        link = torch.maximum(sent, recv).double() * scale * token_bytes
-        if c.shared:  # every rank of a unit just inside the level shares its link
-            link = link.reshape(-1, math.prod(topology.sizes[i + 1 :])).sum(1)
+        link = cost.link_load(i, topology, sent * scale * token_bytes, recv * scale * token_bytes)
         candidates = (topology.sizes[i] - 1) * math.prod(topology.sizes[i + 1 :])
         copies = float(sent.double().mean()) * scale
         peers = candidates * (1 - math.exp(-copies / candidates)) if candidates else 0.0
-        out[name] = c.alpha_s * peers + float(link.mean()) / c.bandwidth_Bps
+        out[name] = cost.levels[name].seconds(peers, float(link.mean()))
     return out
 
 
@@ -156,7 +136,7 @@ def forecast(shape: ModelShape, topology: Topology, routing=None, ep: int | None
         if placement is None:
             continue
         for dedup in DEDUP_MODES:
-            stages = exchange_counts(idx, src, placement, group, dedup)
+            stages = DispatchPlan.build(idx, placement, group, dedup, src_rank=src).copies_by_level(group)
             bytes_per_token = {name: sum(st[name][0] for st in stages) * shape.token_bytes / t
                                for name in group.levels}
             times = [stage_seconds(st, group, scale, shape.token_bytes) for st in stages]

@@ -38,6 +38,8 @@ import yaml
 from placement.files import read_yaml_mapping
 from placement.topology import Topology
 
+MAX_EXPERTS = 1 << 16  # any router's and placement's: 65,536 is far beyond published MoE models (DeepSeek-V3: 256)
+
 
 class Placement:
     def __init__(self, expert_to_rank, world_size: int):

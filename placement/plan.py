@@ -151,14 +151,33 @@ class DispatchPlan:
         stage2 = Exchange.group(token, dst, w, t)  # (token, rank) is (gateway copy, rank)
         return cls(dedup, w, token, [stage1, stage2], [pair_src, torch.where(dst < w, gate, w)], [gate, dst])
 
+    def sent(self, i: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Stage ``i``'s copies as (sender, receiver, sent) per sorted pair: ``sent`` marks one pair per
+        copy that crosses to another rank (a copy is a leader pair; what a rank keeps, and dropped
+        pairs, are not sent). Every count of copies and bytes starts here."""
+        stage, w = self.stages[i], self.world
+        s, r = self.senders[i][stage.order].cpu(), self.receivers[i][stage.order].cpu()
+        return s, r, stage.leader.cpu() & (r < w) & (s < w) & (s != r)
+
     def traffic_matrix(self, token_bytes: int) -> Tensor:
         """[W, W] int64 payload bytes, sender row -> receiver column; nothing a rank keeps is counted."""
         w = self.world
         matrix = torch.zeros(w * w + 1, dtype=torch.long)
-        for stage, senders, receivers in zip(self.stages, self.senders, self.receivers):
-            s = senders[stage.order].cpu()
-            r = receivers[stage.order].cpu()
-            send = stage.leader.cpu() & (r < w) & (s < w) & (s != r)
+        for i in range(len(self.stages)):
+            s, r, send = self.sent(i)
             cell = torch.where(send, s * w + r, w * w)  # the sentinel cell collects what is not sent
             matrix.scatter_add_(0, cell, send.long() * token_bytes)
         return matrix[: w * w].reshape(w, w)
+
+    def copies_by_level(self, topology: Topology) -> list[dict]:
+        """Per stage: {level: (copies, [W] copies each rank sends, [W] copies each receives)}, every copy
+        counted at the level its two ranks' coordinates cross (no [W, W] matrix: 16,384 ranks plan fast)."""
+        stages = []
+        for i in range(len(self.stages)):
+            s, r, send = self.sent(i)
+            s, r = s[send], r[send]
+            level = topology.crossing_levels(s, r)
+            stages.append({name: (int((level == j).sum()), torch.bincount(s[level == j], minlength=self.world),
+                                  torch.bincount(r[level == j], minlength=self.world))
+                           for j, name in enumerate(topology.levels)})
+        return stages

@@ -252,9 +252,11 @@ def _save(fig, path: Path) -> None:
 
 
 def _plots(run_dir: Path, report: dict, topology: Topology) -> None:
+    # matplotlib: optional and slow to import, only when a figure is drawn
     import matplotlib
 
     matplotlib.use("Agg")
+    # matplotlib: optional and slow to import, only when a figure is drawn
     import matplotlib.pyplot as plt
 
     heat = report["heatmap"]

@@ -19,10 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
 
 from placement.files import read_npz, replacing, write_atomic
-from placement.placement import Placement, coactivation
+from placement.placement import MAX_EXPERTS, Placement, coactivation
+from placement.subtree import check_limits, limited_top_k
 from placement.topology import Topology
 from placement.traffic import DEDUP_MODES, dispatch_traffic
 
@@ -79,8 +81,6 @@ class RoutingRecord:
             raise ValueError(f"routing record {path}: 'meta' must hold [num_experts, world_size, token_bytes], "
                              f"got {meta.size} values")
         e, w, b = (int(v) for v in meta)
-        from dist_moe.routing.base import MAX_EXPERTS  # the most any router takes
-
         # every rank of a recorded run held an expert: its world is at most its expert count
         for name, value, top in (("num_experts", e, MAX_EXPERTS), ("world_size", w, MAX_EXPERTS),
                                  ("token_bytes", b, 1 << 30)):
@@ -152,8 +152,6 @@ def memory_needed(world: int, tokens: int, top_k: int, levels: int) -> int:
 
 def check_memory(needed: int, what: str, advice: str = "simulate fewer ranks or fewer tokens per rank") -> None:
     """Refuse, before allocating, work that would not fit in half of the memory available now."""
-    import psutil
-
     free = psutil.virtual_memory().available
     if needed > free // 2:
         raise ValueError(f"{what} needs about {needed / 2**30:.1f} GiB, more than half of the "
@@ -166,8 +164,6 @@ def replayed_limits(subtree_limit, topology: Topology, num_experts: int, top_k: 
     E / that many units, the subtrees at depth log2(span) of the block's own tree. Refused unless
     every such subtree lies inside one unit of ``placement`` (tree-prefix on power-of-two levels):
     elsewhere the limit would not limit what crosses the level."""
-    from placement.subtree import check_limits
-
     by_level = subtree_limit if isinstance(subtree_limit, dict) else {
         topology.levels[topology.node_depth - 1]: subtree_limit}
     experts_simulated = placement.num_experts
@@ -196,8 +192,6 @@ def replayed_limits(subtree_limit, topology: Topology, num_experts: int, top_k: 
 
 def _replay(record: RoutingRecord, rows: torch.Tensor, block: torch.Tensor, limits) -> torch.Tensor:
     """The sampled tokens re-selected from their recorded probabilities (top-K, within ``limits``)."""
-    from placement.subtree import limited_top_k
-
     if record.probs is None:
         raise ValueError("this run recorded no routing probabilities (it predates them): train it again to "
                          "replay another subtree limit")

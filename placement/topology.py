@@ -17,6 +17,8 @@ import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from placement.cost import CostModel
 from placement.files import read_yaml_mapping
 
@@ -100,16 +102,12 @@ class Topology:
         return self.__dict__["_level_matrix"]
 
     def _build_level_matrix(self):
-        import torch
-
         ranks = torch.arange(self.world_size)
         return self.crossing_levels(ranks.unsqueeze(1), ranks.unsqueeze(0))
 
     def crossing_levels(self, a, b):
         """Index into ``levels`` of the outermost level where rank tensors ``a`` and ``b`` differ
         (-1: the same rank), elementwise and broadcast: no [W, W] matrix unless asked for one."""
-        import torch
-
         out = torch.full(torch.broadcast_shapes(a.shape, b.shape), -1, dtype=torch.long)
         for i in reversed(range(len(self.sizes))):
             stride = math.prod(self.sizes[i + 1 :])

@@ -25,7 +25,7 @@ def test_cuda_without_a_gpu_is_a_clear_error_and_auto_picks_the_cpu():
 
 
 def test_parallel_device_is_a_checked_config_key():
-    assert load_config(None)["parallel"]["device"] == "auto"
+    assert load_config(None).parallel.device == "auto"
     with pytest.raises(ValueError, match="'parallel.device' must be one of auto, cpu, cuda"):
         load_config(None, ["parallel.device=gpu"])
 

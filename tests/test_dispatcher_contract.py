@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from dist_moe.dispatch.contract import Dispatcher
-from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher, LocalDispatcher
+from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher, LocalDispatcher, make_dispatcher
 from dist_moe.layer import MoELayer
-from placement import Placement
+from placement import Placement, Topology
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ["dist_moe/layer.py", "dist_moe/integrations/megatron_layer.py", "dist_moe/integrations/deepspeed_dispatch.py"]
@@ -31,9 +32,11 @@ def test_every_layer_runs_the_one_forward_and_none_writes_the_prologue_again():
         assert "route_and_dispatch" in calls, path
         # the agreement and the input check belong to dispatch/moe_forward.py alone
         assert not calls & {"agreed_routing", "agree", "input_problem", "ExpertParallelDispatcher"}, path
-    # the engines' routers build their tokens with tokens_in, as MoELayer does
-    for path in ("dist_moe/layer.py", "dist_moe/integrations/megatron_router.py", "dist_moe/integrations/deepspeed.py"):
-        assert "tokens_in" in _calls(path) and "input_problem" not in _calls(path), path
+    # the engines' routers build their tokens with tokens_in, as MoELayer does, through the one helper
+    # that also counts their forward and keeps GAR's router input (integrations/context.py)
+    assert "tokens_in" in _calls("dist_moe/layer.py") and "tokens_in" in _calls("dist_moe/integrations/context.py")
+    for path in ("dist_moe/integrations/megatron_router.py", "dist_moe/integrations/deepspeed.py"):
+        assert "context_tokens" in _calls(path) and not _calls(path) & {"tokens_in", "input_problem"}, path
 
 
 def test_both_dispatchers_have_the_contracts_members():
@@ -76,3 +79,19 @@ def test_the_design_names_import_where_it_puts_them():
     assert dist_moe_mlp_spec is megatron_layer.dist_moe_mlp_spec
     assert megatron_dist_moe_layer is megatron_layer.megatron_dist_moe_layer
     assert DistMoERouter is megatron_router.DistMoERouter
+
+
+def test_node_dedup_is_refused_for_an_expert_parallel_group_of_part_of_the_world(monkeypatch):
+    """Node dedup's per-node groups are made collectively over the world's ranks: an EP group of 2 of 4
+    ranks would wait in new_group for ranks that never come. make_dispatcher, where every host (MoELayer,
+    Megatron's and DeepSpeed's dispatched layers) gets its dispatcher, refuses it; rank dedup is left alone."""
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4 if group is None else 2)
+    made = []
+    monkeypatch.setattr(ExpertParallelDispatcher, "__init__", lambda self, *args: made.append(args[3]))
+    placement, topo = Placement.contiguous(4, 2), Topology(("node", "gpu"), (2, 1))
+    with pytest.raises(ValueError, match=r"^dedup='node' needs the expert-parallel group to be the whole world "
+                                         r"\(2 of 4 ranks\); use dedup='rank'$"):
+        make_dispatcher(object(), placement, topo, "node")
+    make_dispatcher(object(), placement, topo, "rank")
+    assert made == ["rank"]

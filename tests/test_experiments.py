@@ -53,7 +53,7 @@ def test_every_planned_run_is_a_valid_config_with_a_unique_id(name):
     assert len(ids) == len(set(ids)) and ids
     for run in plan.runs:
         cfg = load_config(run["config"], run["overrides"])  # raises on an unknown key or a bad value
-        assert cfg["output"]["dir"].endswith(run["id"])
+        assert cfg.output.dir.endswith(run["id"])
 
 
 def test_routers_grid_pairs_every_arm_over_the_same_seeds():
@@ -203,8 +203,7 @@ def test_step_model_prices_the_bytes_the_training_steps_sent(tmp_path, monkeypat
     matrix[0][2], matrix[1][0] = 4_000_000, 400_000  # across nodes; inside node 0
     (tmp_path / "train_traffic.json").write_text(json.dumps({"steps": 4, "layers": [matrix, matrix]}))
     summary = {"output_dir": str(tmp_path), "train_seconds": 8.0, "steps": 4, "world_size": 4, "exchange_wait_s": 2.0}
-    cfg = {"parallel": {"dedup": "node", "placement": "contiguous"}, "train": {"batch_size": 2},
-           "data": {"seq_len": 8}}
+    cfg = load_config(None, ["parallel.dedup=node", "train.batch_size=2", "data.seq_len=8"])
     out = measures.post_step_prediction(summary, cfg)
     links = CostModel.default(["node", "gpu"]).levels
     node_s = links["node"].alpha_s + 1_000_000 / links["node"].bandwidth_Bps

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from placement import Placement, Topology, dispatch_traffic
-from placement.forecast import ModelShape, ep_topology, exchange_counts, forecast, uniform_routing
+from placement.forecast import ModelShape, ep_topology, forecast, uniform_routing
+from placement.plan import DispatchPlan
 
 
 @pytest.mark.parametrize("spec", ["node=2,gpu=2", "rack=2,node=2,gpu=2", "node=3,gpu=2"])
@@ -19,7 +20,7 @@ def test_copies_per_level_equal_the_analytic_byte_count(spec, dedup):
     idx[::7, 1] = -1  # dropped slots are not sent
     src = torch.arange(w).repeat_interleave(50)
     placement = Placement.round_robin(e, w)
-    counts = exchange_counts(idx, src, placement, topo, dedup)
+    counts = DispatchPlan.build(idx, placement, topo, dedup, src_rank=src).copies_by_level(topo)
     ours = {lv: sum(stage[lv][0] for stage in counts) * 12 for lv in topo.levels}
     assert ours == dispatch_traffic(idx, src, placement, topo, 12, dedup).by_level()
     for stage in counts:  # per-rank sent and received sum to the level's copies

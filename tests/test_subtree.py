@@ -261,7 +261,7 @@ def test_a_limit_by_level_merges_with_an_override_of_one_level():
 
     cfg = load_config(None, ["router.type=branch", "router.subtree_limit={rack: 1, node: 1}",
                              "router.subtree_limit.node=2"])
-    assert cfg["router"]["subtree_limit"] == {"rack": 1, "node": 2}
+    assert cfg.router.subtree_limit == {"rack": 1, "node": 2}
 
 
 def test_simulate_racks_must_be_positive(tmp_path, capsys):

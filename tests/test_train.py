@@ -3,10 +3,14 @@ import json
 
 import pytest
 import torch
+import yaml
 
 from dist_moe.cli import main
 from dist_moe.data.tabular import load_keel, tabular_split
+from dist_moe.routing.gar import GARConfig
+from dist_moe.routing.registry import router_config
 from dist_moe.train.config import DEFAULT_CONFIG, load_config, parse_override
+from dist_moe.train.run_config import GIVEN_LATER
 
 
 @pytest.fixture(autouse=True)
@@ -66,14 +70,17 @@ def test_router_gar_still_works_for_one_release_and_names_train_gar():
     router = "router={type: switch, num_experts: 8, top_k: 2, gar: {lambda: 0.01, mode: gram}}"
     with pytest.warns(FutureWarning, match="train.gar"):
         cfg = load_config(None, [router])
-    assert cfg["train"]["gar"] == {"lambda": 0.01, "mode": "gram"} and "gar" not in cfg["router"]
-    assert load_config(None, ["router.type=switch", "train.gar.lambda=0.01", "train.gar.mode=gram"])["train"]["gar"] \
-        == cfg["train"]["gar"]  # two overrides fill one mapping
-    old = {**cfg, "router": {**cfg["router"], "gar": cfg["train"]["gar"]}, "train": {**cfg["train"], "gar": None}}
+    assert cfg.train.gar == GARConfig(lam=0.01, mode="gram") and "gar" not in cfg.router.to_dict(full=True)
+    assert load_config(None, ["router.type=switch", "train.gar.lambda=0.01", "train.gar.mode=gram"]).train.gar \
+        == cfg.train.gar  # two overrides fill one mapping
+    saved = cfg.to_dict()
+    old = {**saved, "router": {**saved["router"], "gar": {"lambda": 0.01, "mode": "gram"}},
+           "train": {**saved["train"], "gar": None}}
     assert model_changes(old, cfg) == []  # a checkpoint saved with router.gar resumes
+    assert model_changes({**old, "router": {**old["router"], "top_k": 4}}, cfg) == [("router.top_k", 4, 2)]
     with pytest.raises(ValueError, match="both set"):
         load_config(None, [router, "train.gar.lambda=1"])
-    assert load_config(None, ["router.type=switch", "train.gar.lambda=0"])["name"] == "demo+router.type=switch" \
+    assert load_config(None, ["router.type=switch", "train.gar.lambda=0"]).name == "demo+router.type=switch" \
         "+train.gar.lambda=0"  # the matched baseline gets a directory of its own
 
 
@@ -127,9 +134,10 @@ def test_cli_errors_name_the_key(tmp_path, capsys, args, match):
 
 def test_router_type_override_keeps_compatible_keys(tmp_path):
     cfg = load_config(None, ["router.type=switch"])
-    assert cfg["router"] == {"type": "switch", "num_experts": 16, "top_k": 4, "node_map": "linear"}
+    assert cfg.router == router_config({"type": "switch", "num_experts": 16, "top_k": 4, "node_map": "linear"},
+                                       GIVEN_LATER)
     cfg = load_config(None, ["router.num_experts=8", "router.type=hash"])
-    assert cfg["router"] == {"type": "hash", "num_experts": 8, "top_k": 4}  # node_map: not a hash key
+    assert cfg.router.to_dict() == {"type": "hash", "num_experts": 8, "top_k": 4}  # node_map: not a hash key
     bad = tmp_path / "bad.yaml"
     bad.write_text("train: [1, 2\n")
     with pytest.raises(ValueError, match="not valid YAML"):
@@ -152,9 +160,12 @@ def test_config_merge_and_yaml(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("router:\n  type: switch\n  num_experts: 8\n  top_k: 2\ntrain:\n  epochs: 1\n")
     cfg = load_config(path, ["train.batch_size=64"])
-    assert cfg["router"] == {"type": "switch", "num_experts": 8, "top_k": 2}  # no stale branch keys
-    assert cfg["train"]["epochs"] == 1 and cfg["train"]["batch_size"] == 64
-    assert cfg["train"]["lr"] == DEFAULT_CONFIG["train"]["lr"]
+    assert cfg.router.to_dict() == {"type": "switch", "num_experts": 8, "top_k": 2}  # no stale branch keys
+    assert cfg.train.epochs == 1 and cfg.train.batch_size == 64
+    assert cfg.train.lr == DEFAULT_CONFIG["train"]["lr"]
+    again = tmp_path / "again.yaml"
+    again.write_text(yaml.safe_dump(cfg.to_dict()))
+    assert load_config(again) == cfg  # the config.yaml a run writes loads back as the same config
     with pytest.raises(ValueError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")
 
@@ -169,7 +180,7 @@ def test_shipped_configs_load():
     assert files
     for f in files:
         cfg = load_config(f)
-        build_router({**cfg["router"], "hidden_size": 10})
+        build_router(cfg.router.given(hidden_size=10))
 
 
 SPECDROP_CONFIGS = ["tabular_specdrop", "tabular_specdrop_norouting", "tabular_specdrop_hardcategory",
@@ -260,3 +271,41 @@ def test_optional_tensorboard(tmp_path, capsys):
         return
     assert main(args) == 0
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_the_schema_is_written_once_and_a_router_config_is_its_constructor(monkeypatch):
+    """DEFAULT_CONFIG is RunConfig's defaults; each router's config has exactly its constructor's
+    parameters, so a new parameter is a new key, typed by its annotation, with nothing else written."""
+    import inspect
+    from dataclasses import fields
+
+    from dist_moe.routing import ROUTERS, Router, SwitchRouter, build_router
+    from dist_moe.routing.registry import config_class
+    from dist_moe.train.run_config import RunConfig
+
+    assert DEFAULT_CONFIG == RunConfig().to_dict() and load_config(None) == RunConfig()
+    for kind, cls in ROUTERS.items():
+        params = {p for klass in cls.__mro__[:cls.__mro__.index(Router)]
+                  for p, v in inspect.signature(klass.__init__).parameters.items() if v.kind == v.POSITIONAL_OR_KEYWORD}
+        assert {f.name for f in fields(config_class(kind))} == params - {"self", "stats_group"}, kind
+
+    class Planted(SwitchRouter):
+        def __init__(self, hidden_size: int, num_experts: int, top_k: int = 1, extra: int = 3, **kw):
+            super().__init__(hidden_size, num_experts, top_k, **kw)
+            self.extra = extra
+
+    monkeypatch.setitem(ROUTERS, "planted", Planted)
+    with pytest.raises(ValueError, match="^config key 'router.extra' must be an int, got 'x'$"):
+        load_config(None, ["router.type=planted", "router.extra=x"])
+    cfg = load_config(None, ["router.type=planted", "router.extra=5"])
+    assert cfg.router.extra == 5 and build_router(cfg.router.given(hidden_size=4)).extra == 5
+
+
+def test_engine_refusals_come_at_load_before_any_process_group():
+    """Megatron's dispatch is dropless whichever dispatcher moves its tokens: capacity_factor is refused
+    by load_config, not after the engine has made its process group."""
+    with pytest.raises(ValueError, match="engine megatron runs dropless: set model.capacity_factor: null"):
+        load_config(None, ["engine=megatron", "parallel.megatron_dispatcher=alltoall"])
+    with pytest.raises(ValueError, match="runs dropless"):
+        load_config(None, ["engine=deepspeed", "parallel.deepspeed_dispatcher=dist_moe"])
+    assert load_config(None, ["engine=megatron", "model.capacity_factor=null"]).model.capacity_factor is None

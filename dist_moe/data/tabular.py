@@ -15,6 +15,8 @@ import numpy as np
 import torch
 
 from dist_moe.data.paths import data_dir, load_cache, save_cache
+import gzip
+from dist_moe.data.wordnet_glosses import pos_groups
 
 DATASETS = ("magic", "letter", "penbased", "satimage", "texture", "optdigits", "spambase")
 
@@ -55,8 +57,6 @@ FASHION_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sanda
 
 def load_fashion_mnist() -> tuple[np.ndarray, np.ndarray, list[str]]:
     """The 60,000 training images of Debian's dataset-fashion-mnist as [N, 784] floats in [0, 1]."""
-    import gzip
-
     images, labels = FASHION_MNIST / "train-images-idx3-ubyte.gz", FASHION_MNIST / "train-labels-idx1-ubyte.gz"
     if not images.exists() or not labels.exists():
         raise ValueError(f"{FASHION_MNIST} has no training files: install the Debian package dataset-fashion-mnist "
@@ -140,7 +140,6 @@ def class_categories(set_name: str, dataset: str, classes: list[str]) -> tuple[t
         raise ValueError(f"data.categories must be one of {sorted(CATEGORY_SETS)} or null, got {set_name!r}")
     for_dataset, groups = CATEGORY_SETS[set_name]
     if groups is None:  # defined by its dataset's module
-        from dist_moe.data.wordnet_glosses import pos_groups
 
         groups = pos_groups()
     if for_dataset != dataset:

@@ -24,6 +24,8 @@ import torch
 from dist_moe.data.corpus import DOMAINS, domain_text
 from dist_moe.data.paths import data_dir, load_cache, save_cache
 from dist_moe.data.sources import fortune_quotes, wordnet_synsets
+from dist_moe.models.minilm import load_minilm
+from placement.simulate import check_memory
 
 TASKS = ("pos", "lexname", "verblex", "source", "domain")
 POS = ("noun", "verb", "adj", "adv")
@@ -87,8 +89,6 @@ class TextSplit:
 
 
 def encode(texts: list[str], max_tokens: int, batch: int = 64) -> torch.Tensor:
-    from dist_moe.models.minilm import load_minilm
-
     model, tok = load_minilm()
     out = torch.zeros(len(texts), max_tokens, model.hidden_size, dtype=torch.float16)
     with torch.no_grad():
@@ -129,7 +129,6 @@ def text_split(per_task: int, max_tokens: int, val_fraction: float, seed: int) -
             labels += [ty[i] for i in pick]
             tasks += [ti] * len(pick)
             classes.append(n)
-        from placement.simulate import check_memory
 
         # the states of every text, float16, held twice (the cache and the split)
         check_memory(2 * len(texts) * max_tokens * 384 * 2, f"{len(texts)} texts (data.per_domain={per_task}) x "

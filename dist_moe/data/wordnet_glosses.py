@@ -15,6 +15,9 @@ import numpy as np
 
 from dist_moe.data.paths import data_dir, load_cache, save_cache
 from dist_moe.data.sources import WORDNET, wordnet_synsets
+import torch
+from tqdm import tqdm
+from dist_moe.models.minilm import load_minilm
 
 # WordNet's lexnames file (lexicographer file number -> name), which wordnet-base does not ship
 LEXNAMES = (
@@ -65,10 +68,6 @@ def load_wordnet_glosses(per_class: int = PER_CLASS, seed: int = 0) -> tuple[np.
 
 
 def _embed(texts: list[str], batch: int = 64, max_len: int = 48) -> np.ndarray:
-    import torch
-    from tqdm import tqdm
-
-    from dist_moe.models.minilm import load_minilm
 
     model, tok = load_minilm()
     out = []

@@ -82,6 +82,10 @@ def make_dispatcher(group, placement: Placement, topology: Topology, dedup: str 
     world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
     if world == 1:
         return LocalDispatcher(placement)
+    if dedup == "node" and world != dist.get_world_size():
+        # node groups are made collectively over the world's ranks: an EP group of part of it cannot make them
+        raise ValueError(f"dedup='node' needs the expert-parallel group to be the whole world ({world} of "
+                         f"{dist.get_world_size()} ranks); use dedup='rank'")
     return ExpertParallelDispatcher(group, placement, topology, dedup, timeout)
 
 

@@ -35,6 +35,8 @@ import sys
 import warnings
 import weakref
 
+from torch.distributed import ProcessGroup
+
 # the packages whose functions may capture a live group in a default (torch 2.13, deepspeed 0.19.8)
 _CAPTURING_PACKAGES = ("torch.distributed", "deepspeed", "megatron")
 
@@ -77,8 +79,6 @@ class WeakGroup:
 def free_import_time_defaults() -> int:
     """Replace every process-group default of the functions and methods of the loaded modules of
     ``_CAPTURING_PACKAGES`` with None; returns how many defaults held a group."""
-    from torch.distributed import ProcessGroup
-
     freed = 0
     for name, module in list(sys.modules.items()):
         if module is None or not name.startswith(_CAPTURING_PACKAGES):

@@ -44,7 +44,7 @@ class Tokens:
 def tokens_in(h: Tensor, tag: int, router, categories: Tensor | None = None, token_ids: Tensor | None = None,
               valid: Tensor | None = None) -> Tokens:
     """``Tokens`` of ``h`` [T, H] (per-token tensors already flat), with its input-problem code."""
-    problem = input_problem(h, categories, getattr(router, "num_categories", None))
+    problem = input_problem(h, categories, router.num_categories)
     return Tokens(h, categories, token_ids, valid, problem, tag)
 
 

@@ -7,6 +7,9 @@ import os
 import torch
 import torch.distributed as dist
 
+from dist_moe.dispatch.dispatcher import release_node_groups
+from dist_moe.errors import CollectiveError
+
 
 def launched_world_size() -> int:
     """WORLD_SIZE as torchrun and the deepspeed launcher set it; 1 for a plain process."""
@@ -83,16 +86,10 @@ def init_from_env(timeout_s: float = 300.0, always: bool = False, device: torch.
 def shutdown(wait: bool = True) -> None:
     """Leave the group; ``wait=False`` after a failure (a lost peer would never arrive)."""
     if dist.is_initialized():
-        from dist_moe.dispatch.dispatcher import release_node_groups
-
         if wait:
             barrier(dist.group.WORLD)  # nobody tears down while a peer still has collectives in flight
         release_node_groups()
         dist.destroy_process_group()
-
-
-class CollectiveError(RuntimeError):
-    """A collective failed: a peer died, the network between ranks broke, or the timeout passed."""
 
 
 def collective_failure(error: BaseException, rank: int, world: int, timeout_s: float) -> CollectiveError | None:

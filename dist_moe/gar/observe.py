@@ -28,9 +28,10 @@ import torch
 from torch import Tensor
 
 from dist_moe.dispatch.stats import all_reduce_sum, all_reduce_sum_, group_size
-from dist_moe.gar.config import MODES, UNITS
+from dist_moe.experts import FactorCapture
 from dist_moe.gar.factors import SlotRows, factor_gram, factor_observations
 from dist_moe.moe_view import MoEView, moe_views
+from dist_moe.routing.gar import MODES, UNITS
 
 _TAG_BITS = 32  # a row tag is (source rank << 32) | local unit index; -1: no unit
 
@@ -186,8 +187,6 @@ def collect_observations(model, groups, loss_fn, weights, mode="materialized", s
     ``sizes`` (examples of each group on this rank) is required under expert
     parallelism; without it a group's example count is its leading dimension.
     """
-    from dist_moe.experts import FactorCapture
-
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if unit not in UNITS:

@@ -18,6 +18,8 @@ import contextvars
 
 from torch import Tensor
 
+from dist_moe.dispatch.moe_forward import Tokens, tokens_in
+
 _CONTEXT: contextvars.ContextVar[dict] = contextvars.ContextVar("dist_moe_routing_context", default={})
 
 
@@ -47,3 +49,12 @@ def routing_extras(num_tokens: int, layout: tuple | None = None, layout_name: st
             raise ValueError(f"routing_context {name} has {flat.numel()} entries for {num_tokens} tokens")
         extras[name] = flat
     return extras
+
+
+def context_tokens(host, h: Tensor, extras: dict, valid: Tensor | None) -> Tokens:
+    """The tokens an engine-hosted router routes: ``h`` [T, H] with the categories / token ids its
+    ``routing_context`` gave (``extras``), ``valid`` False for padding. Counts the host's forward (the
+    exchanges' tag) and keeps its router input for GAR's recomputation."""
+    host.last_router_input, host.last_router_extras = h.detach(), extras
+    host.forwards += 1
+    return tokens_in(h, host.forwards, host.router, extras.get("categories"), extras.get("token_ids"), valid)

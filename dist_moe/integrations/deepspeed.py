@@ -35,19 +35,25 @@ DeepSpeed's top2gating on purpose:
 """
 from __future__ import annotations
 
+import datetime
+
 import torch
 from torch import Tensor, nn
 
 from dist_moe.dispatch.agree import agree, agreed_routing
 from dist_moe.dispatch.groups import WeakGroup
-from dist_moe.dispatch.moe_forward import Tokens, tokens_in
+from dist_moe.dispatch.moe_forward import Tokens
+from dist_moe.dispatch.process_group import shutdown
 from dist_moe.experts import SingleExpert
 from dist_moe.integrations import deepspeed_patches
-from dist_moe.integrations.context import routing_extras
+from dist_moe.integrations.context import context_tokens, routing_extras
 from dist_moe.integrations.deepspeed_dispatch import use_dist_moe_dispatcher
 from dist_moe.integrations.hosted import DispatchedHost, HostedMoE
+from dist_moe.layer import bind_to_topology
+from dist_moe.moe_view import MoEView
 from dist_moe.routing import Router, build_router
 from dist_moe.routing.capacity import apply_capacity, capacity_for, check_one_capacity, slot_positions
+from dist_moe.routing.registry import RouterConfig, router_config
 from dist_moe.seeding import fork_rng
 from placement import Placement
 
@@ -68,8 +74,8 @@ class DistMoEGate(nn.Module):
         """``topology`` (a ``placement.Topology`` of the EP ranks) tells a router that asks for it where
         the node boundary is (``node_limit``, ``subtree_limit`` by level)."""
         super().__init__()
-        if isinstance(router, dict):
-            router = build_router({"hidden_size": hidden_size, **router})
+        if isinstance(router, (dict, RouterConfig)):
+            router = build_router(router_config(router, ("hidden_size",)).given(hidden_size=hidden_size))
             self._owns_stats = True  # reduce its statistics over the EP group once DeepSpeed names it
         else:
             self._owns_stats = False
@@ -84,8 +90,6 @@ class DistMoEGate(nn.Module):
         if isinstance(min_capacity, bool) or not isinstance(min_capacity, int) or min_capacity < 0:
             raise ValueError(f"min_capacity must be an int >= 0, got {min_capacity!r}")
         if topology is not None:
-            from dist_moe.layer import bind_to_topology
-
             bind_to_topology(router, placement, topology)
         self.router, self.placement, self.ep_size = router, placement, ep_size
         self.capacity_factor, self.min_capacity = capacity_factor, min_capacity
@@ -145,11 +149,8 @@ class DistMoEGate(nn.Module):
     def tokens(self, x: Tensor, used_token: Tensor | None = None) -> Tokens:
         """Count this forward; ``x`` [S, M] with categories / token ids from ``routing_context`` and
         tokens whose ``used_token`` is 0 out of the router's statistics."""
-        extras = routing_extras(x.shape[0])
-        self.last_router_input, self.last_router_extras = x.detach(), extras  # for GAR's recomputation
-        self.forwards += 1
         used = None if used_token is None else used_token.reshape(-1) > 0
-        return tokens_in(x, self.forwards, self.router, extras.get("categories"), extras.get("token_ids"), used)
+        return context_tokens(self, x, routing_extras(x.shape[0]), used)
 
     def route(self, tokens: Tokens):
         """The strategy's routing (logical expert ids); unused tokens routed nowhere."""
@@ -164,7 +165,7 @@ class DistMoEGate(nn.Module):
         """DeepSpeed's convention: a gate returns l_aux without its coefficient and the training loop
         writes ``loss + coeff * l_aux``. dist-moe's strategies scale theirs (``aux_loss_coeff``), so it
         is divided out here; the strategy's coefficient then only says whether there is one (0: none)."""
-        coeff = getattr(self.router, "aux_loss_coeff", 0.0)
+        coeff = self.router.aux_loss_coeff
         return aux / coeff if coeff else aux
 
     def _record(self, physical: Tensor, capacity: int, x: Tensor) -> None:
@@ -194,6 +195,7 @@ def deepspeed_moe_layer(hidden_size: int, ffn_hidden_size: int | None, router: R
     if dispatcher not in ("deepspeed", "dist_moe"):
         raise ValueError(f"dispatcher must be 'deepspeed' or 'dist_moe', got {dispatcher!r}")
     deepspeed_patches.apply()
+    # deepspeed: an optional engine, imported only where it is used
     from deepspeed.moe.layer import MoE
 
     gate = DistMoEGate(router, hidden_size, ep_size, placement, capacity_factor, min_capacity, topology)
@@ -216,11 +218,10 @@ def init_distributed(timeout_s: float | None = None, device: torch.device | None
     """``deepspeed.init_distributed`` on NCCL for a GPU ``device`` (set as the current device first),
     gloo with the CPU patches otherwise (default: a GPU when one is visible); ``timeout_s`` bounds
     every collective of the group (DeepSpeed's default: 30 min)."""
-    import datetime
-
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     deepspeed_patches.apply(cpu=device.type == "cpu")
+    # deepspeed: an optional engine, imported only where it is used
     import deepspeed
 
     if device.type == "cuda":
@@ -233,8 +234,6 @@ def shutdown_distributed() -> None:
     """The end of a job that ``init_distributed`` started: DeepSpeed's cached groups are dropped, then
     the group is left (``dist_moe.dispatch.process_group.shutdown``), so none of them outlives it and
     aborts the process at exit (dist_moe/dispatch/groups.py)."""
-    from dist_moe.dispatch.process_group import shutdown
-
     deepspeed_patches.release_groups()
     shutdown()
 
@@ -300,12 +299,10 @@ class DeepSpeedHostedMoE(HostedMoE):
     def _run(self, tokens: Tensor, padding: Tensor | None) -> tuple[Tensor, Tensor]:
         y, l_aux, _ = self.moe(tokens, used_token=None if padding is None else (~padding).float())
         # dist-moe's layer interface returns the aux loss with the strategy's coefficient applied
-        return y, l_aux * getattr(self.router, "aux_loss_coeff", 0.0)
+        return y, l_aux * self.router.aux_loss_coeff
 
     def moe_view(self):
         """DeepSpeed's expert copies as one template (GAR: materialized observations from their gradients)."""
-        from dist_moe.moe_view import MoEView
-
         local = self._local()
         slots = [expert_slots(e) for e in local]
         template = {n: [s[n] for s in slots] for n in slots[0]}

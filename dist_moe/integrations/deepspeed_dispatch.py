@@ -14,16 +14,32 @@ expert-parallel group (``set_deepspeed_parallelism`` / ``deepspeed.initialize``)
 from __future__ import annotations
 
 import functools
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
 from dist_moe.dispatch.dispatcher import CountsTraffic, LocalDispatcher, make_dispatcher
-from dist_moe.dispatch.moe_forward import route_and_dispatch
+from dist_moe.dispatch.moe_forward import Tokens, route_and_dispatch
 from dist_moe.dispatch.pipeline import check_chunks
 from dist_moe.integrations import deepspeed_patches
+from dist_moe.layer import bind_to_topology
+from dist_moe.routing import Routing
 from placement import Topology
 from placement.plan import check_dedup
+
+
+@runtime_checkable
+class TokenGate(Protocol):
+    """What the dispatched ``MOELayer`` asks of its gate: ``DistMoEGate``'s (deepspeed.py) routing steps."""
+
+    capacity_factor: float | None
+
+    def tokens(self, x: Tensor, used_token: Tensor | None = None) -> Tokens: ...
+
+    def route(self, tokens: Tokens) -> Routing: ...
+
+    def unscaled_aux(self, aux: Tensor) -> Tensor: ...
 
 
 class DeepSpeedExperts:
@@ -51,6 +67,7 @@ class DeepSpeedExperts:
 def layer_class():
     """``DistMoEDispatchedMOELayer``: DeepSpeed's MOELayer with dist-moe's dispatcher (built on first use)."""
     deepspeed_patches.apply()
+    # deepspeed: an optional engine, imported only where it is used
     from deepspeed.moe.sharded_moe import MOELayer
 
     class DistMoEDispatchedMOELayer(CountsTraffic, MOELayer):
@@ -67,11 +84,6 @@ def layer_class():
 
         def _set_ep_group(self, ep_group) -> None:
             super()._set_ep_group(ep_group)
-            if self.dedup == "node" and 1 < self.ep_size != torch.distributed.get_world_size():
-                # node groups are made collectively over the world's ranks; an EP group of part of it cannot
-                raise ValueError(f"dedup='node' needs the expert-parallel group to be the whole world "
-                                 f"(ep_size {self.ep_size} of {torch.distributed.get_world_size()} ranks); "
-                                 "use dedup='rank'")
             if self.ep_size > 1:
                 if self.topology_given is None:
                     self.topology = Topology.launched(self.ep_size)
@@ -103,13 +115,12 @@ def use_dist_moe_dispatcher(moe, dedup: str = "rank", pipeline_chunks: int = 1, 
     check_dedup(dedup)
     check_chunks(pipeline_chunks)
     old = moe.deepspeed_moe
-    if not (hasattr(old.gate, "tokens") and hasattr(old.gate, "unscaled_aux")):  # DistMoEGate's (deepspeed.py)
+    if not isinstance(old.gate, TokenGate):
         raise ValueError(f"the dist_moe dispatcher routes with a DistMoEGate, got {type(old.gate).__name__}")
     if old.gate.capacity_factor is not None:
         raise ValueError(f"capacity_factor={old.gate.capacity_factor}: the dist_moe dispatcher is dropless; "
                          "set it to None")
     if topology is not None:  # the node boundary for node_limit / subtree_limit routers
-        from dist_moe.layer import bind_to_topology
 
         bind_to_topology(old.gate.router, old.gate.placement, topology)
     layer = layer_class()(old.gate, old.experts, old.ep_group_name, old.ep_size, old.num_local_experts)

@@ -32,6 +32,7 @@ def release_groups() -> None:
     whose group torch destroys would otherwise keep every one alive until interpreter exit, where
     their threads can abort the process (dist_moe/dispatch/groups.py). Its dicts hold nothing but
     groups, so the garbage collector cannot see them as referrers either."""
+    # deepspeed: an optional engine, imported only where it is used
     from deepspeed.utils import groups
 
     groups._release_process_group_references(group=None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from dist_moe.integrations.context import routing_context
+from dist_moe.layer import per_token
 
 
 class HostedMoE(nn.Module):
@@ -36,8 +37,6 @@ class HostedMoE(nn.Module):
 
     def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None,
                 padding_mask: Tensor | None = None):
-        from dist_moe.layer import per_token
-
         categories, token_ids = per_token(categories, x.shape, "categories"), per_token(token_ids, x.shape, "token_ids")
         padding = per_token(padding_mask, x.shape, "padding_mask")
         with routing_context(categories=categories, token_ids=token_ids):

@@ -18,16 +18,16 @@ from torch import Tensor
 from dist_moe.integrations import megatron_patches
 from dist_moe.integrations.hosted import DispatchedHost, HostedMoE
 from dist_moe.integrations.megatron_layer import dist_moe_mlp_spec, megatron_dist_moe_layer
+from dist_moe.integrations.megatron_patches import DISPATCHERS
 from dist_moe.integrations.megatron_router import DistMoERouter, aux_coefficient
+from dist_moe.moe_view import MoEView
 from dist_moe.routing import Router
-from dist_moe.routing.registry import router_shape
+from dist_moe.routing.registry import RouterConfig, router_shape
 from placement import Placement, Topology
 
 __all__ = ["DISPATCHERS", "DistMoERouter", "MegatronDispatchedMoE", "MegatronHostedMoE", "aux_coefficient",
            "dist_moe_mlp_spec", "expert_grads_as_dist_moe", "load_dist_moe_experts", "megatron_config",
            "megatron_dist_moe_layer", "megatron_moe_layer", "sent_bytes"]
-
-DISPATCHERS = ("alltoall", "allgather")
 
 
 def megatron_config(hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, ep_size: int = 1,
@@ -40,6 +40,7 @@ def megatron_config(hidden_size: int, ffn_hidden_size: int, num_experts: int, to
     if expert_type not in ("swiglu", "gelu"):
         raise ValueError(f"Megatron experts map dist-moe's swiglu or gelu experts, got {expert_type!r}")
     megatron_patches.apply()
+    # megatron-core: an optional engine, imported only where it is used (after megatron_patches.apply())
     from megatron.core.transformer import TransformerConfig
 
     cpu = device.type == "cpu" if device is not None else not torch.cuda.is_available()
@@ -58,10 +59,11 @@ def megatron_config(hidden_size: int, ffn_hidden_size: int, num_experts: int, to
     return TransformerConfig(**fields)
 
 
-def megatron_moe_layer(config, router: Router | dict, placement: Placement | None = None, pg_collection=None,
-                       topology=None):
+def megatron_moe_layer(config, router: Router | RouterConfig | dict, placement: Placement | None = None,
+                       pg_collection=None, topology=None):
     """Megatron's MoELayer (SequentialMLP experts) with a ``DistMoERouter``."""
     megatron_patches.apply()
+    # megatron-core: an optional engine, imported only where it is used (after megatron_patches.apply())
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
@@ -118,11 +120,11 @@ class MegatronHostedMoE(HostedMoE):
     its gradient twice. Needs ``parallel_state.initialize_model_parallel`` first.
     """
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, router: dict, ep_size: int = 1,
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, router: RouterConfig | dict, ep_size: int = 1,
                  placement: Placement | None = None, dispatcher: str = "alltoall", expert_type: str = "swiglu",
                  device: torch.device | None = None, topology=None):
         super().__init__()
-        shape = router_shape({"hidden_size": hidden_size, **router})  # the router itself is built once, by Megatron
+        shape = router_shape(router, ("hidden_size",))  # the router itself is built once, by Megatron
         config = megatron_config(hidden_size, ffn_hidden_size, shape.num_experts, shape.top_k, ep_size,
                                  dispatcher, expert_type, device,
                                  moe_aux_loss_coeff=shape.aux_loss_coeff)  # Megatron's place for it
@@ -130,7 +132,7 @@ class MegatronHostedMoE(HostedMoE):
         self.moe = self._layer(config, router, placement, topology)
         self._know_nodes(self.moe.router.placement, topology)
 
-    def _layer(self, config, router: dict, placement, topology):
+    def _layer(self, config, router: RouterConfig | dict, placement, topology):
         """Megatron's MoELayer with its own token dispatcher (``config.moe_token_dispatcher_type``)."""
         return megatron_moe_layer(config, router, placement, topology=topology)
 
@@ -156,8 +158,6 @@ class MegatronHostedMoE(HostedMoE):
     def moe_view(self):
         """Megatron's SequentialMLP experts as one template, in their own layout (fc1 holds the gate
         and up projections together; GAR: materialized observations)."""
-        from dist_moe.moe_view import MoEView
-
         local = self.moe.experts.local_experts
         template = {"linear_fc1.weight": [m.linear_fc1.weight for m in local],
                     "linear_fc2.weight": [m.linear_fc2.weight for m in local]}
@@ -173,14 +173,14 @@ class MegatronDispatchedMoE(DispatchedHost, MegatronHostedMoE):
     ``parallel.megatron_dispatcher: dist_moe``): dist-moe's dispatcher moves the tokens, so the layer
     has dedup, pipeline chunks and measured bytes, as dist-moe's own MoELayer does."""
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, router: dict, ep_size: int = 1,
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, router: RouterConfig | dict, ep_size: int = 1,
                  placement: Placement | None = None, expert_type: str = "swiglu", device=None,
                  topology: Topology | None = None, dedup: str = "rank", pipeline_chunks: int = 1, timeout=None):
         self._dispatch = (dedup, pipeline_chunks, timeout)
         super().__init__(hidden_size, ffn_hidden_size, router, ep_size, placement, "alltoall", expert_type, device,
                          topology)
 
-    def _layer(self, config, router: dict, placement, topology):
+    def _layer(self, config, router: RouterConfig | dict, placement, topology):
         dedup, chunks, timeout = self._dispatch
         return megatron_dist_moe_layer(config, router, dedup, chunks, placement, topology, timeout=timeout)
 

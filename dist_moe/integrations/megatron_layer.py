@@ -29,6 +29,7 @@ from dist_moe.dispatch.pipeline import check_chunks
 from dist_moe.integrations import megatron_patches
 from dist_moe.integrations.megatron_router import DistMoERouter
 from dist_moe.layer import bind_to_topology
+from dist_moe.routing.registry import RouterConfig
 from placement import Placement, Topology
 from placement.plan import check_dedup
 
@@ -60,6 +61,7 @@ class MegatronExperts:
 def layer_class():
     """``DistMoEMoELayer``: Megatron's MoELayer with dist-moe's dispatcher (built on first use)."""
     megatron_patches.apply()
+    # megatron-core: an optional engine, imported only where it is used (after megatron_patches.apply())
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     class DistMoEMoELayer(CountsTraffic, MoELayer):
@@ -78,10 +80,6 @@ def layer_class():
                 raise ValueError("config.recompute_modules 'moe' / 'shared_experts' recompute Megatron's own "
                                  "dispatch; dist-moe's dispatcher keeps its own chunk graphs: leave them out")
             world = self.ep_group.size()
-            if dedup == "node" and 1 < world != torch.distributed.get_world_size():
-                # node groups are made collectively over the world's ranks; an EP group of part of it cannot
-                raise ValueError(f"dedup='node' needs the expert-parallel group to be the whole world ({world} of "
-                                 f"{torch.distributed.get_world_size()} ranks); use dedup='rank'")
             self.topology = topology if topology is not None else Topology.launched(world)
             if self.topology.world_size != world:
                 raise ValueError(f"topology {self.topology.describe()} has {self.topology.world_size} ranks, the "
@@ -132,7 +130,7 @@ def _check_config(config) -> None:
                          "experts leave their reduction to Megatron's dispatcher; dist-moe's needs 1")
 
 
-def dist_moe_mlp_spec(router: dict, dedup: str = "rank", pipeline_chunks: int = 1,
+def dist_moe_mlp_spec(router: RouterConfig | dict, dedup: str = "rank", pipeline_chunks: int = 1,
                       placement: Placement | None = None, topology: Topology | None = None, base=None, timeout=None):
     """A ModuleSpec for the MoE MLP of Megatron's GPT layer specs, with dist-moe's router and dispatcher.
 
@@ -143,29 +141,33 @@ def dist_moe_mlp_spec(router: dict, dedup: str = "rank", pipeline_chunks: int = 
     bounds the collectives of node dedup's per-node groups (None: torch's default).
     """
     megatron_patches.apply()
+    # megatron-core: an optional engine, imported only where it is used (after megatron_patches.apply())
     from megatron.core.transformer.moe.moe_layer import MoESubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     check_dedup(dedup)
-    if not isinstance(router, dict):
-        raise ValueError(f"router must be a config dict (built per layer), got {type(router).__name__}")
+    if not isinstance(router, (dict, RouterConfig)):
+        raise ValueError(f"router must be a config (built per layer), got {type(router).__name__}")
     if base is None:
+        # megatron-core: an optional engine, imported only where it is used (after megatron_patches.apply())
         from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
         base = get_moe_module_spec(use_te=False, num_experts=1, moe_grouped_gemm=False)  # experts' count: config's
     sub = base.submodules
+    router = dict(router) if isinstance(router, dict) else router  # a user's dict may change later; a config cannot
     submodules = MoESubmodules(experts=sub.experts, shared_experts=sub.shared_experts,
-                               router=functools.partial(DistMoERouter, router=dict(router), placement=placement))
+                               router=functools.partial(DistMoERouter, router=router, placement=placement))
     return ModuleSpec(module=layer_class(), submodules=submodules,
                       params={"dedup": dedup, "pipeline_chunks": pipeline_chunks, "topology": topology,
                               "timeout": timeout})
 
 
-def megatron_dist_moe_layer(config, router: dict, dedup: str = "rank", pipeline_chunks: int = 1,
+def megatron_dist_moe_layer(config, router: RouterConfig | dict, dedup: str = "rank", pipeline_chunks: int = 1,
                             placement: Placement | None = None, topology: Topology | None = None, pg_collection=None,
                             timeout=None):
     """One Megatron MoELayer (SequentialMLP experts) built from ``dist_moe_mlp_spec``, outside a GPTModel
     (benchmarks, tests). Needs ``parallel_state.initialize_model_parallel`` first."""
+    # megatron-core: an optional engine, imported only where it is used (after megatron_patches.apply())
     from megatron.core.transformer.spec_utils import build_module
 
     spec = dist_moe_mlp_spec(router, dedup, pipeline_chunks, placement, topology, timeout=timeout)

@@ -1,4 +1,5 @@
-"""Every change dist-moe makes to megatron-core (written against 0.16.1), in one place.
+"""Every change dist-moe makes to megatron-core (written against 0.16.1), in one place, and the
+release's token dispatchers that host dist-moe's router (``DISPATCHERS``).
 
 All of them make Megatron's CPU path run (tests and benchmarks on gloo); none is
 applied when CUDA is available, so GPU runs use Megatron's stock code. ``apply()``
@@ -10,7 +11,10 @@ import contextlib
 import sys
 
 import torch
+from torch.distributed import ProcessGroup
 
+# Megatron's token dispatchers (config.moe_token_dispatcher_type) that host dist-moe's router
+DISPATCHERS = ("alltoall", "allgather")
 _APPLIED = False
 
 
@@ -23,6 +27,7 @@ def apply(cpu: bool | None = None) -> None:
     # 0.16.1: model-parallel set-up and the stock router call torch.cuda.current_device()
     # (Router.gating moves its weights there); on CPU that raises. Point it at the CPU.
     torch.cuda.current_device = lambda: "cpu"
+    # megatron-core: an optional engine, imported only where it is used (after megatron_patches.apply())
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
@@ -85,9 +90,8 @@ def release_parallel_state() -> list[str]:
     tracker keeps the reduce groups of every layer that logged a loss). A group kept
     past ``destroy_process_group`` lives until interpreter exit, where its threads can abort the
     process (dist_moe/dispatch/groups.py). Runs on CPU and GPU alike; returns the names it cleared."""
+    # megatron-core: an optional engine, imported only where it is used (after megatron_patches.apply())
     from megatron.core import parallel_state
-    from torch.distributed import ProcessGroup
-
     parallel_state.destroy_model_parallel()
     cleared = []
     moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")

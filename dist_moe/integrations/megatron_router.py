@@ -28,11 +28,13 @@ import torch
 from torch import Tensor, nn
 
 from dist_moe.dispatch.groups import WeakGroup
-from dist_moe.dispatch.moe_forward import Tokens, route_agreed, tokens_in
+from dist_moe.dispatch.moe_forward import Tokens, route_agreed
 from dist_moe.integrations import megatron_patches
-from dist_moe.integrations.context import routing_extras
+from dist_moe.integrations.context import context_tokens, routing_extras
+from dist_moe.layer import bind_to_topology
 from dist_moe.routing import ROUTERS as ROUTER_TYPES
 from dist_moe.routing import Router, build_router
+from dist_moe.routing.registry import RouterConfig, accepted_keys, router_config
 from placement import Placement
 
 
@@ -40,26 +42,27 @@ class DistMoERouter(nn.Module):
     agree_group = WeakGroup()  # the ranks that route their own tokens, held weakly (dispatch/groups.py)
     track_group = WeakGroup()  # the aux-loss tracker's reduction group, held weakly too
 
-    def __init__(self, *, config, pg_collection=None, router: Router | dict, placement: Placement | None = None,
-                 topology=None):
+    def __init__(self, *, config, pg_collection=None, router: Router | RouterConfig | dict,
+                 placement: Placement | None = None, topology=None):
         super().__init__()
         megatron_patches.apply()
+        # megatron-core: an optional engine, imported only where it is used (after megatron_patches.apply())
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, save_to_aux_losses_tracker
 
         self._attach_aux, self._track = MoEAuxLossAutoScaler.apply, save_to_aux_losses_tracker
         self.config = config
         e, ep = config.num_moe_experts, config.expert_model_parallel_size
-        if isinstance(router, dict):
-            router = _with_config_coefficient(router, config)
+        if isinstance(router, dict):  # expert count and top-k come from Megatron's config unless the dict sets them
+            router = _with_config_coefficient({"num_experts": e, "top_k": config.moe_router_topk, **router}, config)
+        if isinstance(router, (dict, RouterConfig)):
             # every rank that routes its own tokens; tensor-parallel ranks repeat the same tokens,
             # which scales BRANCH's and DeepSeek-V3's sums uniformly and leaves their ratios as they are
             stats = getattr(pg_collection, "tp_dp_cp", None) if pg_collection is not None else None
-            # hidden size, expert count and top-k come from Megatron's config unless the dict sets them
-            router = build_router({"hidden_size": config.hidden_size, "num_experts": e,
-                                   "top_k": config.moe_router_topk, **router}, stats_group=stats)
-        elif aux_coefficient(config) and aux_coefficient(config) != getattr(router, "aux_loss_coeff", 0.0):
+            router = build_router(router_config(router, ("hidden_size",)).given(hidden_size=config.hidden_size),
+                                  stats_group=stats)
+        elif aux_coefficient(config) and aux_coefficient(config) != router.aux_loss_coeff:
             raise ValueError(f"config.moe_aux_loss_coeff={aux_coefficient(config)} but the router's aux_loss_coeff "
-                             f"is {getattr(router, 'aux_loss_coeff', None)}: set one of them")
+                             f"is {router.aux_loss_coeff}: set one of them")
         if router.num_experts != e:
             raise ValueError(f"router has {router.num_experts} experts, config.num_moe_experts is {e}")
         if router.top_k != config.moe_router_topk:  # dropless dispatch sizes its buffers as T x topk
@@ -67,7 +70,6 @@ class DistMoERouter(nn.Module):
         placement = placement if placement is not None else Placement.contiguous(e, ep)
         placement.check(e, ep)
         if topology is not None:  # the node boundary for node_limit / subtree_limit by level
-            from dist_moe.layer import bind_to_topology
 
             bind_to_topology(router, placement, topology)
         # column p of Megatron's view holds logical expert logical_at[p]
@@ -102,10 +104,8 @@ class DistMoERouter(nn.Module):
         ``routing_context``; padding out of the statistics)."""
         h = hidden.reshape(-1, hidden.shape[-1])
         extras = routing_extras(h.shape[0], tuple(hidden.shape[:-1]), "[S, B]")
-        self.last_router_input, self.last_router_extras = h.detach(), extras  # for GAR's recomputation
-        self.forwards += 1
         valid = None if padding_mask is None else ~padding_mask.reshape(-1).bool()  # padding: out of statistics
-        return tokens_in(h, self.forwards, self.router, extras.get("categories"), extras.get("token_ids"), valid)
+        return context_tokens(self, h, extras, valid)
 
     def routed(self, tokens: Tokens):
         """The strategy's ``Routing`` (logical expert ids) with padding's gates at zero and the aux loss
@@ -115,7 +115,7 @@ class DistMoERouter(nn.Module):
         if valid is not None:  # padding keeps its routes (Megatron sizes its buffers as T x topk)
             routing.gates = routing.gates * valid.unsqueeze(1).to(routing.gates.dtype)  # with zero weight
         aux = routing.aux_loss
-        if getattr(self.router, "aux_loss_coeff", 0.0) and getattr(self.config, "calculate_per_token_loss", False):
+        if self.router.aux_loss_coeff and getattr(self.config, "calculate_per_token_loss", False):
             aux = aux * (valid.sum() if valid is not None else tokens.h.shape[0])
         routing.gates = self._attach_aux(routing.gates, aux)
         return routing
@@ -123,7 +123,7 @@ class DistMoERouter(nn.Module):
     def record(self, routing) -> None:
         """Once the ranks agreed and the forward goes on: the aux loss, unscaled, into Megatron's
         per-layer tracker (what ``track_moe_metrics`` logs), and this forward's routing."""
-        coeff = getattr(self.router, "aux_loss_coeff", 0.0)
+        coeff = self.router.aux_loss_coeff
         if coeff:
             layers = self.config.num_layers + (getattr(self.config, "mtp_num_layers", None) or 0)
             self._track("load_balancing_loss", routing.aux_loss.detach() / coeff, self.layer_number, layers,
@@ -149,8 +149,6 @@ def aux_coefficient(config) -> float:
 
 def _with_config_coefficient(router: dict, config) -> dict:
     """The router dict with Megatron's ``config.moe_aux_loss_coeff`` as its aux-loss coefficient."""
-    from dist_moe.routing.registry import accepted_keys
-
     coeff, kind = aux_coefficient(config), router.get("type")
     if not coeff:
         return router

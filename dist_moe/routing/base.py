@@ -11,14 +11,14 @@ from __future__ import annotations
 import contextlib
 import numbers
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
 from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.dispatch.stats import all_reduce_sum
-
-MAX_EXPERTS = 1 << 16  # 65,536: far beyond published MoE models (DeepSeek-V3: 256 routed experts)
+from placement.placement import MAX_EXPERTS
 
 
 @dataclass
@@ -55,6 +55,15 @@ def expert_load(expert_idx: Tensor, num_experts: int, weights: Tensor | None = N
     return load.scatter_add_(0, expert_idx.clamp_min(0).reshape(-1), w.reshape(-1))
 
 
+@runtime_checkable
+class Scheduled(Protocol):
+    """A router with a training schedule the trainer moves and logs (SpecDrop's constant-sum ramp)."""
+
+    progress: Tensor  # [] float64, in [0, 1]
+
+    def set_progress(self, fraction: float) -> None: ...
+
+
 class Router(nn.Module):
     """Base class: validates inputs and holds the fields every strategy shares."""
 
@@ -65,6 +74,12 @@ class Router(nn.Module):
     num_experts: int
     top_k: int
     stats_group = WeakGroup()  # held weakly: torch.distributed owns the group (dispatch/groups.py)
+    # what layers and engine hosts may ask of any router; a strategy that has one sets its own
+    aux_loss_coeff: float = 0.0  # the scale already applied to the aux loss it returns
+    capacity_factor: float | None = None  # its own capacity (Switch), which a layer's must not repeat
+    node_limit: int | None = None  # node-limited routing: the layer gives it each node's experts
+    num_categories: int | None = None  # the categories it routes by (SpecDrop)
+    needs_topology = False  # a subtree limit by topology level (BRANCH): the layer resolves its depths
 
     def __init__(self, num_experts: int, top_k: int, stats_group=None):
         super().__init__()

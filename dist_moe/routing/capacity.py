@@ -59,7 +59,7 @@ def capacity_step(expert_idx: Tensor, gates: Tensor, num_experts: int, capacity_
 def check_one_capacity(router, capacity_factor) -> None:
     """Refuse capacity set twice: a Switch router's own ``capacity_factor`` (DESIGN's switch baseline)
     and its layer's would both drop slots, the second cutting what the first kept."""
-    own = getattr(router, "capacity_factor", None)
+    own = router.capacity_factor
     if capacity_factor is not None and own is not None:
         raise ValueError(f"capacity is set twice: the layer's capacity_factor={capacity_factor} (model.capacity_factor "
                          f"in a training config) and the router's capacity_factor={own}; set one of them")

@@ -45,8 +45,8 @@ class _LearnedFlatRouter(Router):
     group's score is the sum of its ceil(K/M) highest selection scores.
     """
 
-    def __init__(self, hidden_size, num_experts, top_k, node_map="linear", mlp_hidden=None, node_limit=None,
-                 stats_group=None):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, node_map: str = "linear",
+                 mlp_hidden: int | None = None, node_limit: int | None = None, stats_group=None):
         super().__init__(num_experts, top_k, stats_group)
         if node_limit is not None and (not isinstance(node_limit, int) or node_limit < 1):
             raise ValueError(f"node_limit must be a positive int or None, got {node_limit!r}")
@@ -144,7 +144,8 @@ class SkyworkRouter(SwitchRouter):
     Input jitter defaults to off: BRANCH appendix B.2 specifies it for Switch only.
     """
 
-    def __init__(self, hidden_size, num_experts, top_k=1, norm_scale: float = 1.0, jitter_eps: float = 0.0, **kw):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int = 1, norm_scale: float = 1.0,
+                 jitter_eps: float = 0.0, **kw):
         super().__init__(hidden_size, num_experts, top_k, jitter_eps=jitter_eps, **kw)
         if not norm_scale > 0:
             raise ValueError(f"norm_scale must be > 0, got {norm_scale!r}")

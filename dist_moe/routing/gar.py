@@ -1,13 +1,68 @@
 """GAR's criterion, as pure tensor math: L_norm from routing rows and detached observations.
 
 Li et al., "Routing in Gradient Space: Balanced Usage Is Not Expert Specialization",
-section 5.2 (L_norm) and appendix G.2 (its Gram form). GAR is not a router: collecting
-the observations and the training step that applies the criterion live in
-``dist_moe.gar`` (they run backwards and collectives, which routing strategies never do).
+section 5.2 (L_norm) and appendix G.2 (its Gram form), and GAR's settings (``GARConfig``: a
+training config's ``train.gar``). GAR is not a router: collecting the observations and the training
+step that applies the criterion live in ``dist_moe.gar`` (they run backwards and collectives, which
+routing strategies never do).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import Tensor
+
+from dist_moe.config_types import fits, hints, wanted
+from dist_moe.errors import shown
+
+UNITS = ("group", "example", "token")  # observation units (section 5.2, appendix G.2)
+MODES = ("materialized", "gram")  # the [M, d] observations, or their Gram matrix (appendix G.2)
+# GAR needs router probabilities that depend differentiably on router parameters.
+DIFFERENTIABLE = ("switch", "deepseek_v3", "skywork", "branch")
+
+
+@dataclass(frozen=True)
+class GARConfig:
+    """GAR's settings: a training config's ``train.gar`` (``router.gar`` until the next release)."""
+
+    lam: float = 1e-3  # the config's "lambda" (a Python keyword)
+    eps: float = 1e-8
+    mode: str = "materialized"  # or "gram" (appendix G.2, no [M, d] observation matrix)
+    unit: str = "group"  # observation unit: "group", "example" or "token"
+
+    _KEYS = {"lambda": "lam", "eps": "eps", "mode": "mode", "unit": "unit"}
+
+    def __post_init__(self):
+        types = hints(GARConfig)
+        for key, name in self._KEYS.items():
+            value = getattr(self, name)
+            if not fits(value, types[name]):
+                raise ValueError(f"gar key {key!r} must be {wanted(types[name])}, got {shown(value)}")
+        for key, value in (("lambda", self.lam), ("eps", self.eps)):
+            if not value >= 0:
+                raise ValueError(f"gar key {key!r} must be a finite number >= 0, got {shown(value)}")
+        for key, value, allowed in (("mode", self.mode, MODES), ("unit", self.unit, UNITS)):
+            if value not in allowed:
+                raise ValueError(f"gar key {key!r} must be one of {list(allowed)}, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "config key 'train.gar'") -> "GARConfig":
+        if not isinstance(d, dict):
+            raise ValueError(f"{where} must be a mapping, got {d!r}")
+        unknown = sorted(set(d) - set(cls._KEYS))
+        if unknown:
+            raise ValueError(f"unknown gar key {unknown[0]!r}; valid keys: {sorted(cls._KEYS)}")
+        return cls(**{cls._KEYS[k]: v for k, v in d.items()})
+
+    @classmethod
+    def for_router(cls, d: dict, router_type: str, where: str = "config key 'train.gar'") -> "GARConfig":
+        """``from_dict``, refusing a router whose probabilities do not depend on its parameters."""
+        if router_type not in DIFFERENTIABLE:
+            raise ValueError(f"{where} needs a differentiable router {sorted(DIFFERENTIABLE)}, not {router_type!r}")
+        return cls.from_dict(d, where)
+
+    def to_dict(self) -> dict:
+        return {key: getattr(self, name) for key, name in self._KEYS.items()}
 
 
 def gar_loss(P: Tensor, G: Tensor, eps: float = 1e-8) -> Tensor:

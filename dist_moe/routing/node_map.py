@@ -16,11 +16,13 @@ import math
 import torch
 from torch import Tensor, nn
 
+from dist_moe.routing.base import positive_int
+from placement.simulate import check_memory
+
 
 class NodeMap(nn.Module):
     def __init__(self, hidden_size: int, num_outputs: int, kind: str = "linear", mlp_hidden: int | None = None):
         super().__init__()
-        from dist_moe.routing.base import positive_int
 
         hidden_size = positive_int("hidden_size", hidden_size)
         if kind not in ("linear", "mlp"):
@@ -30,7 +32,6 @@ class NodeMap(nn.Module):
         if kind == "linear" and mlp_hidden is not None:
             raise ValueError("mlp_hidden is only valid with node_map='mlp'")
         if kind == "mlp":  # refused before allocating: weights, gradients and Adam's two moments in fp32
-            from placement.simulate import check_memory
 
             check_memory(16 * num_outputs * mlp_hidden * (hidden_size + 2),
                          f"mlp_hidden={mlp_hidden} ({num_outputs} node MLPs on hidden size {hidden_size}, to train)",

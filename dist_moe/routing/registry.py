@@ -1,24 +1,27 @@
 """build_router(cfg) -> Router, with strict validation of every key.
 
-cfg["type"] picks the strategy; every other key must be a constructor argument
-of that strategy. Unknown keys, missing required keys and values of the wrong type
-raise ValueError naming the key. The key "gar" (GAR's settings, since moved to a training
-config's ``train.gar``) is still read, with a deprecation warning, until the next release.
+cfg["type"] picks the strategy; every other key must be a constructor argument of that strategy:
+its typed config (``config_class``) is derived from the constructor's signature, so a new
+constructor parameter is a new config key with nothing else to write. Unknown keys, missing
+required keys and values of the wrong type raise ValueError naming the key. The key "gar" (GAR's
+settings, since moved to a training config's ``train.gar``) is still checked, with a deprecation
+warning, until the next release; the router itself does not use it.
 """
 from __future__ import annotations
 
+import functools
 import inspect
-import math
-import numbers
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, make_dataclass, replace
+from typing import ClassVar
 
+from dist_moe.config_types import fits, hints, wanted
 from dist_moe.errors import shown
-from dist_moe.gar.config import GARConfig
 from dist_moe.routing.base import Router, check_shape
 from dist_moe.routing.branch import BranchRouter
 from dist_moe.routing.flat import DeepSeekV3Router, HashRouter, SkyworkRouter, SwitchRouter, UniformRouter
+from dist_moe.routing.gar import GARConfig
 from dist_moe.routing.specdrop import SpecDropRouter
 
 ROUTERS: dict[str, type[Router]] = {
@@ -31,30 +34,81 @@ ROUTERS: dict[str, type[Router]] = {
     "specdrop": SpecDropRouter,
 }
 
-_INT_KEYS = {"hidden_size", "num_experts", "top_k", "mlp_hidden", "num_categories", "total_steps", "seed",
-             "node_limit", "subtree_depth"}
-_FLOAT_KEYS = {
-    "ema_decay", "eta", "aux_loss_coeff", "jitter_eps", "capacity_factor", "norm_scale", "bias_update_rate",
-    "balance_rate", "p_assigned", "p_leak", "warmup_fraction", "imbalance_beta",
-}
-_STR_KEYS = {"node_map", "score_func", "variant", "subtree_balance"}
-_BOOL_KEYS = {"normalize_gates"}
+
+class RouterConfig:
+    """A router's typed config. ``config_class(kind)`` derives one dataclass per strategy from its
+    constructor: a field per parameter (``stats_group``, a process group, never comes from a
+    config), typed by its annotation and defaulted by its default; a required parameter defaults
+    to None until it is given (a training config's layer and data give ``hidden_size`` and
+    SpecDrop's ``num_categories``). ``router_config(dict)`` parses and checks one."""
+
+    type: ClassVar[str]
+
+    def to_dict(self, full: bool = False) -> dict:
+        """``type`` and the keys that differ from the constructor's defaults (``full``: every key)."""
+        defaults = _defaults(self.type)
+        return {"type": self.type, **{f.name: getattr(self, f.name) for f in fields(self)
+                                      if full or getattr(self, f.name) != defaults[f.name]}}
+
+    def kwargs(self) -> dict:
+        """The constructor's arguments (a required key still unset is left out: the constructor names it)."""
+        required = _required(self.type)
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if not (f.name in required and getattr(self, f.name) is None)}
+
+    def given(self, **keys) -> "RouterConfig":
+        """This config with keys its host knows (``hidden_size``): a key already set to another value is refused."""
+        for key, value in keys.items():
+            old = getattr(self, key, None)
+            if old is not None and old != value:
+                raise RouterKeyError(f"router key {key!r} is {old!r} but its host gives {value!r}", key)
+        return replace(self, **{k: v for k, v in keys.items() if hasattr(self, k)})
+
+    def missing(self, given_later=()) -> str | None:
+        return next((k for k in _required(self.type) if getattr(self, k) is None and k not in given_later), None)
 
 
-def _accepted(cls) -> dict[str, inspect.Parameter]:
-    params = {}
+@functools.cache
+def config_class(kind: str) -> type[RouterConfig]:
+    """The typed config of router ``kind``, derived from its constructor's signature."""
+    accepted = _accepted(ROUTERS[kind])
+    specs = []
+    for name, (param, hint) in accepted.items():
+        default = None if param.default is inspect.Parameter.empty else param.default
+        specs.append((name, hint, field(default=default)))
+    cls = make_dataclass(f"{ROUTERS[kind].__name__}Config", specs, bases=(RouterConfig,), frozen=True,
+                         namespace={"type": kind, "__module__": __name__})
+    return cls
+
+
+def _defaults(kind: str) -> dict:
+    return {f.name: f.default for f in fields(config_class(kind))}
+
+
+@functools.cache
+def _required(kind: str) -> tuple:
+    return tuple(n for n, (p, _) in _accepted(ROUTERS[kind]).items() if p.default is inspect.Parameter.empty)
+
+
+def _accepted(cls) -> dict[str, tuple[inspect.Parameter, object]]:
+    """Constructor parameter -> (the parameter, its type hint), through the class's bases up to Router;
+    the first class that names a parameter gives its default and, when annotated, its type."""
+    params: dict = {}
     for klass in cls.__mro__:
         if klass is Router:
             break
+        types = hints(klass.__init__)
         for name, p in inspect.signature(klass.__init__).parameters.items():
-            if name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
-                params.setdefault(name, p)
+            if name in ("self", "stats_group") or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+                continue
+            old = params.get(name)
+            params[name] = (old[0] if old else p, old[1] if old and old[1] is not None else types.get(name))
     return params
 
 
 def accepted_keys(kind: str) -> set[str]:
     """Config keys router ``kind`` takes (besides 'type' and 'gar')."""
-    return set(_accepted(ROUTERS[kind])) - {"stats_group"}
+    return {f.name for f in fields(config_class(kind))}
 
 
 class RouterKeyError(ValueError):
@@ -87,50 +141,45 @@ def _keyed(e: ValueError, keys) -> ValueError:
     return e if key is None else RouterKeyError(msg, key)
 
 
-def _finite(value) -> bool:
-    try:
-        return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-    except OverflowError:  # an int beyond any float
-        return False
+def router_config(cfg: dict | RouterConfig, given_later=(), where: str = "router key 'gar'") -> RouterConfig:
+    """The typed config of a router dict, every key checked (its type from the constructor's annotation);
+    the required keys ``given_later`` may be missing. A dict's deprecated ``gar`` block is checked and
+    dropped with a warning: GAR's settings are a training config's ``train.gar``."""
+    if isinstance(cfg, RouterConfig):
+        config = cfg
+    else:
+        config = _parse(cfg, where)
+    missing = config.missing(given_later)
+    if missing:
+        raise RouterKeyError(f"router type {config.type!r} requires key {missing!r}", missing)
+    return config
 
 
-def _check_type(key: str, value) -> None:
-    if value is None:
-        return
-    if key in _INT_KEYS and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
-        raise RouterKeyError(f"router key {key!r} must be an int, got {shown(value)}", key)
-    # NaN and inf pass the constructors' range checks (inf > 0): refused here for every number key
-    if key in _FLOAT_KEYS and not _finite(value):
-        raise RouterKeyError(f"router key {key!r} must be a finite number, got {shown(value)}", key)
-    if key in _STR_KEYS and not isinstance(value, str):
-        raise RouterKeyError(f"router key {key!r} must be a string, got {shown(value)}", key)
-    if key in _BOOL_KEYS and not isinstance(value, bool):
-        raise RouterKeyError(f"router key {key!r} must be true or false, got {shown(value)}", key)
-
-
-def _checked(cfg: dict, given_later=()) -> tuple[str, dict, dict, object]:
-    """(type, accepted parameters, constructor arguments, the deprecated gar block) of a validated config;
-    the required keys ``given_later`` may be missing."""
+def _parse(cfg, where: str) -> RouterConfig:
     if not isinstance(cfg, dict):
         raise ValueError(f"router config must be a dict, got {type(cfg).__name__}")
     cfg = dict(cfg)
     kind = cfg.pop("type", None)
     if kind not in ROUTERS:
         raise RouterKeyError(f"router key 'type' must be one of {sorted(ROUTERS)}, got {shown(kind)}", "type")
-    accepted = _accepted(ROUTERS[kind])
-    gar = cfg.pop("gar", None)
-    allowed = set(accepted) - {"stats_group"}  # a process group, never from YAML
-    unknown = sorted(set(cfg) - allowed)
+    if "gar" in cfg:
+        try:
+            GARConfig.for_router(cfg.pop("gar"), kind, where)
+        except ValueError as e:
+            raise RouterKeyError(str(e), "gar") from None
+        warnings.warn(GAR_MOVED, FutureWarning, stacklevel=4)
+    cls = config_class(kind)
+    allowed = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(cfg) - set(allowed), key=str)
     if unknown:
         raise RouterKeyError(f"unknown router key {shown(unknown[0])} for type {kind!r}; valid keys: "
                              f"{sorted(allowed)}", str(unknown[0]))
-    missing = [n for n, p in accepted.items() if p.default is inspect.Parameter.empty and n not in cfg
-               and n not in given_later]
-    if missing:
-        raise RouterKeyError(f"router type {kind!r} requires key {missing[0]!r}", missing[0])
+    required = _required(kind)
     for key, value in cfg.items():
-        _check_type(key, value)
-    return kind, accepted, cfg, gar
+        hint = allowed[key].type
+        if not (value is None and key in required) and not fits(value, hint):
+            raise RouterKeyError(f"router key {key!r} must be {wanted(hint)}, got {shown(value)}", key)
+    return cls(**cfg)
 
 
 @dataclass(frozen=True)
@@ -142,41 +191,37 @@ class RouterShape:
     aux_loss_coeff: float
 
 
-def router_shape(cfg: dict, given_later=()) -> RouterShape:
+def router_shape(cfg: dict | RouterConfig, given_later=()) -> RouterShape:
     """The expert count, top-k and aux-loss coefficient ``build_router(cfg)`` would give, validated the
     same way (placement and engine configs need them before the one build, inside the layer). A training
     config's router lacks the keys its layer and data give it (``given_later``: hidden_size, num_categories)."""
-    _, accepted, kwargs, _ = _checked(cfg, given_later)
-
-    def given(name):
-        default = accepted[name].default if name in accepted else None
-        return kwargs.get(name, None if default is inspect.Parameter.empty else default)
-
-    num_experts = given("num_experts")
-    top_k = given("top_k")
+    config = router_config(cfg, given_later)
+    num_experts, top_k = config.num_experts, getattr(config, "top_k", None)
     try:
         num_experts, top_k = check_shape(num_experts, num_experts if top_k is None else top_k)  # None: dense
     except ValueError as e:
         raise _keyed(e, ("num_experts", "top_k")) from None
-    return RouterShape(num_experts, top_k, float(given("aux_loss_coeff") or 0.0))
+    return RouterShape(num_experts, top_k, float(getattr(config, "aux_loss_coeff", 0.0) or 0.0))
 
 
-def build_router(cfg: dict, stats_group=None) -> Router:
-    """The router ``cfg`` describes; a bad key raises ValueError naming it (a RouterKeyError when the
-    message names one key)."""
-    kind, accepted, kwargs, gar = _checked(cfg)
-    if "stats_group" in accepted:
+def build_router(cfg: dict | RouterConfig, stats_group=None) -> Router:
+    """The router ``cfg`` describes (a dict, as DESIGN 3.1 gives it, or a ``RouterConfig``); a bad key
+    raises ValueError naming it (a RouterKeyError when the message names one key)."""
+    config = router_config(cfg)
+    kwargs = config.kwargs()
+    if _takes_stats_group(config.type):
         kwargs["stats_group"] = stats_group
     try:
-        router = ROUTERS[kind](**kwargs)
-        router.gar_config = None
-        if gar is not None:
-            router.gar_config = GARConfig.for_router(gar, kind, "router key 'gar'")
+        return ROUTERS[config.type](**kwargs)
     except ValueError as e:
-        raise _keyed(e, {*accepted, "gar"}) from None
-    if gar is not None:
-        warnings.warn(GAR_MOVED, FutureWarning, stacklevel=2)
-    return router
+        raise _keyed(e, accepted_keys(config.type)) from None
+
+
+@functools.cache
+def _takes_stats_group(kind: str) -> bool:
+    """Whether router ``kind`` reduces its statistics over a group (a learned or anchored router)."""
+    return any("stats_group" in inspect.signature(klass.__init__).parameters
+               for klass in ROUTERS[kind].__mro__[:ROUTERS[kind].__mro__.index(Router)])
 
 
 GAR_MOVED = ("GAR's settings under the router (config key 'router.gar', router key 'gar') are deprecated and go in "

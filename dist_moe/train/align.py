@@ -17,14 +17,14 @@ import torch
 from torch import Tensor, nn
 
 from dist_moe.dispatch.stats import all_reduce_sum
+from dist_moe.layer import MoELayer
+from dist_moe.moe_view import moe_layers
 
 
 @contextlib.contextmanager
 def ablate(model: nn.Module, experts):
     """Zero the gated output of ``experts`` (global ids) in every MoELayer of ``model``."""
-    from dist_moe.moe_view import moe_layers
-
-    layers = [m for m in moe_layers(model) if hasattr(m, "ablated_experts")]  # dist-moe's own layers
+    layers = [m for m in moe_layers(model) if isinstance(m, MoELayer)]  # dist-moe's own layers ablate
     previous = [layer.ablated_experts for layer in layers]
     for layer in layers:
         layer.ablated_experts = frozenset(int(e) for e in experts)

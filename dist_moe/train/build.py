@@ -1,24 +1,31 @@
 """A run's data and model from its config: tabular, image, LM or text, hosted by the run's engine."""
 from __future__ import annotations
 
+from dataclasses import replace
+
+from dist_moe.data.corpus import lm_split
 from dist_moe.data.tabular import tabular_split
+from dist_moe.data.text_tasks import text_split
 from dist_moe.models import TabularMoE
 from dist_moe.models.image import ImageMoE
+from dist_moe.models.text import TextMoE
+from dist_moe.models.tiny_lm import TinyMoELM
+from dist_moe.routing.registry import RouterKeyError
 
 
-def categorised_router(cfg: dict, data) -> dict:
-    """The router config, with SpecDrop's num_categories taken from the data when not given."""
-    router = dict(cfg["router"])
-    if router["type"] != "specdrop":
+def categorised_router(cfg, data):
+    """The run's router config, with SpecDrop's num_categories taken from the data when not given."""
+    router = cfg.router
+    if router.type != "specdrop":
         return router
     if data.category_names is None:
         raise ValueError("router.type=specdrop routes by category: set data.categories "
                          "(e.g. satimage_landcover with data.name=satimage)")
     n = len(data.category_names)
-    if router.setdefault("num_categories", n) != n:
-        raise ValueError(f"router.num_categories={router['num_categories']!r} but data.categories="
-                         f"{cfg['data']['categories']!r} has {n} categories")
-    return router
+    if router.num_categories not in (None, n):
+        raise ValueError(f"router.num_categories={router.num_categories!r} but data.categories="
+                         f"{cfg.data.categories!r} has {n} categories")
+    return replace(router, num_categories=n)
 
 
 # model.kind -> the dataset it trains on (tabular: any keel dataset)
@@ -26,57 +33,49 @@ DATA_OF_KIND = {"tabular": None, "image": "fashion_mnist", "lm": "corpus", "text
 MODEL_KINDS = tuple(DATA_OF_KIND)
 
 
-def data_and_model(cfg: dict, rt):
-    """(data split, model) for ``cfg``; ``rt`` (a ``Runtime``) builds each MoE layer. A bad router key
+def data_and_model(cfg, rt):
+    """(data split, model) for ``cfg`` (a ``RunConfig``); ``rt`` (a ``Runtime``) builds each MoE layer. A bad router key
     is named as the config names it (``router.mlp_hidden``)."""
-    from dist_moe.routing.registry import RouterKeyError
-
     try:
         data, model = _data_and_model(cfg, rt)
     except RouterKeyError as e:
         raise e.under("router") from None
     if len(data.x_train) < rt.world:  # a rank without rows would train on nothing, every step
-        raise ValueError(f"data.name={cfg['data']['name']!r} leaves {len(data.x_train)} training rows for "
+        raise ValueError(f"data.name={cfg.data.name!r} leaves {len(data.x_train)} training rows for "
                          f"{rt.world} ranks: every rank needs at least one (raise data.max_rows)")
     return data, model
 
 
-def _data_and_model(cfg: dict, rt):
-    dcfg, mcfg = cfg["data"], dict(cfg["model"])
-    kind, layers, heads = mcfg.pop("kind"), mcfg.pop("layers"), mcfg.pop("heads")
+def _data_and_model(cfg, rt):
+    dcfg, mcfg, kind, seed = cfg.data, cfg.model, cfg.model.kind, cfg.seed
     wants = {k: v for k, v in DATA_OF_KIND.items() if v is not None}
-    if wants.get(kind) != (dcfg["name"] if dcfg["name"] in wants.values() else None):
+    if wants.get(kind) != (dcfg.name if dcfg.name in wants.values() else None):
         raise ValueError(f"model.kind={kind!r} needs data.name={wants.get(kind, 'a keel dataset')}, "
-                         f"got {dcfg['name']!r}")
+                         f"got {dcfg.name!r}")
     if kind == "lm":
-        from dist_moe.data.corpus import lm_split
-        from dist_moe.models.tiny_lm import TinyMoELM
-
-        if mcfg["label_mask"] or not mcfg["d_model"]:
+        if mcfg.label_mask or not mcfg.d_model:
             raise ValueError("model.kind=lm needs model.d_model > 0 and model.label_mask: false")
-        data = lm_split(dcfg["seq_len"], dcfg["per_domain"], dcfg["val_fraction"], cfg["seed"], dcfg["categories"])
+        data = lm_split(dcfg.seq_len, dcfg.per_domain, dcfg.val_fraction, seed, dcfg.categories)
         router = categorised_router(cfg, data)
-        build = lambda i: rt.build_moe(mcfg["d_model"], mcfg["ffn_hidden_size"], router,  # noqa: E731
-                                       mcfg["capacity_factor"], mcfg["expert_type"])
-        model = TinyMoELM(build, mcfg["d_model"], layers, heads, max_len=dcfg["seq_len"])
+        build = lambda i: rt.build_moe(mcfg.d_model, mcfg.ffn_hidden_size, router,  # noqa: E731
+                                       mcfg.capacity_factor, mcfg.expert_type)
+        model = TinyMoELM(build, mcfg.d_model, mcfg.layers, mcfg.heads, max_len=dcfg.seq_len)
         model.class_category = None  # categories come from the data, not from classes
         return data, model
     if kind == "text":
-        from dist_moe.data.text_tasks import text_split
-        from dist_moe.models.text import TextMoE
-
-        if dcfg["categories"] not in (None, "tasks"):
-            raise ValueError(f"data.categories for text_tasks must be 'tasks' or null, got {dcfg['categories']!r}")
-        data = text_split(dcfg["per_domain"], dcfg["seq_len"], dcfg["val_fraction"], cfg["seed"])
+        if dcfg.categories not in (None, "tasks"):
+            raise ValueError(f"data.categories for text_tasks must be 'tasks' or null, got {dcfg.categories!r}")
+        data = text_split(dcfg.per_domain, dcfg.seq_len, dcfg.val_fraction, seed)
         router = categorised_router(cfg, data)
-        moe = rt.build_moe(384, mcfg["ffn_hidden_size"], router, mcfg["capacity_factor"], mcfg["expert_type"])
+        moe = rt.build_moe(384, mcfg.ffn_hidden_size, router, mcfg.capacity_factor, mcfg.expert_type)
         return data, TextMoE(moe, data.task_classes)
-    data = tabular_split(dcfg["name"], dcfg["val_fraction"], cfg["seed"], dcfg["max_rows"], dcfg["categories"])
+    data = tabular_split(dcfg.name, dcfg.val_fraction, seed, dcfg.max_rows, dcfg.categories)
     router = categorised_router(cfg, data)
     features = data.x_train.shape[1]
-    moe = rt.build_moe(mcfg["d_model"] or features, mcfg["ffn_hidden_size"], router, mcfg["capacity_factor"],
-                       mcfg["expert_type"])
+    moe = rt.build_moe(mcfg.d_model or features, mcfg.ffn_hidden_size, router, mcfg.capacity_factor,
+                       mcfg.expert_type)
     model_cls = ImageMoE if kind == "image" else TabularMoE
-    return data, model_cls(features, data.num_classes, router, class_category=data.class_category, moe=moe, **mcfg)
+    return data, model_cls(features, data.num_classes, router, class_category=data.class_category, moe=moe,
+                           **mcfg.block_keys())
 
 

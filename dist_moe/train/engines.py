@@ -20,18 +20,26 @@ and what it tears down. ``ENGINES`` maps the config's names to them, as ``ROUTER
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 
 from torch import nn
+
+from dist_moe.integrations import megatron_patches
+from dist_moe.integrations.deepspeed import DeepSpeedDispatchedMoE, DeepSpeedHostedMoE, init_distributed
+from dist_moe.integrations.deepspeed_patches import release_groups
+from dist_moe.integrations.megatron import MegatronDispatchedMoE, MegatronHostedMoE
+from dist_moe.integrations.megatron_patches import release_parallel_state
+from dist_moe.layer import MoELayer
+from dist_moe.train.steppers import DeepSpeedStepper, LocalStepper
 
 # the engine releases whose internals dist-moe's adapters and patches were written against
 SUPPORTED = {"deepspeed": ("deepspeed", "0.19."), "megatron": ("megatron-core", "0.16.")}
 
 
-def chooses_dist_moe(choice: str, parallel: dict) -> bool:
-    """An engine's ``parallel.<engine>_dispatcher``: dist_moe, or auto when the config asks for what only
-    dist-moe's dispatcher does (node dedup, pipelined chunks)."""
-    return choice == "dist_moe" or (choice == "auto" and (parallel["dedup"] == "node" or
-                                                          parallel["pipeline_chunks"] > 1))
+def chooses_dist_moe(choice: str, parallel) -> bool:
+    """An engine's ``parallel.<engine>_dispatcher``: dist_moe, or auto when the config's ``parallel``
+    section asks for what only dist-moe's dispatcher does (node dedup, pipelined chunks)."""
+    return choice == "dist_moe" or (choice == "auto" and (parallel.dedup == "node" or parallel.pipeline_chunks > 1))
 
 
 class Engine:
@@ -41,7 +49,7 @@ class Engine:
     needs_group = True  # a process group even on one rank (a one-rank group on localhost)
 
     @staticmethod
-    def dispatches(parallel: dict) -> bool:
+    def dispatches(parallel) -> bool:
         """Whether this config's MoE layers exchange through dist-moe's dispatcher (which dedups
         by node and pipelines chunks) rather than the engine's own."""
         return False
@@ -50,7 +58,6 @@ class Engine:
         """Refuse a release the adapters were not written for (before any collective)."""
         if self.name not in SUPPORTED:
             return
-        import importlib.metadata
 
         package, series = SUPPORTED[self.name]
         try:
@@ -68,13 +75,12 @@ class Engine:
     def after_group(self, rt) -> None:
         """What needs the process group (``rt``: the ``Runtime``)."""
 
-    def build_moe(self, rt, hidden: int, ffn: int, router: dict, capacity_factor, expert_type: str,
+    def build_moe(self, rt, hidden: int, ffn: int, router, capacity_factor, expert_type: str,
                   placement) -> nn.Module:
+        """One MoE layer (``router``: the run's ``RouterConfig``; ``rt.parallel``: its ``ParallelConfig``)."""
         raise NotImplementedError
 
     def stepper(self, rt, model: nn.Module, lr: float, max_grad_norm, micro_batch: int):
-        from dist_moe.train.steppers import LocalStepper
-
         return LocalStepper(model, lr, max_grad_norm, rt.group if rt.world > 1 else None, rt.world)
 
     def shutdown(self) -> None:
@@ -90,12 +96,10 @@ class TorchEngine(Engine):
         return True
 
     def build_moe(self, rt, hidden, ffn, router, capacity_factor, expert_type, placement):
-        from dist_moe.layer import MoELayer
-
         return MoELayer(hidden, ffn, router, placement=placement, topology=rt.topology(),
-                        group=rt.group if rt.world > 1 else None, dedup=rt.parallel["dedup"],
+                        group=rt.group if rt.world > 1 else None, dedup=rt.parallel.dedup,
                         timeout=datetime.timedelta(seconds=rt.timeout_s), capacity_factor=capacity_factor,
-                        expert_type=expert_type, pipeline_chunks=rt.parallel.get("pipeline_chunks", 1))
+                        expert_type=expert_type, pipeline_chunks=rt.parallel.pipeline_chunks)
 
 
 class DeepSpeedEngine(Engine):
@@ -103,37 +107,26 @@ class DeepSpeedEngine(Engine):
 
     @staticmethod
     def dispatches(parallel):
-        return chooses_dist_moe(parallel["deepspeed_dispatcher"], parallel)
+        return chooses_dist_moe(parallel.deepspeed_dispatcher, parallel)
 
     def before_group(self, timeout_s, device):
-        from dist_moe.integrations.deepspeed import init_distributed
-
         init_distributed(timeout_s, device)
 
     def build_moe(self, rt, hidden, ffn, router, capacity_factor, expert_type, placement):
-        if self.dispatches(rt.parallel):  # DeepSpeed's MoE module and experts, dist-moe's dispatcher
-            if capacity_factor is not None:
-                raise ValueError("parallel.deepspeed_dispatcher dist_moe runs dropless: set model.capacity_factor: "
-                                 f"null (got {capacity_factor})")
-            from dist_moe.integrations.deepspeed import DeepSpeedDispatchedMoE
+        if self.dispatches(rt.parallel):  # DeepSpeed's MoE module and experts, dist-moe's dispatcher (dropless)
 
             return DeepSpeedDispatchedMoE(hidden, ffn, router, rt.world, placement, None, expert_type,
-                                          topology=rt.topology(), dedup=rt.parallel["dedup"],
-                                          pipeline_chunks=rt.parallel["pipeline_chunks"],
+                                          topology=rt.topology(), dedup=rt.parallel.dedup,
+                                          pipeline_chunks=rt.parallel.pipeline_chunks,
                                           timeout=datetime.timedelta(seconds=rt.timeout_s))
-        from dist_moe.integrations.deepspeed import DeepSpeedHostedMoE
 
         return DeepSpeedHostedMoE(hidden, ffn, router, rt.world, placement, capacity_factor, expert_type,
                                   min_capacity=4, topology=rt.topology())  # min: deepspeed MoE's default
 
     def stepper(self, rt, model, lr, max_grad_norm, micro_batch):
-        from dist_moe.train.steppers import DeepSpeedStepper
-
         return DeepSpeedStepper(model, lr, max_grad_norm, micro_batch)
 
     def shutdown(self):
-        from dist_moe.integrations.deepspeed_patches import release_groups
-
         release_groups()
 
 
@@ -142,35 +135,27 @@ class MegatronEngine(Engine):
 
     @staticmethod
     def dispatches(parallel):
-        return chooses_dist_moe(parallel["megatron_dispatcher"], parallel)
+        return chooses_dist_moe(parallel.megatron_dispatcher, parallel)
 
     def after_group(self, rt):
-        from dist_moe.integrations import megatron_patches
-
         megatron_patches.apply(cpu=rt.device.type == "cpu")
+        # megatron-core: an optional engine, imported only where it is used (after megatron_patches.apply())
         from megatron.core import parallel_state
 
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=rt.world)
 
-    def build_moe(self, rt, hidden, ffn, router, capacity_factor, expert_type, placement):
-        if capacity_factor is not None:
-            raise ValueError("engine megatron runs dropless: set model.capacity_factor: null "
-                             f"(got {capacity_factor})")
+    def build_moe(self, rt, hidden, ffn, router, capacity_factor, expert_type, placement):  # dropless
         if self.dispatches(rt.parallel):  # Megatron's layer and experts, dist-moe's dispatcher
-            from dist_moe.integrations.megatron import MegatronDispatchedMoE
 
             return MegatronDispatchedMoE(hidden, ffn, router, rt.world, placement, expert_type, rt.device,
-                                         rt.topology(), rt.parallel["dedup"], rt.parallel["pipeline_chunks"],
+                                         rt.topology(), rt.parallel.dedup, rt.parallel.pipeline_chunks,
                                          datetime.timedelta(seconds=rt.timeout_s))
-        from dist_moe.integrations.megatron import MegatronHostedMoE
 
-        own = rt.parallel["megatron_dispatcher"]
+        own = rt.parallel.megatron_dispatcher
         return MegatronHostedMoE(hidden, ffn, router, rt.world, placement, "alltoall" if own == "auto" else own,
                                  expert_type, device=rt.device, topology=rt.topology())
 
     def shutdown(self):
-        from dist_moe.integrations.megatron_patches import release_parallel_state
-
         release_parallel_state()
 
 

@@ -8,7 +8,7 @@ import torch
 from dist_moe.moe_view import moe_layers
 from dist_moe.train.align import specdrop_align
 from dist_moe.train.metrics import layers_metrics, routing_metrics
-from dist_moe.train.steps import loss_of
+from dist_moe.train.training_step import loss_of
 
 
 @torch.no_grad()
@@ -50,7 +50,7 @@ def _val_metrics(layer, routings: list, reduce) -> dict:
     load = reduce(sum(r.stats["load"] for r in routings).double())
     dropped = int(reduce(torch.tensor([float(sum(r.stats.get("dropped", 0) for r in routings))])))
     return routing_metrics(torch.cat([r.expert_idx for r in routings]), load, dropped, layer.num_experts,
-                           getattr(layer, "expert_node", None), getattr(layer, "expert_rank", None))
+                           layer.expert_node, layer.expert_rank)
 
 
 def _align(model, x, y, c, group=None) -> float:

@@ -60,5 +60,4 @@ def layers_metrics(per_layer: list[dict]) -> dict:
 
 def layer_metrics(layer) -> dict:
     """``metrics_of`` one MoE layer's last routing (any host)."""
-    return metrics_of(layer.last_routing, layer.num_experts, getattr(layer, "expert_node", None),
-                      getattr(layer, "expert_rank", None))
+    return metrics_of(layer.last_routing, layer.num_experts, layer.expert_node, layer.expert_rank)

@@ -3,14 +3,17 @@ engine (``dist_moe.train.engines``) that builds its MoE layers and steps."""
 from __future__ import annotations
 
 import os
+import socket
 
 import torch
 from torch import nn
 
 from dist_moe.dispatch.groups import WeakGroup
-from dist_moe.dispatch.process_group import init_from_env, launched_world_size, resolve_device
+from dist_moe.dispatch.process_group import init_from_env, launched_world_size, resolve_device, shutdown
 from dist_moe.dispatch.stats import all_reduce_sum
+from dist_moe.routing.registry import RouterConfig
 from dist_moe.train.engines import ENGINES
+from dist_moe.train.run_config import ParallelConfig
 from placement import Placement, Topology
 
 
@@ -19,16 +22,16 @@ class Runtime:
 
     group = WeakGroup()  # held weakly (dist_moe/dispatch/groups.py)
 
-    def __init__(self, engine: str, parallel: dict):
+    def __init__(self, engine: str, parallel: ParallelConfig):
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {tuple(ENGINES)}, got {engine!r}")
         self.engine = ENGINES[engine]()  # what differs between torch, deepspeed and megatron (train/engines.py)
         self.engine.check_version()
         self.parallel = parallel
-        self.timeout_s = float(parallel.get("timeout_s", 300.0))
+        self.timeout_s = parallel.timeout_s
         self._owns_group = not torch.distributed.is_initialized()  # a caller's group is left to the caller
         # first of all: the device (LOCAL_RANK's GPU, or the CPU); the backend follows from it
-        self.device = resolve_device(parallel.get("device", "auto"))
+        self.device = resolve_device(parallel.device)
         self._defaulted = _one_rank_defaults() if self.engine.needs_group else []
         self.engine.before_group(self.timeout_s, self.device)
         self.rank, self.world, self.group = init_from_env(self.timeout_s, always=self.engine.needs_group,
@@ -45,7 +48,7 @@ class Runtime:
         return Topology.launched(self.world)
 
     def placement(self, num_experts: int) -> Placement:
-        kind = self.parallel["placement"]
+        kind = self.parallel.placement
         if kind.endswith((".yaml", ".yml")):  # written by `dist-moe place --out`
             placement = Placement.from_yaml(kind)
             if (placement.num_experts, placement.world_size) != (num_experts, self.world):
@@ -55,11 +58,9 @@ class Runtime:
             return placement
         return Placement.named(kind, num_experts, self.topology())
 
-    def build_moe(self, hidden: int, ffn: int, router: dict, capacity_factor, expert_type: str) -> nn.Module:
+    def build_moe(self, hidden: int, ffn: int, router: RouterConfig, capacity_factor, expert_type: str) -> nn.Module:
         """One MoE layer, built by the engine, its experts placed by ``parallel.placement``."""
-        from dist_moe.routing.registry import router_shape
-
-        num_experts = router_shape({"hidden_size": hidden, **router}).num_experts  # the layer builds the router
+        num_experts = router.num_experts  # the layer builds the router
         return self.engine.build_moe(self, hidden, ffn, router, capacity_factor, expert_type,
                                      self.placement(num_experts))
 
@@ -74,8 +75,6 @@ class Runtime:
         or cut-off peer would make it wait out the timeout a second time."""
         self.engine.shutdown()
         if self._owns_group:
-            from dist_moe.dispatch.process_group import shutdown
-
             shutdown(wait=not failed)
         for key in self._defaulted:  # a later run (or a child process) must not inherit this run's port
             os.environ.pop(key, None)
@@ -100,7 +99,6 @@ def _one_rank_defaults() -> list[str]:
     Returns the variables it set (the run removes them at shutdown)."""
     if launched_world_size() != 1:
         return []
-    import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

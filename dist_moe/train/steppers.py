@@ -19,6 +19,8 @@ from dist_moe.moe_view import moe_views
 class LocalStepper:
     """zero_grad, backward, data-parallel average, global clip, Adam step."""
 
+    finish_external = None  # GAR reduces, clips and steps itself (DeepSpeedStepper hands that to DeepSpeed)
+
     group = WeakGroup()  # held weakly (dist_moe/dispatch/groups.py)
 
     def __init__(self, model: nn.Module, lr: float, max_grad_norm, group, world: int):
@@ -51,6 +53,7 @@ class DeepSpeedStepper:
 
     def __init__(self, model: nn.Module, lr: float, max_grad_norm, micro_batch: int,
                  optimizer_cls=torch.optim.Adam):
+        # deepspeed: an optional engine, imported only where it is used
         import deepspeed
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 

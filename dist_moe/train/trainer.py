@@ -28,17 +28,19 @@ from dist_moe.dispatch.agree import agree_on_errors
 from dist_moe.dispatch.all_to_all import blocked_seconds
 from dist_moe.dispatch.process_group import collective_failure
 from dist_moe.moe_view import moe_layers
+from dist_moe.routing.base import Scheduled
 from dist_moe.train import checkpoint
 from dist_moe.train.build import data_and_model
-from dist_moe.train.config import model_changes, validate
+from dist_moe.train.config import model_changes
 from dist_moe.train.evaluate import evaluate
 from dist_moe.train.metrics import layer_metrics, layers_metrics
 from dist_moe.train.routing_record import record_routing
+from dist_moe.train.run_config import RunConfig
 from dist_moe.train.rundir import RunDir, check_writable, open_metrics, output_dir, truncate_metrics
 from dist_moe.train.runtime import Runtime
 from dist_moe.train.step_bytes import StepBytes
-from dist_moe.train.steps import step_strategy
 from dist_moe.train.training_state import DataCursor, restore_state, save_state
+from dist_moe.train.training_step import step_strategy
 from placement import random_pair_tree_distance
 from placement.files import write_atomic
 
@@ -56,6 +58,7 @@ class JsonlLogger:
         self._tb = None
         if tensorboard:
             try:
+                # tensorboard: optional, only with output.tensorboard
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:  # torch's writer imports the tensorboard package
                 raise ValueError(f"output.tensorboard needs the tensorboard package (pip install tensorboard): {e}")
@@ -77,15 +80,18 @@ class JsonlLogger:
             self._tb.close()
 
 
-def train(cfg: dict, quiet: bool = False, after=None) -> dict:
-    """Train ``cfg["model"]["kind"]`` with ``cfg["engine"]`` over the launched world (one process: local).
+def train(cfg: RunConfig, quiet: bool = False, after=None) -> dict:
+    """Train ``cfg.model.kind`` with ``cfg.engine`` over the launched world (one process: local). ``cfg``:
+    ``load_config``'s ``RunConfig`` (``RunConfig.from_dict`` for a mapping), checked once, where it was made.
 
     ``after(model, data, runtime) -> dict``, when given, runs on every rank once training ends
     (it may use collectives) and its fields join the summary: experiments measure the trained
     model this way without the trainer knowing their metrics.
     """
-    validate(cfg)
-    runtime = Runtime(cfg["engine"], cfg["parallel"])
+    if not isinstance(cfg, RunConfig):
+        raise TypeError(f"train takes load_config's RunConfig (RunConfig.from_dict for a mapping), got "
+                        f"{type(cfg).__name__}")
+    runtime = Runtime(cfg.engine, cfg.parallel)
     failed = True
     try:
         summary = _train(cfg, runtime, quiet, after)
@@ -100,7 +106,7 @@ def train(cfg: dict, quiet: bool = False, after=None) -> dict:
         runtime.shutdown(failed=failed)
 
 
-def _open_run(cfg: dict, rt: Runtime, run_dir: RunDir | None):
+def _open_run(cfg: RunConfig, rt: Runtime, run_dir: RunDir | None):
     """The start-up checks, agreed before any training collective. First rank 0 alone (``run_dir``)
     creates the output directory, takes its lock and refuses a directory whose run files are symlinks
     or that holds a run this config neither resumes nor overwrites; then every rank checks that it
@@ -111,13 +117,13 @@ def _open_run(cfg: dict, rt: Runtime, run_dir: RunDir | None):
 
     def claim():  # rank 0 alone; the others wait for its verdict
         if run_dir is not None:
-            run_dir.open(cfg["train"]["resume"], cfg["output"]["overwrite"])
+            run_dir.open(cfg.train.resume, cfg.output.overwrite)
 
     agree_on_errors(claim, group)
 
     def check():
         check_writable(out_dir)
-        path = checkpoint.latest(out_dir / "checkpoints") if cfg["train"]["resume"] else None
+        path = checkpoint.latest(out_dir / "checkpoints") if cfg.train.resume else None
         if path is not None:
             saved = checkpoint.saved_config(path)
             for key, old, new in model_changes(saved, cfg)[:1] if saved is not None else ():
@@ -130,12 +136,12 @@ def _open_run(cfg: dict, rt: Runtime, run_dir: RunDir | None):
     return found[0]
 
 
-def _train(cfg: dict, rt: Runtime, quiet: bool, after=None) -> dict:
+def _train(cfg: RunConfig, rt: Runtime, quiet: bool, after=None) -> dict:
     run_dir = RunDir(output_dir(cfg)) if rt.is_main else None
     run = None
     try:
         resume_from = _open_run(cfg, rt, run_dir)
-        run = _Run(cfg, rt, output_dir(cfg), resume_from, quiet)
+        run = _TrainingRun(cfg, rt, output_dir(cfg), resume_from, quiet)
         return _train_in(run, after)
     except BaseException:
         if run_dir is not None and (run is None or run.step == run.first_step):
@@ -146,7 +152,7 @@ def _train(cfg: dict, rt: Runtime, quiet: bool, after=None) -> dict:
             run_dir.release()
 
 
-def _train_in(run: "_Run", after) -> dict:
+def _train_in(run: "_TrainingRun", after) -> dict:
     rt, out_dir = run.rt, run.out_dir
     try:
         if run.already_finished:  # nothing left to train: report the checkpoint's model as it is
@@ -169,26 +175,26 @@ def _train_in(run: "_Run", after) -> dict:
     return run.write_summary(extra)
 
 
-class _Run:
+class _TrainingRun:
     """One run's training state: model, data, cursor, stepper, step strategy, logger and progress bar."""
 
-    def __init__(self, cfg: dict, rt: Runtime, out_dir: Path, resume_from, quiet: bool):
-        self.cfg, self.rt, self.out_dir, self.tcfg = cfg, rt, out_dir, cfg["train"]
+    def __init__(self, cfg: RunConfig, rt: Runtime, out_dir: Path, resume_from, quiet: bool):
+        self.cfg, self.rt, self.out_dir, self.tcfg = cfg, rt, out_dir, cfg.train
         tcfg = self.tcfg
-        torch.manual_seed(cfg["seed"])  # the same on every rank: replicated modules start identical
+        torch.manual_seed(cfg.seed)  # the same on every rank: replicated modules start identical
         self.data, self.model = data_and_model(cfg, rt)
         self.model.to(rt.device)  # every batch follows it there (data stays on the CPU until its step)
         self.layers = moe_layers(self.model)  # every MoE layer: metrics and schedules cover them all
         self.routers = [layer.router for layer in self.layers]
         self.scheduled = [r for r in self.routers if r.scheduled]  # SpecDrop's, unless it counts its own steps
         self.strategy = step_strategy(tcfg, rt)  # plain or GAR, chosen once
-        bs = tcfg["batch_size"]  # per rank, as DeepSpeed's train_micro_batch_size_per_gpu
-        self.step_fn = rt.stepper(self.model, tcfg["lr"], tcfg["max_grad_norm"], bs)
+        bs = tcfg.batch_size  # per rank, as DeepSpeed's train_micro_batch_size_per_gpu
+        self.step_fn = rt.stepper(self.model, tcfg.lr, tcfg.max_grad_norm, bs)
         self.n, self.global_bs = len(self.data.x_train), bs * rt.world
         self.steps_per_epoch = math.ceil(self.n / self.global_bs)
-        self.max_steps = tcfg["max_steps"]
-        self.total_samples = tcfg["epochs"] * self.n  # the run's length in samples, unless max_steps sets it
-        self.cursor = DataCursor(self.n, cfg["seed"], self.global_bs)  # one order; each rank its share
+        self.max_steps = tcfg.max_steps
+        self.total_samples = tcfg.epochs * self.n  # the run's length in samples, unless max_steps sets it
+        self.cursor = DataCursor(self.n, cfg.seed, self.global_bs)  # one order; each rank its share
         self.step, self.start, self.last_eval = 0, time.time(), {}
         self.train_seconds = 0.0  # inside training steps only: no evaluation, logging or checkpoints
         self.exchange_wait_s = 0.0  # of those, blocked in the dispatcher's exchanges (mean over ranks)
@@ -198,15 +204,15 @@ class _Run:
             self.step = restore_state(resume_from, self.model, self.step_fn.opt, self.cursor, rt)
         self.first_step, self.resumed_at = self.step, self.cursor.consumed
         if rt.is_main:
-            write_atomic(out_dir / "config.yaml", yaml.safe_dump(cfg, sort_keys=False))
+            write_atomic(out_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
             if resume_from is not None:  # rows a killed run logged after this checkpoint are trained again
                 truncate_metrics(out_dir / "metrics.jsonl", self.step)
-        self.logger = (JsonlLogger(out_dir / "metrics.jsonl", resume_from is not None, cfg["output"]["tensorboard"])
+        self.logger = (JsonlLogger(out_dir / "metrics.jsonl", resume_from is not None, cfg.output.tensorboard)
                        if rt.is_main else None)
         total = self.max_steps or self.step + self.cursor.steps_left(self.total_samples)
-        self.epochs = math.ceil(self.max_steps / self.steps_per_epoch) if self.max_steps else tcfg["epochs"]
+        self.epochs = math.ceil(self.max_steps / self.steps_per_epoch) if self.max_steps else tcfg.epochs
         # Redrawn 10x a second on a terminal; in a log file (CI, nohup) every 10 s is enough.
-        self.bar = tqdm(total=total, initial=self.step, desc=cfg["name"], disable=quiet or not rt.is_main,
+        self.bar = tqdm(total=total, initial=self.step, desc=cfg.name, disable=quiet or not rt.is_main,
                         dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 10.0)
         self.already_finished = resume_from is not None and self.finished()
 
@@ -222,7 +228,7 @@ class _Run:
 
     def move_schedules(self, every: str) -> None:
         """Set scheduled routers' progress when ``train.schedule`` is ``every`` ("step" or "epoch")."""
-        if self.tcfg["schedule"] != every:
+        if self.tcfg.schedule != every:
             return
         fraction = self.cursor.epoch / self.epochs if every == "epoch" else self.progress()
         for r in self.scheduled:
@@ -250,29 +256,29 @@ class _Run:
         self.step += 1
         self.skipped += record.get("skipped", 0.0) > 0  # agreed by every rank
         nan_stops = self.strategy.stops_on_nan and not math.isfinite(record["loss"])
-        if self.skipped > tcfg["max_skipped_steps"] or nan_stops:
+        if self.skipped > tcfg.max_skipped_steps or nan_stops:
             raise ValueError(f"training diverged: {int(self.skipped)} steps had a non-finite loss or gradients "
-                             f"(train.max_skipped_steps={tcfg['max_skipped_steps']}), the last at step {self.step} "
-                             f"(loss {record['loss']}); lower train.lr (now {tcfg['lr']}) or check the data")
+                             f"(train.max_skipped_steps={tcfg.max_skipped_steps}), the last at step {self.step} "
+                             f"(loss {record['loss']}); lower train.lr (now {tcfg.lr}) or check the data")
         return record
 
     def maybe_log(self, record: dict, last: bool) -> None:
-        if self.step % self.tcfg["log_every"] == 0 or last:
+        if self.step % self.tcfg.log_every == 0 or last:
             record.update(self.step_bytes.log())  # collective: every rank takes part
             if self.logger is not None:
                 if all(layer.last_routing is not None for layer in self.layers):  # None: every step skipped
                     record.update(layers_metrics([layer_metrics(layer) for layer in self.layers]))
-                if hasattr(self.routers[0], "progress"):
+                if isinstance(self.routers[0], Scheduled):
                     record["schedule_progress"] = float(self.routers[0].progress)
                 self.logger.log({"step": self.step, **record})
                 self.bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
         self.bar.update(1)
 
     def maybe_checkpoint(self, last: bool) -> None:
-        every = self.tcfg["checkpoint_every"]
+        every = self.tcfg.checkpoint_every
         if every and (self.step % every == 0 or last):
             save_state(self.out_dir / "checkpoints", self.step, self.model, self.step_fn.opt, self.cursor, self.rt,
-                       config=self.cfg)
+                       config=self.cfg.to_dict())
 
     def evaluate(self) -> dict:
         data = self.data
@@ -291,7 +297,7 @@ class _Run:
     def write_summary(self, extra: dict) -> dict:
         cfg, rt = self.cfg, self.rt
         summary = json_safe({
-            "name": cfg["name"], "router": cfg["router"]["type"], "engine": rt.engine.name, "world_size": rt.world,
+            "name": cfg.name, "router": cfg.router.type, "engine": rt.engine.name, "world_size": rt.world,
             "topology": rt.topology().describe(),
             "steps": self.step, "already_finished": self.already_finished, "samples": self.cursor.consumed,
             "samples_this_run": self.cursor.consumed - self.resumed_at,

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from dist_moe.train import steps, trainer
+from dist_moe.train import trainer, training_step
 from dist_moe.train.config import load_config
 from tests.dist_utils import run_workers
 
@@ -27,7 +27,7 @@ def _inject(monkeypatch, bad_calls: dict, checks: list):
     """Poison step n of ``bad_calls``: NaN / Inf inputs (screened by the trainer before any forward)
     or a NaN expert gradient (found by the step function); record whether the step was skipped and
     whether model and optimizer state came out of it unchanged."""
-    real_screen, real_call = trainer._bad_inputs, steps.PlainStep.__call__
+    real_screen, real_call = trainer._bad_inputs, training_step.PlainStep.__call__
     seen = {"calls": 0, "pending": None}
 
     def settle(model_opt):
@@ -61,7 +61,7 @@ def _inject(monkeypatch, bad_calls: dict, checks: list):
         return record
 
     monkeypatch.setattr(trainer, "_bad_inputs", screen)
-    monkeypatch.setattr(steps.PlainStep, "__call__", step)
+    monkeypatch.setattr(training_step.PlainStep, "__call__", step)
 
 
 @pytest.mark.parametrize("router, engine", [("branch", "torch"), ("deepseek_v3", "torch"), ("branch", "deepspeed")])
@@ -107,8 +107,8 @@ def _two_rank_worker(rank, world, out):
     assert checks and all(same for _, same in checks)
     monkey.undo()
     _inject(monkey, {4: "grad_nan"} if rank == 0 else {4: "grad_nan", 6: "input_nan", 7: "input_inf"}, [])
-    cfg["train"]["max_skipped_steps"] = 2  # the same run again must stop on both ranks together
-    cfg["output"]["overwrite"] = True
+    cfg.train.max_skipped_steps = 2  # the same run again must stop on both ranks together
+    cfg.output.overwrite = True
     with pt.raises(ValueError, match="3 steps had a non-finite"):
         trainer.train(cfg, quiet=True)
     monkey.undo()

@@ -94,7 +94,7 @@ def test_a_name_with_a_path_in_it_is_refused(tmp_path, monkeypatch):
     for name in ("../../../x", "a/b", "..", "a\\..\\b"):
         with pytest.raises(ValueError, match=r"config key 'name' must be a non-empty name without '/'"):
             load_config(None, [*TINY, f"name={name}"])
-    assert load_config(None, ["data.name=../x"])["name"] == "demo+data.name=__x"  # a tag stays one component
+    assert load_config(None, ["data.name=../x"]).name == "demo+data.name=__x"  # a tag stays one component
     assert list(tmp_path.iterdir()) == []
 
 
@@ -150,7 +150,7 @@ def test_a_run_stopped_before_its_first_step_leaves_nothing_behind(tmp_path, mon
         def fail(self):
             raise RuntimeError("planted failure in the first step")
 
-        monkeypatch.setattr(trainer._Run, "train_step", fail)
+        monkeypatch.setattr(trainer._TrainingRun, "train_step", fail)
     fresh = tmp_path / "new" / "deeper" / "run"
     with pytest.raises((ValueError, RuntimeError)):
         _train(fresh, bad if bad != "first_step" else "seed=0")

@@ -7,8 +7,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from dist_moe.gar.config import GARConfig
 from dist_moe.gar.step import equal_task_weights, gar_train_step
+from dist_moe.train.run_config import TrainConfig
 
 
 def loss_of(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -17,9 +17,9 @@ def loss_of(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> t
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction=reduction)
 
 
-def step_strategy(tcfg: dict, rt):
+def step_strategy(tcfg: TrainConfig, rt):
     """``PlainStep``, or a ``GARStep`` when ``train.gar`` is set: ``(model, stepper, x, y, categories) -> record``."""
-    return PlainStep() if tcfg["gar"] is None else GARStep(GARConfig.from_dict(tcfg["gar"]), tcfg, rt)
+    return PlainStep() if tcfg.gar is None else GARStep(tcfg, rt)
 
 
 class PlainStep:
@@ -47,13 +47,13 @@ class GARStep:
 
     stops_on_nan = True
 
-    def __init__(self, gar: GARConfig, tcfg: dict, rt):
-        self.gar, self.tcfg, self.rt = gar, tcfg, rt
+    def __init__(self, tcfg: TrainConfig, rt):
+        self.gar, self.tcfg, self.rt = tcfg.gar, tcfg, rt
 
     def __call__(self, model, step_fn, xb, yb, cb) -> dict:
         gar, tcfg, rt = self.gar, self.tcfg, self.rt
-        g = tcfg["gar_group_size"]
-        same_category = tcfg["gar_groups"] == "same_category"
+        g = tcfg.gar_group_size
+        same_category = tcfg.gar_groups == "same_category"
         if same_category and (cb is None or rt.world > 1):
             raise ValueError("train.gar_groups=same_category needs categories (e.g. text tasks) and one process")
         if same_category:  # the paper's same-task groups: up to g rows of one category each
@@ -62,7 +62,7 @@ class GARStep:
         elif rt.world == 1:  # consecutive groups of g rows
             parts = [torch.arange(i, min(i + g, len(xb))) for i in range(0, len(xb), g)]
         else:  # every rank takes the same number of groups: the m-th of every rank form unit m
-            count = max(1, math.ceil(tcfg["batch_size"] / g))
+            count = max(1, math.ceil(tcfg.batch_size / g))
             parts = list(torch.tensor_split(torch.arange(len(xb)), count))
             if any(len(rows) == 0 for rows in parts):
                 raise ValueError(f"a rank holds {len(xb)} rows for {count} GAR groups: raise train.batch_size")
@@ -80,7 +80,6 @@ class GARStep:
             weights = [1 / len(groups)] * len(groups)
         sizes = [len(grp[0]) for grp in groups] if rt.world > 1 else None
         # DeepSpeed owns reduction, clip and step: GAR hands it the accumulated gradients
-        finish = getattr(step_fn, "finish_external", None)
-        out = gar_train_step(model, groups, loss_fn, step_fn.opt, weights, gar.lam, gar.eps, tcfg["max_grad_norm"],
-                             gar.mode, sizes=sizes, unit=gar.unit, finish=finish)
+        out = gar_train_step(model, groups, loss_fn, step_fn.opt, weights, gar.lam, gar.eps, tcfg.max_grad_norm,
+                             gar.mode, sizes=sizes, unit=gar.unit, finish=step_fn.finish_external)
         return {"loss": out["task_loss"], "gar_loss": out["gar_loss"]}

@@ -1,0 +1,281 @@
+"""The training config's schema, written once: a dataclass per section, each key with its type, its
+default and, where the type alone does not say it, the rule its value keeps. ``RunConfig.from_dict``
+parses and checks a whole config once, before any data, process group or run directory; what it
+returns is what the trainer, ``Runtime``, the engines and the layers read (``cfg.train.lr``).
+
+Adding a key is one line in its section (a field with its default and rule): YAML files, dotted
+overrides, ``DEFAULT_CONFIG`` and the error naming the key follow from it. The router section is
+the strategy's own typed config (``routing.registry.config_class``: its constructor's parameters),
+``train.gar`` is ``GARConfig`` (null: no GAR). Files are read by ``train/config.py``.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field, fields, is_dataclass
+
+from dist_moe.config_types import fits, hints, optional, wanted
+from dist_moe.dispatch.process_group import DEVICES
+from dist_moe.errors import shown
+from dist_moe.experts import KINDS as EXPERT_KINDS
+from dist_moe.integrations.megatron_patches import DISPATCHERS
+from dist_moe.routing.gar import GARConfig
+from dist_moe.routing.registry import GAR_MOVED, RouterConfig, RouterKeyError, router_config, router_shape
+from dist_moe.train.build import MODEL_KINDS
+from dist_moe.train.engines import ENGINES
+from dist_moe.train.rundir import output_dir
+from placement.placement import NAMED as PLACEMENTS
+from placement.plan import DEDUP_MODES
+
+MAX_TIMEOUT_S = 7 * 24 * 3600
+# router keys a training config leaves to its layer (the hidden size) and its data (SpecDrop's categories)
+GIVEN_LATER = ("hidden_size", "num_categories")
+
+
+def key(default, want: str | None = None, ok=None):
+    """A config key: its default and, unless its annotation says all, the rule (``ok``) its value keeps,
+    named as ``want`` in the error."""
+    return field(default=default, metadata={"rule": (want, ok)} if ok is not None else {})
+
+
+def one_of(default, choices: tuple):
+    """A key whose values the owning module lists (the message names them)."""
+    return key(default, f"one of {', '.join(choices)}", lambda v: v in choices)
+
+
+def _positive(default):
+    return key(default, "a positive int", lambda v: v >= 1)
+
+
+@dataclass
+class ParallelConfig:
+    """Expert parallelism over the launched world (torchrun / deepspeed launcher; 1 process: local)."""
+
+    placement: str = key("contiguous", f"one of {', '.join(PLACEMENTS)} or a placement .yaml (dist-moe place --out)",
+                         lambda v: v in PLACEMENTS or v.endswith((".yaml", ".yml")))
+    dedup: str = one_of("rank", DEDUP_MODES)
+    # pipeline_chunks and dedup apply to dist-moe's dispatcher: engine torch, or megatron / deepspeed through
+    # megatron_dispatcher / deepspeed_dispatcher dist_moe. auto (their default): dist_moe when dedup is node or
+    # pipeline_chunks > 1, else the engine's own (alltoall / deepspeed), which sends one copy per selected expert
+    megatron_dispatcher: str = one_of("auto", ("auto", *DISPATCHERS, "dist_moe"))
+    deepspeed_dispatcher: str = one_of("auto", ("auto", "deepspeed", "dist_moe"))
+    # how long any collective may wait for a peer before every rank stops with an error; beyond a week a
+    # hung peer is never reported, far beyond, the backends' own timers overflow
+    timeout_s: float = key(300.0, f"a number of seconds in (0, {MAX_TIMEOUT_S}] (a week)",
+                           lambda v: 0 < v <= MAX_TIMEOUT_S)
+    # auto: this process's GPU when one is visible, else the CPU; the backend follows
+    device: str = one_of("auto", DEVICES)
+    # C > 1 cuts each exchange into C token chunks in flight while experts run
+    pipeline_chunks: int = key(1, "an int >= 1", lambda v: v >= 1)
+
+
+@dataclass
+class DataConfig:
+    # name "corpus": the multi-domain byte corpus (dist_moe/data/corpus.py) for model.kind lm, with seq_len and
+    # per_domain sequences; "text_tasks": the multi-task text mixture for model.kind text (per_domain examples
+    # per task, seq_len MiniLM tokens each); otherwise a keel dataset (the loader names the valid ones)
+    name: str = "magic"
+    val_fraction: float = key(0.2, "a number in (0, 1)", lambda v: 0 < v < 1)
+    max_rows: int | None = key(None, "an int >= 10", lambda v: v >= 10)
+    # a coarse label per row (data.CATEGORY_SETS), required by specdrop routing; "domains": each
+    # sequence's domain (corpus); "tasks": each example's task (text_tasks)
+    categories: str | None = None
+    seq_len: int = key(64, "an int >= 2", lambda v: v >= 2)
+    per_domain: int = _positive(2000)
+
+
+@dataclass
+class ModelConfig:
+    # "tabular" (one MoE block between input and head), "image" (conv stem, then the same; for data.name
+    # fashion_mnist), "lm" (tiny transformer, MoE FFN per layer; for data.name corpus) or "text" (frozen
+    # MiniLM states, LoRA-expert MoE, a head per task; for data.name text_tasks)
+    kind: str = one_of("tabular", MODEL_KINDS)
+    ffn_hidden_size: int = _positive(32)
+    d_model: int = key(0, "an int >= 0 (0: no input projection)", lambda v: v >= 0)
+    capacity_factor: float | None = key(1.25, "a finite number > 0", lambda v: v > 0)
+    expert_type: str = one_of("swiglu", EXPERT_KINDS)
+    post_norm: bool = False
+    label_mask: bool = False  # mask the logits of classes outside the row's category (SpecDrop's dense control)
+    layers: int = _positive(2)
+    heads: int = _positive(4)
+
+    def block_keys(self) -> dict:
+        """What the one-block models (tabular, image) take: every key but the kind and the LM's own."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("kind", "layers", "heads")}
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = _positive(20)
+    batch_size: int = _positive(256)  # per rank, as DeepSpeed's train_micro_batch_size_per_gpu
+    lr: float = key(1e-3, "a finite number > 0", lambda v: v > 0)
+    max_grad_norm: float | None = key(1.0, "a finite number > 0", lambda v: v > 0)
+    log_every: int = _positive(10)
+    max_steps: int | None = _positive(None)  # when set, the run's length in optimizer steps instead of epochs
+    gar_group_size: int = _positive(32)
+    schedule: str = key("step", "'step' or 'epoch'", lambda v: v in ("step", "epoch"))  # when SpecDrop advances
+    gar: GARConfig | None = None  # GAR's settings {lambda, eps, mode, unit} (null: no GAR)
+    # GAR observation groups of consecutive rows, or of one category (task) each
+    gar_groups: str = one_of("consecutive", ("consecutive", "same_category"))
+    # steps between DCP checkpoints under output.dir/checkpoints (null: none)
+    checkpoint_every: int | None = _positive(None)
+    resume: bool = False  # continue from the newest checkpoint in output.dir (none yet: start afresh)
+    # a step whose loss or gradients are not finite is skipped (no update, router state restored);
+    # the run stops once more than max_skipped_steps have been skipped
+    max_skipped_steps: int = key(10, "an int >= 0", lambda v: v >= 0)
+
+
+@dataclass
+class OutputConfig:
+    # {name}: the config's name, plus any model-changing overrides of this run (+router.top_k=2); ~ expands
+    dir: str = key("runs/{name}", "a non-empty path", lambda v: bool(v.strip()) and "\0" not in v)
+    tensorboard: bool = False  # also write TensorBoard scalars to <dir>/tensorboard (needs tensorboard)
+    # a dir that already holds a run is refused unless train.resume continues it or this is true, which
+    # removes that run's files first (dist-moe's own only: rundir.RUN_FILES and RUN_DIRS)
+    overwrite: bool = False
+
+
+# BRANCH paper setup: E=16 SwiGLU experts, top-4, capacity factor 1.25, Adam lr 1e-3.
+DEFAULT_ROUTER = {"type": "branch", "num_experts": 16, "top_k": 4}
+
+
+@dataclass
+class RunConfig:
+    # the name is a directory under runs/: no separator or '..' may take it elsewhere
+    name: str = key("demo", "a non-empty name without '/', '\\' or '..'",
+                    lambda v: bool(v.strip()) and not any(c in v for c in ("/", "\\", "..", "\0")))
+    seed: int = key(0, "an int in [0, 2**63 - 1]", lambda v: 0 <= v < 2**63)
+    # which MoE layer hosts the router: dist-moe's own ("torch"), DeepSpeed's or Megatron-core's
+    engine: str = one_of("torch", tuple(ENGINES))
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    router: RouterConfig = field(default_factory=lambda: router_config(DEFAULT_ROUTER, GIVEN_LATER))
+    train: TrainConfig = field(default_factory=TrainConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    @classmethod
+    def from_dict(cls, d: dict, warn: bool = True) -> "RunConfig":
+        """The config a (merged) mapping describes, every key checked; missing keys take their defaults.
+        A ValueError names the first bad key (``config key 'train.lr' must be ...``)."""
+        d = _move_router_gar(d, warn)
+        cfg = _section(cls, d, "")
+        _check_across(cfg)
+        return cfg
+
+    def to_dict(self, full: bool = False) -> dict:
+        """The plain mapping (YAML, checkpoints); the router gives the keys that differ from its
+        constructor's defaults unless ``full``."""
+        return _plain(self, full)
+
+
+def _section(cls, d, prefix: str):
+    if not isinstance(d, dict):
+        raise ValueError(f"config key {prefix.rstrip('.')!r} must be a mapping, got {shown(d)}")
+    names = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(d) - set(names), key=str)
+    if unknown:
+        raise ValueError(f"unknown config key {shown(prefix + str(unknown[0]))}; valid keys here: {sorted(names)}")
+    types = hints(cls)
+    values = {}
+    for name, f in names.items():
+        where, hint = prefix + name, types[name]
+        if name not in d:
+            continue  # its default
+        value = d[name]
+        if hint is RouterConfig:
+            values[name] = _router(value)
+        elif GARConfig in (hint, *getattr(hint, "__args__", ())):
+            values[name] = None if value is None else GARConfig.from_dict(value, f"config key {where!r}")
+        elif is_dataclass(hint):
+            values[name] = _section(hint, value, where + ".")
+        else:
+            values[name] = _leaf(where, value, hint, f.metadata.get("rule"))
+    return cls(**values)
+
+
+def _leaf(where: str, value, hint, rule):
+    if value is None and optional(hint):
+        return None
+    if not fits(value, hint) or (rule is not None and not rule[1](value)):
+        want = rule[0] if rule else wanted(hint)
+        raise ValueError(f"config key {where!r} must be {want}{' or null' if optional(hint) else ''}, "
+                         f"got {shown(value)}")
+    return float(value) if float in (hint, *getattr(hint, "__args__", ())) else value
+
+
+def _router(value) -> RouterConfig:
+    if not isinstance(value, (dict, RouterConfig)) or (isinstance(value, dict) and "type" not in value):
+        raise ValueError("config key 'router' must be a mapping with a 'type'")
+    try:  # what can be checked before the data and the layer give the router the rest
+        config = router_config(value, GIVEN_LATER)
+        router_shape(config, GIVEN_LATER)
+    except RouterKeyError as e:
+        raise e.under("router") from None
+    return config
+
+
+def _check_across(cfg: RunConfig) -> None:
+    """The rules that tie keys of different sections together."""
+    try:
+        cfg.output.dir.format(name=cfg.name)
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"config key 'output.dir' may use only {{name}}, got {shown(cfg.output.dir)} ({e})")
+    output_dir(cfg)  # a ~user that does not exist
+    if cfg.train.resume and cfg.output.overwrite:
+        raise ValueError("train.resume=true continues the run in output.dir and output.overwrite=true removes it: "
+                         "set one of them")
+    if cfg.train.gar is not None:
+        GARConfig.for_router(cfg.train.gar.to_dict(), cfg.router.type)
+    _check_engine_dispatch(cfg)
+
+
+def _check_engine_dispatch(cfg: RunConfig) -> None:
+    """Before any process group exists: what only dist-moe's dispatcher does, refused when the config
+    names the engine's own (it would be silently ignored); dist-moe's dispatcher in an engine is dropless."""
+    engine, parallel = cfg.engine, cfg.parallel
+    if engine == "torch":
+        return
+    key_, choice = f"parallel.{engine}_dispatcher", getattr(parallel, f"{engine}_dispatcher")
+    if engine == "megatron" and cfg.model.capacity_factor is not None:  # Megatron's own dispatchers too
+        raise ValueError(f"engine megatron runs dropless: set model.capacity_factor: null "
+                         f"(got {cfg.model.capacity_factor})")
+    if ENGINES[engine].dispatches(parallel):
+        if cfg.model.capacity_factor is not None:
+            raise ValueError(f"engine {engine} through dist-moe's dispatcher ({key_}: {choice}, with parallel.dedup="
+                             f"{parallel.dedup}, parallel.pipeline_chunks={parallel.pipeline_chunks}) "
+                             f"runs dropless: set model.capacity_factor: null (got {cfg.model.capacity_factor})")
+        return
+    if parallel.pipeline_chunks != 1:
+        raise ValueError(f"parallel.pipeline_chunks={parallel.pipeline_chunks} pipelines dist-moe's own "
+                         f"dispatcher ({key_}: dist_moe or auto); {key_}: {choice} exchanges through the engine's own: "
+                         "set it to 1")
+    if parallel.dedup == "node":  # the engines' own dispatchers send one copy per (token, expert)
+        raise ValueError(f"parallel.dedup=node is dist-moe's dispatcher's ({key_}: dist_moe or auto); {key_}: "
+                         f"{choice} sends one copy per (token, expert)")
+
+
+def _move_router_gar(d: dict, warn: bool) -> dict:
+    """GAR's settings moved from ``router.gar`` to ``train.gar``: the old key still works, for one
+    release, with a warning naming the new one (a checkpoint saved before the move resumes silently)."""
+    router = d.get("router") if isinstance(d, dict) else None
+    if not isinstance(router, dict) or "gar" not in router:
+        return d
+    train = d.get("train") or {}
+    if train.get("gar") is not None:
+        raise ValueError("config keys 'router.gar' and 'train.gar' are both set: keep train.gar "
+                         "(router.gar is its deprecated name)")
+    if warn:
+        warnings.warn(GAR_MOVED, FutureWarning, stacklevel=4)
+    router = dict(router)
+    return {**d, "router": router, "train": {**train, "gar": router.pop("gar")}}
+
+
+def _plain(obj, full: bool):
+    if isinstance(obj, RouterConfig):
+        return obj.to_dict(full)
+    if isinstance(obj, GARConfig):
+        return obj.to_dict()
+    if is_dataclass(obj):
+        return {f.name: _plain(getattr(obj, f.name), full) for f in fields(obj)}
+    return obj
+
