@@ -110,7 +110,6 @@ def main() -> None:
     specdrop_table(rows, n, token_bytes, level)
 
 
-
 def specdrop_table(rows, n, token_bytes, level) -> None:
     w, nodes = TOPOLOGY.world_size, TOPOLOGY.num_nodes
     expected = {"none": E - E // w, "rank": w - 1, "node": (nodes - 1) + (TOPOLOGY.ranks_per_node - 1) * nodes}

@@ -36,7 +36,6 @@ from tests.dist_utils import run_workers  # noqa: E402
 
 
 def worker(rank, world, args, out_path):
-
     torch.set_num_threads(1)
     H = args.hidden
 

@@ -152,7 +152,6 @@ def _plot(out: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
-    # matplotlib: optional and slow to import, only when a figure is drawn
     import matplotlib.pyplot as plt
 
     rows = out["rows"]

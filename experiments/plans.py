@@ -102,29 +102,34 @@ def specdrop(seeds=range(3), lm_steps: int = 150) -> Plan:
     return plan
 
 
-GAR_ARMS = {  # arm: (gar lambda, switch aux-loss coefficient)
-    "task_only": (0.0, 0.0),
-    "switch_aux": (0.0, 0.01),
-    "gar_1e-4": (1e-4, 0.0),
-    "gar_1e-3": (1e-3, 0.0),
-    "gar_1e-2": (1e-2, 0.0),
+GAR_ARMS = {  # arm: (gar lambda, switch aux-loss coefficient, gar share)
+    "task_only": (0.0, 0.0, None),
+    "switch_aux": (0.0, 0.01, None),
+    "gar_1e-4": (1e-4, 0.0, None),
+    "gar_1e-3": (1e-3, 0.0, None),
+    "gar_1e-2": (1e-2, 0.0, None),
     # beyond the issue's grid: here GAR's gradient is <= 1.5% of the router's at lambda 1e-2 (measured),
     # so larger coefficients show whether the objective does anything at a comparable share
-    "gar_1e-1": (1e-1, 0.0),
-    "gar_1": (1.0, 0.0),
+    "gar_1e-1": (1e-1, 0.0, None),
+    "gar_1": (1.0, 0.0, None),
+    # lambda set every step so that GAR's router gradient is this share of the task loss's (train.gar.share)
+    "gar_share_0.1": (None, 0.0, 0.1),
+    "gar_share_0.3": (None, 0.0, 0.3),
+    "gar_share_1": (None, 0.0, 1.0),
 }
 
 
-def gar(seeds=range(3)) -> Plan:
+def gar(seeds=range(10)) -> Plan:
     """GAR against task-loss-only routing and the Switch aux loss on the five-task text mixture
     (frozen MiniLM, LoRA experts, E8K4, same-task groups of 8). One process: same-task groups
     are formed over the whole batch (the trainer allows them only without expert parallelism)."""
     plan = Plan("gar", "single", after="after_gar_diagnostics")
-    for arm, (lam, aux) in GAR_ARMS.items():
+    for arm, (lam, aux, share) in GAR_ARMS.items():
+        coefficient = [f"train.gar.lambda={lam}"] if share is None else ["train.gar.lambda=null",
+                                                                           f"train.gar.share={share}"]
         for seed in seeds:
-            plan.add(f"text-{arm}-s{seed}", {"arm": arm, "lambda": lam, "aux": aux, "seed": seed},
-                     [f"seed={seed}", f"train.gar.lambda={lam}", f"router.aux_loss_coeff={aux}"],
-                     "configs/text_gar.yaml")
+            plan.add(f"text-{arm}-s{seed}", {"arm": arm, "lambda": lam, "aux": aux, "share": share, "seed": seed},
+                     [f"seed={seed}", *coefficient, f"router.aux_loss_coeff={aux}"], "configs/text_gar.yaml")
     return plan
 
 

@@ -33,7 +33,6 @@ def done_ids(results: Path) -> set:
     return {json.loads(line)["id"] for line in results.read_text().splitlines() if line.strip()}
 
 
-
 def launch(plan: plans.Plan, pending: list, results: Path) -> None:
     body = {"results": str(results), "after": plan.after, "post": plan.post, "before": plan.before,
             "runs": pending}

@@ -149,7 +149,6 @@ def _plot(summary, path, arms, what: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
-    # matplotlib: optional and slow to import, only when a figure is drawn
     import matplotlib.pyplot as plt
 
     datasets = list(dict.fromkeys(s[0] for s in summary))

@@ -70,7 +70,6 @@ def _plot(plot, path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
-    # matplotlib: optional and slow to import, only when a figure is drawn
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(plot), figsize=(4.5 * len(plot), 3.8), squeeze=False)

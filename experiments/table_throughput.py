@@ -46,7 +46,6 @@ def plot_throughput(points, path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
-    # matplotlib: optional and slow to import, only when a figure is drawn
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(10, 3.8))

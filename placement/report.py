@@ -256,7 +256,6 @@ def _plots(run_dir: Path, report: dict, topology: Topology) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
-    # matplotlib: optional and slow to import, only when a figure is drawn
     import matplotlib.pyplot as plt
 
     heat = report["heatmap"]

@@ -235,3 +235,30 @@ def test_example_mean_then_group_mean_with_padding():
     # a fully padded example is left out instead of counting as zeros
     all_pad = torch.tensor([[True, True, True], [False, False, False]])
     assert torch.allclose(example_mean(summary, ((2, 3), all_pad)), q1)
+
+
+def test_a_share_sets_lambda_so_gar_is_that_fraction_of_the_router_gradient():
+    """train.gar.share s: lambda is set so that ||lambda grad_router L_norm|| = s ||grad_router L_task||,
+    measured on the same step's gradients; what is added is lambda times L_norm's own gradient, on the
+    router parameters alone."""
+    torch.manual_seed(0)
+    model = TwoLayerMoE(ROUTERS["switch"])
+    groups, weights = make_groups()
+    names = [n for n, _ in model.named_parameters()]
+    routers = router_param_names(model)
+    seen, lams = {}, {}
+    for key, kw in (("task", {"lam": 0.0}), ("unit", {"lam": 1.0}), (0.1, {"share": 0.1}), (1.0, {"share": 1.0})):
+        m = copy.deepcopy(model)
+        opt = RecordGrads(m.parameters())
+        out = gar_train_step(m, groups, loss_fn, opt, weights, max_grad_norm=None, **{"lam": 0.0, **kw})
+        seen[key], lams[key] = dict(zip(names, opt.seen)), out["lambda"]
+    flat = lambda key: torch.cat([seen[key][n].flatten() for n in names if n in routers])  # noqa: E731
+    task, norm_grad = flat("task"), flat("unit") - flat("task")  # grad L_norm itself (lambda 1)
+    for share in (0.1, 1.0):
+        added = flat(share) - task
+        assert abs(float(added.norm() / task.norm()) - share) < 1e-4, share  # the measured share is s
+        assert torch.allclose(added, lams[share] * norm_grad, atol=1e-6, rtol=1e-4)  # lambda grad L_norm
+        for n in names:
+            if n not in routers:
+                assert torch.equal(seen[share][n], seen["task"][n]), n
+    assert lams[1.0] == pytest.approx(10 * lams[0.1], rel=1e-6) and lams[0.1] > 0

@@ -1,11 +1,12 @@
 """GAR under expert parallelism: 2 and 4 ranks equal one process running the union of the groups,
-for every observation unit and both the materialized and the Gram form, pipelined or not."""
+for every observation unit and both the materialized and the Gram form, pipelined or not, and with
+lambda set by a gradient share."""
 import pytest
 
 from tests.dist_utils import run_cases
 
 
-def _gar_worker(rank, world, router_type, mode="materialized", unit="group", chunks=1):
+def _gar_worker(rank, world, router_type, mode="materialized", unit="group", chunks=1, share=None):
     import copy
 
     import torch
@@ -63,9 +64,11 @@ def _gar_worker(rank, world, router_type, mode="materialized", unit="group", chu
     for clip in (None, 0.05):
         r_model, e_model = copy.deepcopy(ref), expert_parallel_copy()
         r_opt, e_opt = Record(r_model.parameters()), Record(e_model.parameters())
-        kw = {"lam": 50.0, "max_grad_norm": clip, "mode": mode, "unit": unit}
+        kw = {"lam": 50.0, "max_grad_norm": clip, "mode": mode, "unit": unit, "share": share}
         out_r = gar_train_step(r_model, union, loss_fn, r_opt, weights, **kw)
         out_e = gar_train_step(e_model, local, loss_fn, e_opt, weights, sizes=sizes, **kw)
+        # a share: the lambda the summed gradients set, the same on every rank as in one process
+        assert abs(out_r["lambda"] - out_e["lambda"]) < 1e-5 * out_r["lambda"]
         assert abs(out_r["gar_loss"] - out_e["gar_loss"]) < 1e-5 * (1 + abs(out_r["gar_loss"]))
         assert abs(out_r["task_loss"] - out_e["task_loss"]) < 1e-5
         if clip is not None:
@@ -88,7 +91,8 @@ CASES = {
         ("deepseek_v3", "materialized", "group", 1), ("skywork", "materialized", "group", 1),
         ("switch", "gram", "group", 1), ("branch", "materialized", "example", 1),
         ("branch", "gram", "token", 3),  # pipelined: factors and their row tags captured chunk by chunk
-        ("deepseek_v3", "materialized", "token", 1)],
+        ("deepseek_v3", "materialized", "token", 1),
+        ("switch", "materialized", "group", 1, 0.3)],  # lambda from train.gar.share
     4: [("branch", "materialized", "group", 1), ("switch", "gram", "example", 2)],
 }
 

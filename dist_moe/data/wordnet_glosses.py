@@ -68,7 +68,6 @@ def load_wordnet_glosses(per_class: int = PER_CLASS, seed: int = 0) -> tuple[np.
 
 
 def _embed(texts: list[str], batch: int = 64, max_len: int = 48) -> np.ndarray:
-
     model, tok = load_minilm()
     out = []
     with torch.no_grad():

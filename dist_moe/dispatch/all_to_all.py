@@ -177,7 +177,6 @@ class Hop:
         return start_a2a(rows, self.recv_c, self.send_c, strong(self._group, "an exchange's way back"))
 
 
-
 def _counts(chunk: Chunk, expert_slot: Tensor, num_local: int) -> Tensor:
     """[W, 2 + num_local]: copies, pairs and pairs per destination expert slot, per destination."""
     stage = chunk.stage

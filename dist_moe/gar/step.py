@@ -11,7 +11,10 @@ default; examples or tokens as options, see ``dist_moe.gar.observe``):
   L_norm   = - sum_k ||sum_m p_mk g_m||^2 / (sum_m p_mk + eps)
 
 Router parameters get grad(L_task + lambda L_norm); all other parameters get
-grad(L_task); then one global-norm clip and one optimizer step.
+grad(L_task); then one global-norm clip and one optimizer step. With a ``share`` s
+instead of a fixed lambda (an extension: ``train.gar.share``), lambda is set on every
+step so that ||lambda grad_router L_norm|| = s ||grad_router L_task||, both measured on
+this step's gradients (summed over the ranks under expert parallelism).
 
 Under expert parallelism (MoE layers with a process group) the observations of
 all replicas enter one criterion: the m-th group of every rank is one group unit,
@@ -29,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from dist_moe.dispatch.grads import clip_global, group_size, sum_replicated_grads
+from dist_moe.dispatch.stats import all_reduce_sum_
 from dist_moe.gar.observe import Observations, collect_observations
 from dist_moe.routing.gar import gar_loss, gar_loss_gram
 
@@ -66,6 +70,7 @@ def gar_train_step(
     sizes: Sequence[int] | None = None,
     unit: str = "group",
     finish: Callable[[list, set, Any], None] | None = None,
+    share: float | None = None,
 ) -> dict:
     """One GAR update (Algorithm 1).
 
@@ -77,27 +82,57 @@ def gar_train_step(
     every parameter on every rank. ``unit`` picks the observation unit ("group",
     "example", "token"); ``mode`` the materialized or the Gram form. ``finish(params,
     rank_local_ids, group)``, when given, replaces the gradient sum, clip and
-    ``optimizer.step()`` (an engine that owns them, e.g. DeepSpeed).
+    ``optimizer.step()`` (an engine that owns them, e.g. DeepSpeed). ``share`` replaces
+    ``lam`` by the lambda that gives GAR that share of the router's gradient (``share_lambda``).
     """
     optimizer.zero_grad(set_to_none=True)
     obs = collect_observations(model, groups, loss_fn, weights, mode, sizes, unit)
     aux = gar_objective(obs, eps)
-    if lam and aux.requires_grad:
+    world = group_size(obs.group)
+    if share is not None:
+        lam = share_lambda(aux, obs, share) if aux.requires_grad else 0.0
+    elif lam and aux.requires_grad:
         # every rank holds the same L_norm: each contributes 1/W so the summed gradient is one L_norm's
-        world = group_size(obs.group)
         (lam * aux / world).backward()  # router parameters only: inputs and observations are detached
     params = [p for p in model.parameters() if p.requires_grad]
     local = rank_local_param_ids(obs.layers)
     if finish is not None:
         finish(params, local, obs.group)
-        return {"task_loss": obs.task_loss, "gar_loss": float(aux.detach()), "grad_norm": None}
+        return {"task_loss": obs.task_loss, "gar_loss": float(aux.detach()), "grad_norm": None, "lambda": lam}
     if obs.group is not None:
         sum_replicated_grads(params, local, obs.group)
     grad_norm = None
     if max_grad_norm is not None:
         grad_norm = clip_global(params, local, obs.group, max_grad_norm)
     optimizer.step()
-    return {"task_loss": obs.task_loss, "gar_loss": float(aux.detach()), "grad_norm": grad_norm}
+    return {"task_loss": obs.task_loss, "gar_loss": float(aux.detach()), "grad_norm": grad_norm, "lambda": lam}
+
+
+def router_parameters(obs: Observations) -> list[Tensor]:
+    return [p for site in obs.layers for p in site.router.parameters() if p.requires_grad]
+
+
+def share_lambda(aux: Tensor, obs: Observations, share: float) -> float:
+    """Add lambda grad L_norm to the router parameters' gradients, with lambda such that its norm is
+    ``share`` times the task gradient's already accumulated there; returns lambda (0 when L_norm has no
+    gradient). Under expert parallelism both norms are of the gradients summed over the ranks (each
+    rank holds a share of the task gradient and the same L_norm), so every rank finds the same lambda."""
+    params = router_parameters(obs)
+    grads = torch.autograd.grad(aux, params, allow_unused=True)
+
+    def flat(gs) -> Tensor:
+        return torch.cat([(g if g is not None else torch.zeros_like(p)).flatten() for g, p in zip(gs, params)])
+
+    world = group_size(obs.group)
+    both = torch.stack([flat([p.grad for p in params]), flat(grads) / world]).double()
+    if obs.group is not None:
+        all_reduce_sum_(both, obs.group)
+    task_norm, gar_norm = both.norm(dim=1).tolist()
+    lam = share * task_norm / gar_norm if gar_norm > 0 else 0.0
+    for p, g in zip(params, grads):
+        if g is not None:  # each rank adds 1/W of it: summed over the ranks, one lambda grad L_norm
+            p.grad = g * (lam / world) if p.grad is None else p.grad + g * (lam / world)
+    return lam
 
 
 def rank_local_param_ids(sites) -> set[int]:

@@ -29,8 +29,11 @@ class GARConfig:
     eps: float = 1e-8
     mode: str = "materialized"  # or "gram" (appendix G.2, no [M, d] observation matrix)
     unit: str = "group"  # observation unit: "group", "example" or "token"
+    # instead of lambda: lambda set every step so that GAR's gradient on the router parameters is this
+    # fraction of the task loss's (an extension, not the paper's: its lambdas gave GAR <= 1.5% here)
+    share: float | None = None
 
-    _KEYS = {"lambda": "lam", "eps": "eps", "mode": "mode", "unit": "unit"}
+    _KEYS = {"lambda": "lam", "eps": "eps", "mode": "mode", "unit": "unit", "share": "share"}
 
     def __post_init__(self):
         types = hints(GARConfig)
@@ -41,6 +44,9 @@ class GARConfig:
         for key, value in (("lambda", self.lam), ("eps", self.eps)):
             if not value >= 0:
                 raise ValueError(f"gar key {key!r} must be a finite number >= 0, got {shown(value)}")
+        if self.share is not None and not self.share > 0:
+            raise ValueError(f"gar key 'share' must be a finite number > 0 (GAR's gradient over the task's on the "
+                             f"router), got {shown(self.share)}")
         for key, value, allowed in (("mode", self.mode, MODES), ("unit", self.unit, UNITS)):
             if value not in allowed:
                 raise ValueError(f"gar key {key!r} must be one of {list(allowed)}, got {value!r}")
@@ -52,7 +58,11 @@ class GARConfig:
         unknown = sorted(set(d) - set(cls._KEYS))
         if unknown:
             raise ValueError(f"unknown gar key {unknown[0]!r}; valid keys: {sorted(cls._KEYS)}")
-        return cls(**{cls._KEYS[k]: v for k, v in d.items()})
+        if d.get("share") is not None and d.get("lambda") is not None:
+            raise ValueError(f"{where}: set one of 'lambda' (fixed) and 'share' (lambda set by the gradient share), "
+                             f"got lambda={d['lambda']!r} and share={d['share']!r}")
+        # lambda: null beside a share (an override over a config's fixed lambda) leaves the share in charge
+        return cls(**{cls._KEYS[k]: v for k, v in d.items() if not (k == "lambda" and v is None)})
 
     @classmethod
     def for_router(cls, d: dict, router_type: str, where: str = "config key 'train.gar'") -> "GARConfig":
@@ -62,7 +72,9 @@ class GARConfig:
         return cls.from_dict(d, where)
 
     def to_dict(self) -> dict:
-        return {key: getattr(self, name) for key, name in self._KEYS.items()}
+        """The config's mapping: ``lambda`` or ``share``, whichever sets the coefficient."""
+        drop = "lambda" if self.share is not None else "share"
+        return {key: getattr(self, name) for key, name in self._KEYS.items() if key != drop}
 
 
 def gar_loss(P: Tensor, G: Tensor, eps: float = 1e-8) -> Tensor:

@@ -81,5 +81,8 @@ class GARStep:
         sizes = [len(grp[0]) for grp in groups] if rt.world > 1 else None
         # DeepSpeed owns reduction, clip and step: GAR hands it the accumulated gradients
         out = gar_train_step(model, groups, loss_fn, step_fn.opt, weights, gar.lam, gar.eps, tcfg.max_grad_norm,
-                             gar.mode, sizes=sizes, unit=gar.unit, finish=step_fn.finish_external)
-        return {"loss": out["task_loss"], "gar_loss": out["gar_loss"]}
+                             gar.mode, sizes=sizes, unit=gar.unit, finish=step_fn.finish_external, share=gar.share)
+        record = {"loss": out["task_loss"], "gar_loss": out["gar_loss"]}
+        if gar.share is not None:  # the lambda this step's gradients set (train.gar.share)
+            record["gar_lambda"] = out["lambda"]
+        return record
