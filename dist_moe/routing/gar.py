@@ -64,11 +64,16 @@ class GARConfig:
         # lambda: null beside a share (an override over a config's fixed lambda) leaves the share in charge
         return cls(**{cls._KEYS[k]: v for k, v in d.items() if not (k == "lambda" and v is None)})
 
-    @classmethod
-    def for_router(cls, d: dict, router_type: str, where: str = "config key 'train.gar'") -> "GARConfig":
-        """``from_dict``, refusing a router whose probabilities do not depend on its parameters."""
+    @staticmethod
+    def check_router(router_type: str, where: str = "config key 'train.gar'") -> None:
+        """Refuse a router whose probabilities do not depend on its parameters."""
         if router_type not in DIFFERENTIABLE:
             raise ValueError(f"{where} needs a differentiable router {sorted(DIFFERENTIABLE)}, not {router_type!r}")
+
+    @classmethod
+    def for_router(cls, d: dict, router_type: str, where: str = "config key 'train.gar'") -> "GARConfig":
+        """``from_dict`` for ``router_type``'s GAR (``check_router``)."""
+        cls.check_router(router_type, where)
         return cls.from_dict(d, where)
 
     def to_dict(self) -> dict:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field, fields, is_dataclass
 
-from dist_moe.config_types import fits, hints, optional, wanted
+from dist_moe.config_types import fits, hints, kinds, optional, wanted
 from dist_moe.dispatch.process_group import DEVICES
 from dist_moe.errors import shown
 from dist_moe.experts import KINDS as EXPERT_KINDS
@@ -184,7 +184,7 @@ def _section(cls, d, prefix: str):
         value = d[name]
         if hint is RouterConfig:
             values[name] = _router(value)
-        elif GARConfig in (hint, *getattr(hint, "__args__", ())):
+        elif GARConfig in kinds(hint):
             values[name] = None if value is None else GARConfig.from_dict(value, f"config key {where!r}")
         elif is_dataclass(hint):
             values[name] = _section(hint, value, where + ".")
@@ -200,7 +200,7 @@ def _leaf(where: str, value, hint, rule):
         want = rule[0] if rule else wanted(hint)
         raise ValueError(f"config key {where!r} must be {want}{' or null' if optional(hint) else ''}, "
                          f"got {shown(value)}")
-    return float(value) if float in (hint, *getattr(hint, "__args__", ())) else value
+    return float(value) if float in kinds(hint) else value
 
 
 def _router(value) -> RouterConfig:
@@ -225,7 +225,7 @@ def _check_across(cfg: RunConfig) -> None:
         raise ValueError("train.resume=true continues the run in output.dir and output.overwrite=true removes it: "
                          "set one of them")
     if cfg.train.gar is not None:
-        GARConfig.for_router(cfg.train.gar.to_dict(), cfg.router.type)
+        GARConfig.check_router(cfg.router.type)
     _check_engine_dispatch(cfg)
 
 
