@@ -1,4 +1,5 @@
-"""GAR step time over its baseline on the same model, 2 gloo ranks, measured side by side.
+"""GAR step time over its baseline on the same model, in one process and over 2 gloo ranks, measured
+side by side.
 
 Both arms run the paper's task-batch construction: 5 tasks x 4 same-task groups
 per update (20 observations, as in the paper's 1.04x measurement), one forward
@@ -8,7 +9,8 @@ observations (per-group expert gradients, all-reduced over the EP group), the
 router recomputation from detached inputs and the auxiliary backward. The two
 arms alternate step by step, so drift on the machine hits both alike.
 
-    .venv/bin/python benchmarks/gar_overhead.py [--steps 12] [--hidden 256] [--ffn 1024] [--experts lora]
+    .venv/bin/python benchmarks/gar_overhead.py [--steps 12] [--ranks 1,2] [--hidden 256] [--ffn 1024]
+                                                [--experts lora]
 
 Under expert parallelism the observations cost one all-reduce of [groups, d]
 floats per layer (d: one expert's trainable parameters): large for full FFN
@@ -88,6 +90,7 @@ def worker(rank, world, args, out_path):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--ranks", default="1,2", help="comma-separated rank counts, measured one after the other")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--ffn", type=int, default=1024)
     ap.add_argument("--group-size", type=int, default=8, help="examples per group (the paper's micro-batch: 8)")
@@ -95,17 +98,24 @@ def main() -> None:
     ap.add_argument("--experts", choices=("swiglu", "lora"), default="swiglu",
                     help="lora: rank-8 adapters over a frozen base, the paper's LoRA-FFN setting")
     args = ap.parse_args()
-    out = Path("/tmp") / f"gar_overhead_{torch.randint(0, 10**9, (1,)).item()}.pt"
-    run_workers(worker, 2, args=(args, str(out)), timeout=900)
-    times = torch.load(out, weights_only=True)
-    out.unlink()
-    base, gar = statistics.median(times["baseline"]), statistics.median(times["gar"])
-    print(f"2 ranks (gloo), switch E=8 top-2, {args.experts} experts, hidden {args.hidden}, ffn {args.ffn}, "
-          f"5 tasks x 4 groups of {args.group_size} examples x {args.seq_len} tokens per rank per update, "
-          f"{args.steps} steps per arm (median):")
-    print(f"  baseline (grouped accumulation, clip, step): {1e3 * base:8.1f} ms")
-    print(f"  GAR (lambda 1e-3, materialized):              {1e3 * gar:8.1f} ms")
-    print(f"  GAR / baseline = {gar / base:.3f}x   (paper: 1.04x on its five-task DeBERTa mixture)")
+    try:
+        worlds = [int(r) for r in args.ranks.split(",")]
+    except ValueError:
+        worlds = []
+    if not worlds or any(w < 1 for w in worlds):
+        ap.error(f"--ranks must be rank counts >= 1 separated by commas, got {args.ranks!r}")
+    print(f"switch E=8 top-2, {args.experts} experts, hidden {args.hidden}, ffn {args.ffn}, 5 tasks x 4 groups "
+          f"of {args.group_size} examples x {args.seq_len} tokens per rank per update, {args.steps} steps per arm "
+          "(median), gloo:")
+    print("  ranks   baseline ms   GAR ms   GAR / baseline")
+    for world in worlds:
+        out = Path("/tmp") / f"gar_overhead_{torch.randint(0, 10**9, (1,)).item()}.pt"
+        run_workers(worker, world, args=(args, str(out)), timeout=900)
+        times = torch.load(out, weights_only=True)
+        out.unlink()
+        base, gar = statistics.median(times["baseline"]), statistics.median(times["gar"])
+        print(f"  {world:5d}   {1e3 * base:11.1f}   {1e3 * gar:6.1f}   {gar / base:.3f}x", flush=True)
+    print("  (GAR: lambda 1e-3, materialized; the paper: 1.04x on its five-task DeBERTa mixture)")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def post_routing_bytes(summary: dict, cfg) -> dict:
 
 
 def after_gar_diagnostics(model, data, rt, group_size: int = 8, batches_per_task: int = 8) -> dict:
-    """The GAR paper's appendix E diagnostics on the validation split (one process).
+    """The GAR paper's appendix E diagnostics on the validation split.
 
     Load vector: per-example mean over valid tokens of the post-top-k gates, summed over
     examples (FFN routing). NMI from the task x expert contingency of token selections
@@ -47,18 +47,23 @@ def after_gar_diagnostics(model, data, rt, group_size: int = 8, batches_per_task
     Gradient-mass purity from per-task expert-gradient observations: up to
     ``batches_per_task`` same-task micro-batches of ``group_size`` validation examples,
     each micro-batch's mean-loss gradient, averaged within the task.
+    Under expert parallelism rank 0 feeds every batch and the other ranks an empty part (they
+    serve their experts and join the exchanges); sums and each rank's experts' gradients are
+    reduced over the ranks, so every number is the one a single process computes.
     """
-
-    if rt.world != 1:
-        raise ValueError("the GAR diagnostics run in one process")
     moe, num_tasks = model.moe, len(data.task_classes)
     e = moe.num_experts
     x, y, t = data.x_val, data.y_val, data.val_categories()
+
+    def fed(rows):  # rank 0's rows; the others run the same forwards on none
+        return rows if rt.rank == 0 else rows[:0]
+
     load = torch.zeros(e, dtype=torch.float64)
     table = torch.zeros(num_tasks, e, dtype=torch.float64)
     model.eval()
     with torch.no_grad():
         for rows in torch.split(torch.arange(len(x)), 256):
+            rows = fed(rows)
             model(x[rows], t[rows])
             routing, ((b, s), padding) = moe.last_routing, moe.last_token_layout
             valid = ~padding.reshape(-1)
@@ -67,30 +72,39 @@ def after_gar_diagnostics(model, data, rt, group_size: int = 8, batches_per_task
             chosen = torch.where(routing.gates > 0, routing.expert_idx, -1)  # a zero-gated slot selects nothing
             table += contingency(t[rows].repeat_interleave(s)[valid], chosen[valid], num_tasks, e)
     template = moe.experts.template()
+    local = torch.as_tensor(moe.local_expert_ids)
     grads = torch.zeros(num_tasks, e, sum(p[0].numel() for p in template.values()), dtype=torch.float64)
     for task in range(num_tasks):
         rows = (t == task).nonzero().squeeze(1)[: group_size * batches_per_task]
         chunks = torch.split(rows, group_size)
         for chunk in chunks:
+            chunk = fed(chunk)
             model.zero_grad(set_to_none=True)
             logits, _ = model(x[chunk], t[chunk])
-            loss_of(logits, y[chunk]).backward()
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(e, -1).double()
+            (loss_of(logits, y[chunk]) if len(chunk) else logits.sum() * 0.0).backward()
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(len(local), -1).double()
                               for p in template.values()], dim=1)
-            grads[task] += flat / len(chunks)
+            grads[task, local] += flat / len(chunks)
     model.zero_grad(set_to_none=True)
     model.train()
+    load, table, grads = rt.sum(load), rt.sum(table), rt.sum(grads)
     return {"lvar": lvar(load), "utilization": utilization(load), "gradient_purity": gradient_mass_purity(grads),
-            "nmi": nmi(table), "val_macro_acc": _macro_accuracy(model, x, y, t, num_tasks)}
+            "nmi": nmi(table), "val_macro_acc": _macro_accuracy(model, x, y, t, num_tasks, rt, fed)}
 
 
-def _macro_accuracy(model, x, y, t, num_tasks: int) -> float:
+def _macro_accuracy(model, x, y, t, num_tasks: int, rt, fed) -> float:
     """Equal-task macro validation accuracy (tasks weigh the same whatever their size)."""
+    right = torch.zeros(2, num_tasks, dtype=torch.float64)  # correct, rows
     model.eval()
     with torch.no_grad():
-        pred = torch.cat([model(x[r], t[r])[0].argmax(-1) for r in torch.split(torch.arange(len(x)), 256)])
+        for rows in torch.split(torch.arange(len(x)), 256):
+            rows = fed(rows)
+            pred = model(x[rows], t[rows])[0].argmax(-1)
+            right[0].index_add_(0, t[rows], (pred == y[rows]).double())
+            right[1].index_add_(0, t[rows], torch.ones(len(rows), dtype=torch.float64))
     model.train()
-    accs = [float((pred[t == k] == y[t == k]).double().mean()) for k in range(num_tasks) if (t == k).any()]
+    right = rt.sum(right)
+    accs = [float(right[0, k] / right[1, k]) for k in range(num_tasks) if right[1, k] > 0]
     return sum(accs) / len(accs)
 
 

@@ -34,15 +34,18 @@ ROUTER_ARMS = {  # arm: router overrides
 @dataclass
 class Plan:
     name: str
-    launch: str  # "ranks4": torchrun, 4 ranks as 2 nodes x 2; "single": one process; "emulated": emulate_cluster
+    # "ranks": torchrun on loopback, each run's ``ranks`` (4: as 2 nodes x 2); "single": one process;
+    # "emulated": emulate_cluster
+    launch: str
     runs: list = field(default_factory=list)
     after: str | None = None
     post: str | None = None
     before: str | None = None  # run once per launch on every rank, before the runs (e.g. link calibration)
     rate: str = "400mbit"  # the emulated inter-node link
 
-    def add(self, run_id: str, labels: dict, overrides: list[str], config: str | None = None) -> None:
-        self.runs.append({"id": run_id, "labels": labels, "config": config,
+    def add(self, run_id: str, labels: dict, overrides: list[str], config: str | None = None,
+            ranks: int = 4) -> None:
+        self.runs.append({"id": run_id, "labels": labels, "config": config, "ranks": ranks,
                           # a run not in the results is trained afresh: a killed attempt's files go first
                           "overrides": [f"name={run_id}", f"output.dir=experiments/runs/{self.name}/{run_id}",
                                         "output.overwrite=true", *overrides]})
@@ -56,7 +59,7 @@ def run_placement(arm: str) -> str:
 def routers(seeds=range(5), steps: int = 240) -> Plan:
     """BRANCH-MoE (linear, MLP h=4, h=8 node maps; unlimited and subtree-limited) against the flat
     routers (unlimited, and DeepSeek-V3 node-limited); E=16, top-4, cf 1.25."""
-    plan = Plan("routers", "ranks4", post="post_routing_bytes")
+    plan = Plan("routers", "ranks", post="post_routing_bytes")
     for data in DATASETS:
         for arm, router in ROUTER_ARMS.items():
             placement = run_placement(arm)
@@ -86,7 +89,7 @@ SPECDROP_SETS = {  # aligned partitions: every example carries one clean categor
 def specdrop(seeds=range(3), lm_steps: int = 150) -> Plan:
     """SpecDrop against No-Routing, HardCategory and dense + logit masking on aligned partitions
     (Fashion-MNIST superclasses, WordNet parts of speech), and on the multi-domain LM (fuzzy)."""
-    plan = Plan("specdrop", "ranks4", after="after_masking")
+    plan = Plan("specdrop", "ranks", after="after_masking")
     for data, (config, base) in SPECDROP_SETS.items():
         for arm, overrides in SPECDROP_ARMS.items():
             for seed in seeds:
@@ -119,17 +122,48 @@ GAR_ARMS = {  # arm: (gar lambda, switch aux-loss coefficient, gar share)
 }
 
 
-def gar(seeds=range(10)) -> Plan:
+# the arms whose accuracy question gets 10 more seeds: task-only, the two shares and the fixed
+# lambda that moved purity
+GAR_MORE_SEEDS = ("task_only", "gar_1", "gar_share_0.3", "gar_share_1")
+
+
+def gar(seeds=range(10), more_seeds=range(10, 20)) -> Plan:
     """GAR against task-loss-only routing and the Switch aux loss on the five-task text mixture
-    (frozen MiniLM, LoRA experts, E8K4, same-task groups of 8). One process: same-task groups
-    are formed over the whole batch (the trainer allows them only without expert parallelism)."""
+    (frozen MiniLM, LoRA experts, E8K4, same-task groups of 8), one process (``gar_ep``: the
+    same arms over 2 and 4 ranks); the ``GAR_MORE_SEEDS`` arms also run ``more_seeds``."""
     plan = Plan("gar", "single", after="after_gar_diagnostics")
     for arm, (lam, aux, share) in GAR_ARMS.items():
-        coefficient = [f"train.gar.lambda={lam}"] if share is None else ["train.gar.lambda=null",
-                                                                           f"train.gar.share={share}"]
-        for seed in seeds:
+        for seed in [*seeds, *(more_seeds if arm in GAR_MORE_SEEDS else ())]:
             plan.add(f"text-{arm}-s{seed}", {"arm": arm, "lambda": lam, "aux": aux, "share": share, "seed": seed},
-                     [f"seed={seed}", *coefficient, f"router.aux_loss_coeff={aux}"], "configs/text_gar.yaml")
+                     _gar_overrides(arm, seed), "configs/text_gar.yaml")
+    return plan
+
+
+def _gar_overrides(arm: str, seed: int) -> list[str]:
+    lam, aux, share = GAR_ARMS[arm]
+    coefficient = [f"train.gar.lambda={lam}"] if share is None else ["train.gar.lambda=null",
+                                                                       f"train.gar.share={share}"]
+    return [f"seed={seed}", *coefficient, f"router.aux_loss_coeff={aux}"]
+
+
+# the arms the expert-parallel GAR runs repeat: the baselines, every share, the best fixed lambda
+GAR_EP_ARMS = ("task_only", "switch_aux", "gar_1", "gar_share_0.1", "gar_share_0.3", "gar_share_1")
+
+
+def gar_ep(seeds=range(10), seeds_at_4: int = 5) -> Plan:
+    """``gar``'s arms with the experts over 2 and 4 ranks (GAR's sharded path): the same global
+    batch of 48 (24 or 12 rows per rank), same-task groups formed over every rank's rows, the
+    diagnostics reduced over the ranks; compared seed by seed with the one-process runs. 4 ranks
+    (twice as slow on 2 cores) run the first ``seeds_at_4`` seeds."""
+    plan = Plan("gar_ep", "ranks", after="after_gar_diagnostics")
+    for ranks, ranks_seeds in ((2, list(seeds)), (4, list(seeds)[:seeds_at_4])):
+        for arm in GAR_EP_ARMS:
+            lam, aux, share = GAR_ARMS[arm]
+            for seed in ranks_seeds:
+                plan.add(f"text-ep{ranks}-{arm}-s{seed}",
+                         {"arm": arm, "lambda": lam, "aux": aux, "share": share, "seed": seed, "ranks": ranks},
+                         [*_gar_overrides(arm, seed), f"train.batch_size={48 // ranks}"], "configs/text_gar.yaml",
+                         ranks=ranks)
     return plan
 
 
@@ -203,7 +237,7 @@ LM_ROUTER_ARMS = ("branch_linear", "branch_linear_limit1", "branch_linear_limit1
 def lm_routers(seeds=range(3), steps: int = 200) -> Plan:
     """The routers comparison on the tiny MoE LM (configs/lm_branch.yaml: E=8 top-2 in both layers,
     no capacity limit), validation nats per byte; 4 ranks as 2 x 2, node dedup."""
-    plan = Plan("lm_routers", "ranks4", post="post_routing_bytes")
+    plan = Plan("lm_routers", "ranks", post="post_routing_bytes")
     for arm in LM_ROUTER_ARMS:
         for seed in seeds:
             plan.add(f"lm-{arm}-s{seed}", {"dataset": "lm_domains", "arm": arm, "seed": seed},
@@ -213,5 +247,5 @@ def lm_routers(seeds=range(3), steps: int = 200) -> Plan:
     return plan
 
 
-PLANS = {"routers": routers, "specdrop": specdrop, "gar": gar, "throughput": throughput,
+PLANS = {"routers": routers, "specdrop": specdrop, "gar": gar, "gar_ep": gar_ep, "throughput": throughput,
          "throughput_link": throughput_link, "lm_routers": lm_routers}

@@ -1,7 +1,7 @@
 """Run an experiment's grid (skipping finished runs), then write its tables and plot.
 
-    .venv/bin/python -m experiments.run routers|lm_routers|specdrop|gar|throughput [--seeds 0,1,2] [--tables-only]
-                                        [--results FILE] [--out DIR]
+    .venv/bin/python -m experiments.run routers|lm_routers|specdrop|gar|gar_ep|throughput
+                                        [--seeds 0,1,2] [--tables-only] [--results FILE] [--out DIR]
 
 Rows accumulate in experiments/results/<name>.jsonl (the committed results: runs already there
 are skipped, so on a fresh clone nothing runs); tables go to docs/results/<name>.md, the plot
@@ -33,7 +33,7 @@ def done_ids(results: Path) -> set:
     return {json.loads(line)["id"] for line in results.read_text().splitlines() if line.strip()}
 
 
-def launch(plan: plans.Plan, pending: list, results: Path) -> None:
+def launch(plan: plans.Plan, pending: list, results: Path, ranks: int = 4) -> None:
     body = {"results": str(results), "after": plan.after, "post": plan.post, "before": plan.before,
             "runs": pending}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -44,9 +44,9 @@ def launch(plan: plans.Plan, pending: list, results: Path) -> None:
     py = sys.executable
     if plan.launch == "single":
         cmd = [py, "-m", "experiments.worker", f.name]
-    elif plan.launch == "ranks4":
-        env["DIST_MOE_TOPOLOGY"] = "node=2,gpu=2"  # 4 ranks on loopback, accounted as 2 nodes x 2
-        cmd = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+    elif plan.launch == "ranks":  # on loopback, accounted as nodes of 2 (4 ranks: 2 nodes x 2)
+        env["DIST_MOE_TOPOLOGY"] = f"node={max(1, ranks // 2)},gpu={min(2, ranks)}"
+        cmd = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                "-m", "experiments.worker", f.name]
     else:  # emulated: 2 network-namespace nodes x 2 ranks, throttled link (launch/emulate_cluster.sh)
         cmd = ["bash", str(ROOT / "launch/emulate_cluster.sh"), "--nodes", "2", "--procs-per-node", "2",
@@ -106,8 +106,9 @@ def main(argv=None) -> None:
         pending = [r for r in plan.runs if r["id"] not in done]
         print(f"{args.name}: {len(plan.runs) - len(pending)} of {len(plan.runs)} runs already in {results}; "
               f"running {len(pending)}", flush=True)
-        if pending:
-            launch(plan, pending, results)
+        # one launch per rank count (a "ranks" plan's runs say theirs; every other plan's is one launch)
+        for ranks in sorted({r["ranks"] for r in pending}) if plan.launch == "ranks" else [None] * bool(pending):
+            launch(plan, [r for r in pending if ranks is None or r["ranks"] == ranks], results, ranks or 4)
     tables.write(args.name, results, args.out)
 
 

@@ -41,18 +41,57 @@ def make(rows, out_dir) -> str:
         plot[arm] = {key: [r[key] for r in rs] for key, _ in METRICS}
         if arm == "task_only" or not base:
             continue
-        mine = {r["seed"]: r for r in rs}
-        common = sorted(set(mine) & set(base))
-        cells = []
-        for key, _ in METRICS:
-            p = paired([mine[s][key] for s in common], [base[s][key] for s in common])
-            scale, unit, d = (100, " pts", 2) if key == "val_macro_acc" else (1, "", 4)
-            text = (f"{scale * p['mean']:+.{d}f}{unit} [{scale * p['lo']:+.{d}f}, {scale * p['hi']:+.{d}f}] "
-                    f"(p={p['p']:.3f})")
-            cells.append(f"**{text}**" if p["p"] < 0.05 else text)
-        deltas.append(f"| {arm} | {len(common)} | " + " | ".join(cells) + " |")
+        deltas.append(f"| {arm} | " + " | ".join(_paired_cells(rs, base.values())) + " |")
     _plot(plot, out_dir / "gar.png")
     return "\n".join(lines + deltas + ["", "![GAR against its baselines](results/gar.png)"])
+
+
+def _paired_cells(rows, base_rows) -> list[str]:
+    """The seeds both sets ran, then mean [95% interval] (p) of rows - base_rows for every metric
+    (**bold**: p < 0.05)."""
+    mine, base = {r["seed"]: r for r in rows}, {r["seed"]: r for r in base_rows}
+    common = sorted(set(mine) & set(base))
+    cells = [str(len(common))]
+    for key, _ in METRICS:
+        p = paired([mine[s][key] for s in common], [base[s][key] for s in common])
+        scale, unit, d = (100, " pts", 2) if key == "val_macro_acc" else (1, "", 4)
+        text = f"{scale * p['mean']:+.{d}f}{unit} [{scale * p['lo']:+.{d}f}, {scale * p['hi']:+.{d}f}] (p={p['p']:.3f})"
+        cells.append(f"**{text}**" if p["p"] < 0.05 else text)
+    return cells
+
+
+def make_ep(rows, out_dir, one_process) -> str:
+    """The expert-parallel runs (``gar_ep``) against the one-process runs (``gar``) of the same arm
+    and seed, and GAR's effect within them."""
+    groups, alone = by(rows, "ranks", "arm"), by(one_process, "arm")
+    metric_names = " | ".join(n for _, n in METRICS)
+    lines = [f"{runs_header('gar_ep', rows, 'ranks', 'arm')} The `gar` setting with the experts over 2 or 4 "
+             "gloo ranks (2 cores; 4 ranks as 2 nodes x 2): the same global batch of 48 rows (24 or 12 per "
+             "rank), same-task groups of 8 formed over every rank's rows (a rank's part of a group may be "
+             "empty), GAR's observations and router summaries reduced over the ranks; the diagnostics reduced "
+             "over the ranks too (GAR's step cost: `benchmarks/gar_overhead.py`).", "",
+             f"| ranks | arm | {metric_names} |", "|---|---|" + "---|" * len(METRICS)]
+    against = ["", "Expert parallel minus one process, paired by seed (mean [95% interval] (p); **bold**: the two "
+               "differ at p < 0.05):", "", f"| ranks | arm | seeds | {' | '.join(f'Δ {n}' for _, n in METRICS)} |",
+               "|---|---|---|" + "---|" * len(METRICS)]
+    effect = ["", "GAR's effect under expert parallelism: paired differences from task-only routing at the same "
+              "ranks (**bold**: resolved at p < 0.05):", "",
+              f"| ranks | arm | seeds | {' | '.join(f'Δ {n}' for _, n in METRICS)} |",
+              "|---|---|---|" + "---|" * len(METRICS)]
+
+    for ranks in sorted({k[0] for k in groups}):
+        base = groups.get((ranks, "task_only"), [])
+        for arm in GAR_ARMS:
+            rs = groups.get((ranks, arm))
+            if not rs:
+                continue
+            lines.append(f"| {ranks} | {arm} | " + " | ".join(mean_sd(r[key] for r in rs) for key, _ in METRICS)
+                         + " |")
+            if alone.get((arm,)):
+                against.append(f"| {ranks} | {arm} | " + " | ".join(_paired_cells(rs, alone[(arm,)])) + " |")
+            if arm != "task_only" and base:
+                effect.append(f"| {ranks} | {arm} | " + " | ".join(_paired_cells(rs, base)) + " |")
+    return "\n".join(lines + against + effect)
 
 
 def _plot(plot, path) -> None:

@@ -29,6 +29,8 @@ def replace_block(doc: Path, name: str, body: str) -> None:
 
 def write(name: str, results: Path, docs: Path) -> str:
     makers = {"routers": table_routers.make, "specdrop": table_specdrop.make, "gar": table_gar.make,
+              # the expert-parallel GAR runs are read against the one-process runs beside them
+              "gar_ep": lambda rows, out: table_gar.make_ep(rows, out, load_rows(results.parent / "gar.jsonl")),
               "throughput": table_throughput.make, "throughput_link": table_throughput_link.make,
               "lm_routers": table_routers.make_lm}
     rows = load_rows(results)

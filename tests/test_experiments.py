@@ -100,6 +100,58 @@ def test_gar_diagnostics_on_task_blind_routing():
     assert 1 / 3 <= out["gradient_purity"] < 1.0  # three tasks share every expert
 
 
+def test_text_model_keeps_its_moe_in_the_graph_on_an_empty_batch():
+    """A rank's empty part of a GAR group (or of a diagnostic batch) still backpropagates through
+    the MoE, whose backward exchanges every rank joins: its zero loss must reach the MoE output."""
+    moe = MoELayer(384, 16, {"type": "switch", "num_experts": 4, "top_k": 2}, expert_type="lora")
+    model = TextMoE(moe, (2, 3))
+    logits, _ = model(torch.zeros(0, 5, 384), torch.zeros(0, dtype=torch.long))
+    assert logits.shape == (0, 3)
+    (logits.sum() * 0.0).backward()
+    assert all(p.grad is not None for p in moe.experts.parameters() if p.requires_grad)
+
+
+def _diagnostics_worker(rank, world):
+    """after_gar_diagnostics with the experts over ``world`` ranks equals it in one process."""
+    import torch.distributed as dist
+
+    from dist_moe.dispatch.stats import all_reduce_sum
+    from placement import Placement
+
+    class _Ranks:
+        def __init__(self):
+            self.rank, self.world = rank, world
+
+        def sum(self, t):
+            return all_reduce_sum(t, dist.group.WORLD)
+
+    data = _text_data(num_tasks=3, per_task=10)
+    router = {"type": "switch", "num_experts": 4, "top_k": 2}
+    torch.manual_seed(0)
+    ref = MoELayer(384, 16, router, expert_type="lora")
+    with torch.no_grad():
+        ref.experts.lora_B.normal_()
+    ep = MoELayer(384, 16, router, expert_type="lora", group=dist.group.WORLD,
+                  placement=Placement.round_robin(4, world))
+    ep.load_state_dict({k: v for k, v in ref.state_dict().items() if not k.startswith("experts.")}, strict=False)
+    for name, p in ep.experts.named_parameters():
+        p.data.copy_(getattr(ref.experts, name).data[ep.local_expert_ids] if p.shape != getattr(ref.experts, name).shape
+                     else getattr(ref.experts, name).data)
+    heads = TextMoE(ref, data.task_classes)
+    one = measures.after_gar_diagnostics(heads, data, _Local(), group_size=4)
+    many = TextMoE(ep, data.task_classes)
+    many.heads.load_state_dict(heads.heads.state_dict())
+    out = measures.after_gar_diagnostics(many, data, _Ranks(), group_size=4)
+    for key, value in one.items():  # every rank reports the one-process numbers
+        assert out[key] == pytest.approx(value, rel=1e-6, abs=1e-9), (rank, key, out[key], value)
+
+
+def test_gar_diagnostics_under_expert_parallelism_equal_one_process():
+    from tests.dist_utils import run_workers
+
+    run_workers(_diagnostics_worker, 2, timeout=120)
+
+
 def test_masking_measure_counts_predictions_outside_the_category():
     class Fixed(torch.nn.Module):  # predicts class 0 for every row
         class_category = torch.tensor([0, 0, 1, 1])
@@ -151,6 +203,28 @@ def test_results_block_is_replaced_not_duplicated(tmp_path):
     text = doc.read_text()
     assert text.count("<!-- results:routers -->") == 1 and "table two" in text and "table one" not in text
     assert text.startswith("# Results\n\nprose before") and "gar table" in text
+
+
+def test_expert_parallel_gar_table_pairs_each_run_with_its_one_process_seed(tmp_path):
+    """gar_ep's table: EP minus one process for the same arm and seed, and GAR minus task-only
+    within the same rank count; one-process seeds the EP runs lack are left out of the pairs."""
+    from experiments.table_gar import make_ep
+
+    def row(arm, seed, purity, **more):
+        return {"arm": arm, "seed": seed, "date": "2026-12-03", "train_seconds": 1.0, "val_macro_acc": 0.7,
+                "lvar": 0.001, "utilization": 1.0, "gradient_purity": purity, "nmi": 0.01, **more}
+
+    one = [row(arm, s, 0.40 + s / 100 + (0.02 if arm == "gar_1" else 0.0)) for arm in ("task_only", "gar_1")
+           for s in range(3)]
+    ep = [row(arm, s, 0.40 + s / 100 + (0.05 if arm == "gar_1" else 0.0) + 0.01, ranks=2)
+          for arm in ("task_only", "gar_1") for s in range(2)]
+    text = make_ep(ep, tmp_path, one)
+    lines = text.splitlines()
+    against = lines[lines.index(next(x for x in lines if x.startswith("Expert parallel minus"))):]
+    assert any(x.startswith("| 2 | task_only | 2 | ") and "+0.0100 [" in x for x in against)
+    assert any(x.startswith("| 2 | gar_1 | 2 | ") and "+0.0400 [" in x for x in against)
+    effect = lines[lines.index(next(x for x in lines if x.startswith("GAR's effect"))):]
+    assert any(x.startswith("| 2 | gar_1 | 2 | ") and "+0.0500 [" in x for x in effect)
 
 
 def _needs_wordnet():

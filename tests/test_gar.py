@@ -185,6 +185,46 @@ def test_equal_task_weights():
     assert abs(sum(w) - 1) < 1e-12
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_same_task_groups_over_ranks_are_the_groups_of_one_process(world):
+    """train.gar_groups=same_category under expert parallelism: each rank's part of every unit, put
+    back at its place in the batch, gives the groups one process forms from the whole batch (each
+    task's rows in order, runs of g), with the same tasks and sizes on every rank."""
+    from dist_moe.train.training_step import same_category_units
+
+    g = torch.Generator().manual_seed(3)
+    cb = torch.randint(0, 5, (48,), generator=g)
+    cb[cb == 3] = 4  # a category no rank holds is no unit
+    expected = [rows[i : i + 8].tolist() for c in cb.unique().tolist()
+                for rows in [(cb == c).nonzero().squeeze(1)] for i in range(0, len(rows), 8)]
+    one = same_category_units(cb, 8, 0, torch.bincount(cb, minlength=5)[None])
+    assert [p.tolist() for p in one[1]] == expected and one[2] == [len(r) for r in expected]
+    slices = torch.tensor_split(torch.arange(48), world)  # each rank's rows of the batch, as the trainer cuts it
+    counts = torch.stack([torch.bincount(cb[rows], minlength=5) for rows in slices])
+    units = [same_category_units(cb[rows], 8, r, counts) for r, rows in enumerate(slices)]
+    assert all(u[0] == one[0] and u[2] == one[2] for u in units)
+    joined = [sorted(i for r, rows in enumerate(slices) for i in rows[units[r][1][m]].tolist())
+              for m in range(len(one[0]))]
+    assert joined == expected
+    assert any(len(units[r][1][m]) == 0 for r in range(world) for m in range(len(one[0])))  # empty parts occur
+
+
+def test_same_task_groups_over_ranks_are_refused_for_engine_hosted_layers():
+    """Empty parts of a group run only through dist-moe's own layer: DeepSpeed and Megatron are refused."""
+    from types import SimpleNamespace
+
+    from dist_moe.routing.gar import GARConfig
+    from dist_moe.train.run_config import TrainConfig
+    from dist_moe.train.training_step import GARStep
+
+    tcfg = TrainConfig(gar=GARConfig(lam=1e-3), gar_groups="same_category")
+    for engine, world in (("deepspeed", 2), ("megatron", 4)):
+        with pytest.raises(ValueError, match=f"over {world} ranks needs engine=torch, got engine={engine}"):
+            GARStep(tcfg, SimpleNamespace(world=world, engine=SimpleNamespace(name=engine)))
+    GARStep(tcfg, SimpleNamespace(world=2, engine=SimpleNamespace(name="torch")))
+    GARStep(tcfg, SimpleNamespace(world=1, engine=SimpleNamespace(name="deepspeed")))
+
+
 def test_gar_reduces_its_criterion_for_the_router():
     """A few router-only updates on L_norm raise the coherence reward on fixed observations."""
     torch.manual_seed(0)

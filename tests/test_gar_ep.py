@@ -1,12 +1,12 @@
 """GAR under expert parallelism: 2 and 4 ranks equal one process running the union of the groups,
-for every observation unit and both the materialized and the Gram form, pipelined or not, and with
-lambda set by a gradient share."""
+for every observation unit and both the materialized and the Gram form, pipelined or not, with
+lambda set by a gradient share, and with groups of which some ranks hold no example."""
 import pytest
 
 from tests.dist_utils import run_cases
 
 
-def _gar_worker(rank, world, router_type, mode="materialized", unit="group", chunks=1, share=None):
+def _gar_worker(rank, world, router_type, mode="materialized", unit="group", chunks=1, share=None, empty=False):
     import copy
 
     import torch
@@ -34,25 +34,29 @@ def _gar_worker(rank, world, router_type, mode="materialized", unit="group", chu
             p.data.copy_(getattr(ref.moe.experts, name).data[ep.moe.local_expert_ids])
         return ep
 
-    # 3 tasks x 2 groups; rank r holds 2 + r examples of every group, the reference their union
+    # 3 tasks x 2 groups; rank r holds 2 + r examples of every group (with ``empty``, none of every
+    # group m with m % world == r: its part is empty, as same-task groups over ranks often are), the
+    # reference their union
     g = torch.Generator().manual_seed(1)
     tasks, union, local, sizes = [], [], [], []
     for t in range(3):
         w = torch.randn(4, generator=g)
-        for _ in range(2):
+        for i in range(2):
+            m = 2 * t + i
             # example and token units run on sequences of 3 tokens (one token per example otherwise)
             shape = (3, 4) if unit != "group" else (4,)
-            parts = [torch.randn(2 + r, *shape, generator=g) + t for r in range(world)]
+            parts = [torch.randn(0 if empty and m % world == r else 2 + r, *shape, generator=g) + t
+                     for r in range(world)]
             x = torch.cat(parts)
             union.append((x, x @ w))
             local.append((parts[rank], parts[rank] @ w))
-            sizes.append(2 + rank)
+            sizes.append(len(parts[rank]))
             tasks.append(t)
     weights = equal_task_weights(tasks, [len(x) for x, _ in union])
 
     def loss_fn(model, group):
         pred, _ = model(group[0])
-        return ((pred - group[1]) ** 2).mean()
+        return ((pred - group[1]) ** 2).mean() if len(pred) else pred.sum() * 0.0
 
     class Record(torch.optim.Optimizer):
         def __init__(self, params):
@@ -92,8 +96,11 @@ CASES = {
         ("switch", "gram", "group", 1), ("branch", "materialized", "example", 1),
         ("branch", "gram", "token", 3),  # pipelined: factors and their row tags captured chunk by chunk
         ("deepseek_v3", "materialized", "token", 1),
-        ("switch", "materialized", "group", 1, 0.3)],  # lambda from train.gar.share
-    4: [("branch", "materialized", "group", 1), ("switch", "gram", "example", 2)],
+        ("switch", "materialized", "group", 1, 0.3),  # lambda from train.gar.share
+        ("switch", "materialized", "group", 1, None, True),  # a rank's part of a group empty
+        ("branch", "gram", "example", 1, None, True)],
+    4: [("branch", "materialized", "group", 1), ("switch", "gram", "example", 2),
+        ("deepseek_v3", "materialized", "group", 1, 0.3, True)],
 }
 
 

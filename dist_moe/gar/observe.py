@@ -15,7 +15,9 @@ gradients alone, the running sum is added back after); every other combination
 is built from block factors (``dist_moe.gar.factors``).
 
 Under expert parallelism every rank takes the same number of groups and the m-th
-group of every rank is one unit (or holds the units of that forward): g sums the
+group of every rank is one unit (or holds the units of that forward); a rank's part of
+a unit may be empty (it still runs the unit's forward and backward, whose exchanges
+every rank joins): g sums the
 template gradients of every rank's experts, p averages (or gathers) every rank's
 examples of the unit, and units are numbered by (group, rank, local index), which
 is the order of one process running the union of the groups.
@@ -64,12 +66,20 @@ def example_rows(summary: Tensor, layout) -> Tensor:
     shape, padding = layout
     if len(shape) <= 1:
         return summary
-    q = summary.reshape(shape[0], -1, summary.shape[-1])
+    q = summary.reshape(shape[0], _positions(shape), summary.shape[-1])
     if padding is None:
         return q.mean(1)
-    valid = (~padding.reshape(shape[0], -1)).to(q.dtype).unsqueeze(-1)
+    valid = (~padding.reshape(shape[0], _positions(shape))).to(q.dtype).unsqueeze(-1)
     per_example = (q * valid).sum(1) / valid.sum(1).clamp_min(1)
     return per_example[valid.sum((1, 2)) > 0]
+
+
+def _positions(shape) -> int:
+    """Token positions per example (explicit, so a rank's empty part of a unit reshapes too)."""
+    n = 1
+    for s in shape[1:]:
+        n *= s
+    return n
 
 
 def example_sum(summary: Tensor, layout) -> tuple[Tensor, int]:
@@ -104,7 +114,7 @@ def local_unit_ids(layout, unit: str, device=None) -> tuple[Tensor, int]:
     valid = torch.ones(t, dtype=torch.bool, device=device) if padding is None else ~padding.reshape(-1).to(device)
     if unit == "token" or len(shape) <= 1:
         return torch.where(valid, torch.cumsum(valid, 0) - 1, -1), int(valid.sum())
-    per_example = valid.reshape(shape[0], -1)
+    per_example = valid.reshape(shape[0], _positions(shape))
     keep = per_example.any(1)
     example_id = torch.where(keep, torch.cumsum(keep, 0) - 1, -1)
     # every row of a kept example, padding too: its gradient is the example's whole gradient
@@ -200,12 +210,14 @@ def collect_observations(model, groups, loss_fn, weights, mode="materialized", s
         raise ValueError("GAR found no MoELayer in the model")
     ep = expert_parallel_group(layers)
     rank = layers[0].rank if ep is not None else 0
-    if ep is not None and (sizes is None or len(sizes) != len(groups) or any(int(n) < 1 for n in sizes)):
+    if ep is not None and (sizes is None or len(sizes) != len(groups) or any(int(n) < 0 for n in sizes)):
         raise ValueError("under expert parallelism pass sizes=[examples of each group on this rank], "
-                         f"each >= 1 (got {sizes!r})")
+                         f"each >= 0 (got {sizes!r})")
     totals = None
     if sizes is not None:
         totals = all_reduce_sum(torch.tensor([float(n) for n in sizes], dtype=torch.float64), ep).tolist()
+        if any(t < 1 for t in totals):  # a rank's part of a unit may be empty, the unit may not
+            raise ValueError(f"every group needs an example on some rank: examples per group {totals}")
     shares = list(weights) if ep is None else [w * n / t for w, n, t in zip(weights, sizes, totals)]
     reads_grads = mode == "materialized" and unit == "group"
     if not reads_grads and any(site.experts is None for site in layers):

@@ -34,4 +34,6 @@ class TextMoE(nn.Module):
             rows = (categories == task).nonzero().squeeze(1)
             if rows.numel():
                 logits = logits.index_put((rows.unsqueeze(1), torch.arange(head.out_features)), head(pooled[rows]))
+        if x.shape[0] == 0:  # no head ran: keep the MoE in the graph, its backward's exchanges are every rank's
+            logits = logits + pooled.sum() * 0.0
         return logits, aux

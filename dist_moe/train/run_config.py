@@ -114,7 +114,8 @@ class TrainConfig:
     gar_group_size: int = _positive(32)
     schedule: str = key("step", "'step' or 'epoch'", lambda v: v in ("step", "epoch"))  # when SpecDrop advances
     gar: GARConfig | None = None  # GAR's settings {lambda, eps, mode, unit} (null: no GAR)
-    # GAR observation groups of consecutive rows, or of one category (task) each
+    # GAR observation groups of consecutive rows, or of one category (task) each, the latter formed
+    # over every rank's rows under expert parallelism (the groups one process forms from the batch)
     gar_groups: str = one_of("consecutive", ("consecutive", "same_category"))
     # steps between DCP checkpoints under output.dir/checkpoints (null: none)
     checkpoint_every: int | None = _positive(None)

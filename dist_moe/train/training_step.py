@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from dist_moe.dispatch.stats import all_reduce_max
 from dist_moe.gar.step import equal_task_weights, gar_train_step
 from dist_moe.train.run_config import TrainConfig
 
@@ -41,44 +42,75 @@ class PlainStep:
         return {"loss": float(task.detach()), "aux_loss": float(aux.detach()), "skipped": 0.0 if stepped else 1.0}
 
 
+def category_counts(cb: torch.Tensor, rt) -> torch.Tensor:
+    """[world, categories]: how many rows of each category every rank holds this step."""
+    group = rt.group if rt.world > 1 else None
+    num = all_reduce_max(int(cb.max()) + 1 if cb.numel() else 0, group)
+    counts = torch.zeros(rt.world, num, dtype=torch.long, device=cb.device)
+    counts[rt.rank] = torch.bincount(cb, minlength=num)
+    return rt.sum(counts)
+
+
+def same_category_units(cb: torch.Tensor, g: int, rank: int, counts: torch.Tensor):
+    """The paper's same-task groups: each category's rows of the whole batch (rank 0's, then rank
+    1's, ..., as the batch was cut) in runs of up to ``g``. Returns, per unit, its category, this
+    rank's rows of it (maybe none) and its rows over all ranks; every rank lists the same units, so
+    one process gets the groups it would form alone."""
+    before, total = counts[:rank].sum(0), counts.sum(0)
+    tasks, parts, sizes = [], [], []
+    for c in range(counts.shape[1]):
+        rows = (cb == c).nonzero().squeeze(1)
+        position = int(before[c]) + torch.arange(len(rows), device=cb.device)  # among the batch's rows of c
+        for start in range(0, int(total[c]), g):
+            tasks.append(c)
+            parts.append(rows[(position >= start) & (position < start + g)])
+            sizes.append(min(g, int(total[c]) - start))
+    return tasks, parts, sizes
+
+
 class GARStep:
     """GAR's step: the batch cut into observation groups (``train.gar_group_size`` rows, consecutive or
-    of one category each), then ``gar_train_step``. A non-finite loss stops the run."""
+    of one category each, the latter formed over every rank's rows), then ``gar_train_step``. A
+    non-finite loss stops the run."""
 
     stops_on_nan = True
 
     def __init__(self, tcfg: TrainConfig, rt):
         self.gar, self.tcfg, self.rt = tcfg.gar, tcfg, rt
+        # over ranks, a rank's part of a same-task group may be empty: only dist-moe's own MoE layer is
+        # tested with empty forwards (every rank raises this alike, before any step)
+        if tcfg.gar_groups == "same_category" and rt.world > 1 and rt.engine.name != "torch":
+            raise ValueError(f"train.gar_groups=same_category over {rt.world} ranks needs engine=torch, "
+                             f"got engine={rt.engine.name}")
 
     def __call__(self, model, step_fn, xb, yb, cb) -> dict:
         gar, tcfg, rt = self.gar, self.tcfg, self.rt
         g = tcfg.gar_group_size
-        same_category = tcfg.gar_groups == "same_category"
-        if same_category and (cb is None or rt.world > 1):
-            raise ValueError("train.gar_groups=same_category needs categories (e.g. text tasks) and one process")
-        if same_category:  # the paper's same-task groups: up to g rows of one category each
-            parts = [rows[i : i + g] for c in cb.unique().tolist()
-                     for rows in [(cb == c).nonzero().squeeze(1)] for i in range(0, len(rows), g)]
+        sizes = None
+        if tcfg.gar_groups == "same_category":
+            if cb is None:
+                raise ValueError("train.gar_groups=same_category needs categories (e.g. text tasks)")
+            tasks, parts, totals = same_category_units(cb, g, rt.rank, category_counts(cb, rt))
+            # tasks weigh equally, examples equally within a task, counted over every rank
+            weights = equal_task_weights(tasks, totals)
+            sizes = [len(rows) for rows in parts] if rt.world > 1 else None
         elif rt.world == 1:  # consecutive groups of g rows
             parts = [torch.arange(i, min(i + g, len(xb))) for i in range(0, len(xb), g)]
+            weights = [len(rows) / len(xb) for rows in parts]
         else:  # every rank takes the same number of groups: the m-th of every rank form unit m
             count = max(1, math.ceil(tcfg.batch_size / g))
             parts = list(torch.tensor_split(torch.arange(len(xb)), count))
             if any(len(rows) == 0 for rows in parts):
                 raise ValueError(f"a rank holds {len(xb)} rows for {count} GAR groups: raise train.batch_size")
+            weights = [1 / len(parts)] * len(parts)
+            sizes = [len(rows) for rows in parts]
         groups = [(xb[r], yb[r], None if cb is None else cb[r]) for r in parts]
 
         def loss_fn(m, group):
             logits, aux = m(group[0], group[2])
-            return loss_of(logits, group[1]) + aux
+            # a rank's empty part of a unit still runs the forward (its exchanges); its loss weighs 0
+            return (loss_of(logits, group[1]) if group[1].numel() else logits.sum() * 0.0) + aux
 
-        if same_category:  # tasks weigh equally, examples equally within a task
-            weights = equal_task_weights([int(grp[2][0]) for grp in groups], [len(grp[0]) for grp in groups])
-        elif rt.world == 1:
-            weights = [len(grp[0]) / len(xb) for grp in groups]
-        else:
-            weights = [1 / len(groups)] * len(groups)
-        sizes = [len(grp[0]) for grp in groups] if rt.world > 1 else None
         # DeepSpeed owns reduction, clip and step: GAR hands it the accumulated gradients
         out = gar_train_step(model, groups, loss_fn, step_fn.opt, weights, gar.lam, gar.eps, tcfg.max_grad_norm,
                              gar.mode, sizes=sizes, unit=gar.unit, finish=step_fn.finish_external, share=gar.share)
