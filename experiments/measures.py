@@ -49,7 +49,8 @@ def after_gar_diagnostics(model, data, rt, group_size: int = 8, batches_per_task
     each micro-batch's mean-loss gradient, averaged within the task.
     Under expert parallelism rank 0 feeds every batch and the other ranks an empty part (they
     serve their experts and join the exchanges); sums and each rank's experts' gradients are
-    reduced over the ranks, so every number is the one a single process computes.
+    reduced over the ranks, so every number is the one a single process computes. CPU only, as
+    the experiments run (the accumulators are CPU tensors).
     """
     moe, num_tasks = model.moe, len(data.task_classes)
     e = moe.num_experts

@@ -45,6 +45,8 @@ class Plan:
 
     def add(self, run_id: str, labels: dict, overrides: list[str], config: str | None = None,
             ranks: int = 4) -> None:
+        if ranks != 1 and ranks % 2:  # the launcher accounts ranks as nodes of 2
+            raise ValueError(f"{run_id}: ranks must be 1 or even, got {ranks}")
         self.runs.append({"id": run_id, "labels": labels, "config": config, "ranks": ranks,
                           # a run not in the results is trained afresh: a killed attempt's files go first
                           "overrides": [f"name={run_id}", f"output.dir=experiments/runs/{self.name}/{run_id}",
@@ -156,13 +158,14 @@ def gar_ep(seeds=range(10), seeds_at_4: int = 5) -> Plan:
     diagnostics reduced over the ranks; compared seed by seed with the one-process runs. 4 ranks
     (twice as slow on 2 cores) run the first ``seeds_at_4`` seeds."""
     plan = Plan("gar_ep", "ranks", after="after_gar_diagnostics")
+    batch = 48  # configs/text_gar.yaml's train.batch_size: one process's batch, cut over the ranks
     for ranks, ranks_seeds in ((2, list(seeds)), (4, list(seeds)[:seeds_at_4])):
         for arm in GAR_EP_ARMS:
             lam, aux, share = GAR_ARMS[arm]
             for seed in ranks_seeds:
                 plan.add(f"text-ep{ranks}-{arm}-s{seed}",
                          {"arm": arm, "lambda": lam, "aux": aux, "share": share, "seed": seed, "ranks": ranks},
-                         [*_gar_overrides(arm, seed), f"train.batch_size={48 // ranks}"], "configs/text_gar.yaml",
+                         [*_gar_overrides(arm, seed), f"train.batch_size={batch // ranks}"], "configs/text_gar.yaml",
                          ranks=ranks)
     return plan
 

@@ -106,9 +106,11 @@ def main(argv=None) -> None:
         pending = [r for r in plan.runs if r["id"] not in done]
         print(f"{args.name}: {len(plan.runs) - len(pending)} of {len(plan.runs)} runs already in {results}; "
               f"running {len(pending)}", flush=True)
-        # one launch per rank count (a "ranks" plan's runs say theirs; every other plan's is one launch)
-        for ranks in sorted({r["ranks"] for r in pending}) if plan.launch == "ranks" else [None] * bool(pending):
-            launch(plan, [r for r in pending if ranks is None or r["ranks"] == ranks], results, ranks or 4)
+        if pending and plan.launch == "ranks":  # one launch per rank count the runs name
+            for ranks in sorted({r["ranks"] for r in pending}):
+                launch(plan, [r for r in pending if r["ranks"] == ranks], results, ranks)
+        elif pending:
+            launch(plan, pending, results)
     tables.write(args.name, results, args.out)
 
 

@@ -89,7 +89,7 @@ def _gar_worker(rank, world, router_type, mode="materialized", unit="group", chu
 
 
 # 2 ranks: every router and every unit and form; 4 ranks: branch, and switch with the Gram form.
-# (router_type, mode, unit, chunks); the cases of one world share one set of ranks.
+# (router_type, mode, unit, chunks[, share[, empty parts]]); the cases of one world share one set of ranks.
 CASES = {
     2: [("branch", "materialized", "group", 1), ("switch", "materialized", "group", 1),
         ("deepseek_v3", "materialized", "group", 1), ("skywork", "materialized", "group", 1),
@@ -98,7 +98,7 @@ CASES = {
         ("deepseek_v3", "materialized", "token", 1),
         ("switch", "materialized", "group", 1, 0.3),  # lambda from train.gar.share
         ("switch", "materialized", "group", 1, None, True),  # a rank's part of a group empty
-        ("branch", "gram", "example", 1, None, True)],
+        ("branch", "gram", "example", 1, None, True), ("switch", "materialized", "token", 1, None, True)],
     4: [("branch", "materialized", "group", 1), ("switch", "gram", "example", 2),
         ("deepseek_v3", "materialized", "group", 1, 0.3, True)],
 }

@@ -15,12 +15,12 @@ gradients alone, the running sum is added back after); every other combination
 is built from block factors (``dist_moe.gar.factors``).
 
 Under expert parallelism every rank takes the same number of groups and the m-th
-group of every rank is one unit (or holds the units of that forward); a rank's part of
-a unit may be empty (it still runs the unit's forward and backward, whose exchanges
-every rank joins): g sums the
+group of every rank is one unit (or holds the units of that forward): g sums the
 template gradients of every rank's experts, p averages (or gathers) every rank's
 examples of the unit, and units are numbered by (group, rank, local index), which
-is the order of one process running the union of the groups.
+is the order of one process running the union of the groups. A rank's part of a unit
+may be empty: it still runs the unit's forward and backward, whose exchanges every
+rank joins.
 """
 from __future__ import annotations
 

@@ -266,7 +266,8 @@ class _TrainingRun:
         if self.step % self.tcfg.log_every == 0 or last:
             record.update(self.step_bytes.log())  # collective: every rank takes part
             if self.logger is not None:
-                if all(layer.last_routing is not None for layer in self.layers):  # None: every step skipped
+                # None: every step skipped; no tokens: rank 0's part of GAR's last group was empty
+                if all(layer.last_routing is not None and len(layer.last_routing.expert_idx) for layer in self.layers):
                     record.update(layers_metrics([layer_metrics(layer) for layer in self.layers]))
                 if isinstance(self.routers[0], Scheduled):
                     record["schedule_progress"] = float(self.routers[0].progress)

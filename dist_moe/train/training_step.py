@@ -90,9 +90,9 @@ class GARStep:
         if tcfg.gar_groups == "same_category":
             if cb is None:
                 raise ValueError("train.gar_groups=same_category needs categories (e.g. text tasks)")
-            tasks, parts, totals = same_category_units(cb, g, rt.rank, category_counts(cb, rt))
+            tasks, parts, unit_sizes = same_category_units(cb, g, rt.rank, category_counts(cb, rt))
             # tasks weigh equally, examples equally within a task, counted over every rank
-            weights = equal_task_weights(tasks, totals)
+            weights = equal_task_weights(tasks, unit_sizes)
             sizes = [len(rows) for rows in parts] if rt.world > 1 else None
         elif rt.world == 1:  # consecutive groups of g rows
             parts = [torch.arange(i, min(i + g, len(xb))) for i in range(0, len(xb), g)]
