@@ -24,6 +24,7 @@ rank joins.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -66,20 +67,13 @@ def example_rows(summary: Tensor, layout) -> Tensor:
     shape, padding = layout
     if len(shape) <= 1:
         return summary
-    q = summary.reshape(shape[0], _positions(shape), summary.shape[-1])
+    # positions spelled out, not -1: a rank's empty part of a unit (0 examples) reshapes too
+    q = summary.reshape(shape[0], math.prod(shape[1:]), summary.shape[-1])
     if padding is None:
         return q.mean(1)
-    valid = (~padding.reshape(shape[0], _positions(shape))).to(q.dtype).unsqueeze(-1)
+    valid = (~padding.reshape(shape[0], math.prod(shape[1:]))).to(q.dtype).unsqueeze(-1)
     per_example = (q * valid).sum(1) / valid.sum(1).clamp_min(1)
     return per_example[valid.sum((1, 2)) > 0]
-
-
-def _positions(shape) -> int:
-    """Token positions per example (explicit, so a rank's empty part of a unit reshapes too)."""
-    n = 1
-    for s in shape[1:]:
-        n *= s
-    return n
 
 
 def example_sum(summary: Tensor, layout) -> tuple[Tensor, int]:
@@ -106,15 +100,13 @@ def local_unit_ids(layout, unit: str, device=None) -> tuple[Tensor, int]:
     """([T] index of each token's unit among this forward's units (the order of ``unit_rows``),
     -1 for none; the number of units)."""
     shape, padding = layout
-    t = 1
-    for s in shape:
-        t *= s
+    t = math.prod(shape)
     if padding is not None:
         device = padding.device if device is None else device
     valid = torch.ones(t, dtype=torch.bool, device=device) if padding is None else ~padding.reshape(-1).to(device)
     if unit == "token" or len(shape) <= 1:
         return torch.where(valid, torch.cumsum(valid, 0) - 1, -1), int(valid.sum())
-    per_example = valid.reshape(shape[0], _positions(shape))
+    per_example = valid.reshape(shape[0], math.prod(shape[1:]))
     keep = per_example.any(1)
     example_id = torch.where(keep, torch.cumsum(keep, 0) - 1, -1)
     # every row of a kept example, padding too: its gradient is the example's whole gradient

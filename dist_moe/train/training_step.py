@@ -86,14 +86,12 @@ class GARStep:
     def __call__(self, model, step_fn, xb, yb, cb) -> dict:
         gar, tcfg, rt = self.gar, self.tcfg, self.rt
         g = tcfg.gar_group_size
-        sizes = None
         if tcfg.gar_groups == "same_category":
             if cb is None:
                 raise ValueError("train.gar_groups=same_category needs categories (e.g. text tasks)")
             tasks, parts, unit_sizes = same_category_units(cb, g, rt.rank, category_counts(cb, rt))
             # tasks weigh equally, examples equally within a task, counted over every rank
             weights = equal_task_weights(tasks, unit_sizes)
-            sizes = [len(rows) for rows in parts] if rt.world > 1 else None
         elif rt.world == 1:  # consecutive groups of g rows
             parts = [torch.arange(i, min(i + g, len(xb))) for i in range(0, len(xb), g)]
             weights = [len(rows) / len(xb) for rows in parts]
@@ -103,7 +101,7 @@ class GARStep:
             if any(len(rows) == 0 for rows in parts):
                 raise ValueError(f"a rank holds {len(xb)} rows for {count} GAR groups: raise train.batch_size")
             weights = [1 / len(parts)] * len(parts)
-            sizes = [len(rows) for rows in parts]
+        sizes = [len(rows) for rows in parts] if rt.world > 1 else None  # this rank's part of each unit
         groups = [(xb[r], yb[r], None if cb is None else cb[r]) for r in parts]
 
         def loss_fn(m, group):
