@@ -101,7 +101,7 @@ def _train(parser, args, extra) -> int:
     if os.environ.get("RANK", "0") != "0":  # under a launcher, rank 0 speaks for the run
         return 0
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(json.dumps(summary, indent=2, allow_nan=False))  # the trainer's json_safe summary: strict JSON
     else:
         _print_summary(summary)
     return 0

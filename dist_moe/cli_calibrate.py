@@ -1,13 +1,22 @@
 """`dist-moe calibrate`: fit the cost model to the launched cluster's links, as a topology YAML."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import yaml
 
 from dist_moe.dispatch.calibrate import calibrate, to_yaml
-from dist_moe.dispatch.process_group import init_from_env, launched_world_size, resolve_device, shutdown
+from dist_moe.dispatch.process_group import (
+    MAX_TIMEOUT_S,
+    MIN_TIMEOUT_S,
+    init_from_env,
+    launched_world_size,
+    resolve_device,
+    shutdown,
+)
 from placement import Topology
+from placement.files import check_output_file
 
 
 def add_parser(sub, debug) -> None:
@@ -19,12 +28,18 @@ def add_parser(sub, debug) -> None:
     cp.add_argument("--repeats", type=int, default=5,
                     help="timed repeats per exchange, the median of the slowest rank kept (default: %(default)s)")
     cp.add_argument("--timeout-s", type=float, default=300.0,
-                    help="seconds a collective may wait for a peer (default: %(default)s)")
+                    help=f"seconds a collective may wait for a peer, {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S} (a week) "
+                         "(default: %(default)s)")
 
 
 def run(args) -> int:
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if not MIN_TIMEOUT_S <= args.timeout_s <= MAX_TIMEOUT_S:  # training's parallel.timeout_s takes the same
+        raise ValueError(f"--timeout-s must be a number of seconds in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S}] (a week), "
+                         f"got {args.timeout_s}")
+    if os.environ.get("RANK", "0") == "0":  # rank 0 writes the file, after every rank has measured
+        check_output_file(args.out, "--out")
     world = launched_world_size()
     if world < 2:
         raise ValueError("dist-moe calibrate measures exchanges between ranks: start it under a launcher, e.g. "

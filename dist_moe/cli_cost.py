@@ -1,16 +1,20 @@
 """`dist-moe report | place | simulate`: communication cost of a run's recorded routing."""
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import math
+import os
+import sys
 import time
 from pathlib import Path
 
+from dist_moe.train.rundir import LOCK, METRICS
 from placement import Placement, Topology
 from placement.cost import CostModel
 from placement.exact import EXACT_MAX_EXPERTS, exact_placement
-from placement.files import read_yaml
+from placement.files import check_output_file, read_yaml
 from placement.placement import NAMED as PLACEMENTS
 from placement.report import link_rates, write_report
 from placement.simulate import RoutingRecord, simulate
@@ -136,10 +140,40 @@ def report_topology(spec: str | None, record: RoutingRecord, run_dir: Path) -> t
     return topo, source, None
 
 
+def warn(text: str) -> None:
+    """One warning line on stderr, in one write (as errors.report writes an error's line)."""
+    sys.stderr.write(f"dist-moe: warning: {' '.join(text.split())}\n")
+    sys.stderr.flush()
+
+
+def still_training(run_dir: Path) -> bool:
+    """Whether a run holds ``run_dir``'s lock (rundir.RunLock: an exclusive flock for the run's life). Probed
+    with a shared flock released at once: a run starting in that instant is refused as if one were running."""
+    try:
+        fd = os.open(run_dir / LOCK, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:  # no lock file: no run trained here; a link: no run's lock
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # releases the probe's lock
+
+
 def _report(args) -> int:
     run_dir = Path(args.run_dir)
+    training = still_training(run_dir)  # before the files are read: then they may be a live run's
     topo, source, rates = report_topology(args.topology, RoutingRecord.load(run_dir), run_dir)
     report = write_report(run_dir, topo, _run_placement(run_dir), source, rates)
+    if training:
+        warn(f"the run in {run_dir} is still in progress (it holds {run_dir / LOCK}): this report is a snapshot of "
+             "its metrics so far, and its routing record may be from an earlier run")
+    torn = report["training"]["torn_last_row"]
+    if torn is not None:
+        warn(f"{run_dir / METRICS} line {torn} is cut short (a run stopped while writing its last row): the report "
+             "leaves that row out")
     outer = topo.levels[0]
     print(f"topology {report['topology']}: {source}")
     print(f"{report['tokens']} tokens, {report['num_experts']} experts: B/token crossing {outer} "
@@ -160,15 +194,13 @@ def _report(args) -> int:
 
 
 def _place(args) -> int:
-    folder = Path(args.out).parent
-    if not folder.is_dir():
-        raise ValueError(f"--out {args.out!r}: the folder {str(folder)!r} does not exist")
+    check_output_file(args.out, "--out")
+    if not 0 <= args.exact_seconds < math.inf:
+        raise ValueError(f"--exact-seconds must be a finite number >= 0, got {args.exact_seconds}")
     record = RoutingRecord.load(args.stats)
     topo = topology_of(args.topology)
     if record.num_experts % topo.world_size:
         raise ValueError(f"{record.num_experts} experts do not divide over {topo.world_size} ranks")
-    if not 0 <= args.exact_seconds < math.inf:
-        raise ValueError(f"--exact-seconds must be a finite number >= 0, got {args.exact_seconds}")
     coactivation = record.coactivation()
     exact = bool(args.exact_seconds) and record.num_experts <= EXACT_MAX_EXPERTS
     if exact and importlib.util.find_spec("ortools") is None:
@@ -179,14 +211,16 @@ def _place(args) -> int:
                  else Placement.optimized(coactivation, topo))
     contiguous = Placement.contiguous(record.num_experts, topo.world_size)
     src = record.expert_idx.new_tensor(range(record.expert_idx.shape[0])) % topo.world_size
-    optimized.to_yaml(args.out)
     outer = topo.levels[0]
-    print(f"wrote {args.out}; bytes per token crossing {outer} on {topo.describe()}:")
+    lines = []  # all measured before the file is written: a failure leaves no placement behind
     for dedup in DEDUP_MODES:
         before, after = (dispatch_traffic(record.expert_idx, src, p, topo, record.token_bytes, dedup)
                          .by_level()[outer] / len(src) for p in (contiguous, optimized))
         saving = 1 - after / before if before else 0.0
-        print(f"  dedup={dedup:<5} contiguous {before:8.1f}  optimized {after:8.1f}  ({100 * saving:+.1f}% saved)")
+        lines.append(f"  dedup={dedup:<5} contiguous {before:8.1f}  optimized {after:8.1f}  "
+                     f"({100 * saving:+.1f}% saved)")
+    optimized.to_yaml(args.out)
+    print(f"wrote {args.out}; bytes per token crossing {outer} on {topo.describe()}:", *lines, sep="\n")
     return 0
 
 
@@ -239,7 +273,7 @@ def _simulate(args) -> int:
                          "default": default, "levels": link_rates(topo)}
     out["seconds_to_simulate"] = round(time.time() - start, 2)
     if args.json:
-        print(json.dumps(out, indent=1))
+        print(json.dumps(out, indent=1, allow_nan=False))  # strict JSON: the link bounds keep every time finite
         return 0
     print(f"{topo.describe()} ({out['world_size']} ranks), {out['experts_simulated']} experts "
           f"({out['replicas']} x {record.num_experts} recorded), {out['tokens']} tokens, {args.placement} placement:")

@@ -13,11 +13,16 @@ import time
 from pathlib import Path
 
 from dist_moe.cli_cost import topology_of
+from dist_moe.dispatch.pipeline import MAX_PIPELINE_CHUNKS
+from dist_moe.errors import shown
+from placement.cost import in_bounds
+from placement.files import check_output_file
 from placement.forecast import PLACEMENTS, ModelShape, forecast
 from placement.simulate import RoutingRecord
 
-_RATE = re.compile(r"^([0-9.]+(?:e[0-9]+)?)\s*([kMGT]?)(B|b)/s$")
-_TIME = re.compile(r"^([0-9.]+)\s*(s|ms|us|ns)$")
+_NUMBER = r"((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[+-]?[0-9]+)?)"  # what float() reads, without a sign, nan or inf
+_RATE = re.compile(rf"^{_NUMBER}\s*([kMGT]?)(B|b)/s$")
+_TIME = re.compile(rf"^{_NUMBER}\s*(s|ms|us|ns)$")
 _PREFIX = {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
 _SECONDS = {"s": 1, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 
@@ -43,12 +48,13 @@ def add_parser(sub, debug) -> None:
                          "over the experts")
     pp.add_argument("--ep", type=int, help="expert-parallel group size (default: gcd(ranks, experts))")
     pp.add_argument("--tflops", type=float, default=400.0,
-                    help="achieved TFLOP/s of the expert matmuls per rank (default 400)")
+                    help="achieved TFLOP/s of the expert matmuls per rank, 0.001 to 1e6 (default 400)")
     pp.add_argument("--placement", action="append", choices=PLACEMENTS,
                     help="placements to compare (default: all that apply)")
     pp.add_argument("--sample", type=int, help="tokens routed per rank to count copies (default: 8,192 in all)")
     pp.add_argument("--pipeline-chunks", default="1,4", metavar="C[,C]",
-                    help="pipeline settings to compare (parallel.pipeline_chunks; default 1,4)")
+                    help=f"pipeline settings to compare (parallel.pipeline_chunks, each 1 to {MAX_PIPELINE_CHUNKS}; "
+                         "default 1,4)")
     pp.add_argument("--overlap", type=float,
                     help="share of the shorter of exchanges and matmuls a pipelined layer hides, in [0, 1] "
                          "(default: the topology YAML's calibrated value, else 0: pipelining assumed to hide nothing)")
@@ -80,7 +86,8 @@ def topology_with_links(spec: str, links: list[str], shared: list[str]):
         rate, _, latency = rest.partition("@")
         if not name or not rate:
             raise ValueError(f"--link {item!r} must look like level=RATE[@LATENCY], e.g. node=400Gb/s@5us")
-        overrides[name] = {"bandwidth_Bps": _rate(rate), **({"alpha_s": _seconds(latency)} if latency else {})}
+        link = {"bandwidth_Bps": _rate(rate), **({"alpha_s": _seconds(latency)} if latency else {})}
+        overrides[name] = {key: in_bounds(key, value, f"--link {item}: {key}") for key, value in link.items()}
     for name in shared:
         overrides.setdefault(name, {})["shared"] = True
     for name in overrides:
@@ -102,28 +109,33 @@ def recorded_routing(run_dir: str, experts: int, top_k: int):
 
 def _chunks(text: str) -> tuple:
     parts = text.split(",")
-    if not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
-        raise ValueError(f"--pipeline-chunks {text!r}: give ints >= 1 separated by commas, e.g. 1,4")
+    if not all(p.strip().isdigit() and 1 <= int(p) <= MAX_PIPELINE_CHUNKS for p in parts):
+        raise ValueError(f"--pipeline-chunks {shown(text)}: give ints in [1, {MAX_PIPELINE_CHUNKS}] separated by "
+                         "commas, e.g. 1,4")
     return tuple(int(p) for p in parts)
 
 
 def run(args) -> int:
     start = time.time()
+    if args.plot:
+        check_output_file(args.plot, "--plot", make_folders=True)
+    chunks = _chunks(args.pipeline_chunks)
     topo = topology_with_links(args.topology, args.link, args.shared)
     if args.overlap is not None:
-        if not 0 <= args.overlap <= 1:
-            raise ValueError(f"--overlap must lie in [0, 1], got {args.overlap}")
-        topo = type(topo)(topo.levels, topo.sizes, topo.cost.with_exchange(topo.cost.latency_s, args.overlap,
+        overlap = in_bounds("overlap", args.overlap, "--overlap")
+        topo = type(topo)(topo.levels, topo.sizes, topo.cost.with_exchange(topo.cost.latency_s, overlap,
                                                                            topo.cost.chunked))
     shape = ModelShape(args.hidden, args.ffn, args.experts, args.top_k, args.tokens_per_rank, args.layers, args.dtype)
     routing = None if args.routing == "uniform" else recorded_routing(args.routing, args.experts, args.top_k)
     out = forecast(shape, topo, routing, args.ep, args.tflops, args.sample, tuple(args.placement or PLACEMENTS),
-                   chunks=_chunks(args.pipeline_chunks))
+                   chunks=chunks)
     out["seconds_to_plan"] = round(time.time() - start, 2)
+    # strict JSON, made before the plot is written: every input is bounded to keep the numbers finite
+    text = json.dumps(out, indent=1, allow_nan=False) if args.json else None
     if args.plot:
         _plot(out, Path(args.plot))
-    if args.json:
-        print(json.dumps(out, indent=1))
+    if text is not None:
+        print(text)
         return 0
     levels = list(out["rows"][0]["bytes_per_token_by_level"])
     print(f"{out['topology']}: EP groups of {out['ep']} ranks ({out['ep_group']}) x {out['replicas']}; "

@@ -25,10 +25,15 @@ def _init(shape, fan_in) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape).uniform_(-bound, bound))
 
 
+def expert_parameters(e: int, h: int, f: int, kind: str, lora_rank: int = 8) -> int:
+    """How many numbers ``e`` experts of ``kind`` hold (LoRA's frozen shared base included)."""
+    per_expert = {"swiglu": 3 * h * f, "gelu": 2 * h * f, "lora": 2 * h * lora_rank}[kind]
+    return e * per_expert + (h * h if kind == "lora" else 0)
+
+
 def _check_fits(e: int, h: int, f: int, kind: str, lora_rank: int) -> None:
     """Refuse, before allocating, expert weights (and their Adam state) larger than the memory available."""
-    per_expert = {"swiglu": 3 * h * f, "gelu": 2 * h * f, "lora": 2 * h * lora_rank}[kind]
-    needed = 4 * 4 * (e * per_expert + (h * h if kind == "lora" else 0))  # fp32 weights, grads, Adam's two
+    needed = 4 * 4 * expert_parameters(e, h, f, kind, lora_rank)  # fp32 weights, grads, Adam's two
     free = psutil.virtual_memory().available
     if needed > free:
         raise ValueError(f"{e} {kind} experts of hidden {h} x ffn {f} need about {needed / 2**30:.1f} GiB to train "

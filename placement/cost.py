@@ -36,6 +36,7 @@ from a calibration exchange with ``fit_level``):
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass, replace
 
 import torch
@@ -43,6 +44,22 @@ import torch
 _INNER = {"alpha_s": 5e-6, "bandwidth_Bps": 150e9}
 _NODE = {"alpha_s": 10e-6, "bandwidth_Bps": 25e9}
 _OUTER = {"alpha_s": 20e-6, "bandwidth_Bps": 12.5e9}
+
+# The range (and unit) of each number of a link and an exchange. A link under 1 byte/s, a latency over a
+# minute or a chunked ratio off by more than 100x is a typo or a failed measurement, and would price an
+# exchange at an overflowing (inf) or meaningless number of seconds.
+BOUNDS = {"alpha_s": (0.0, 60.0, " s"), "bandwidth_Bps": (1.0, 1e18, " bytes/s"), "latency_s": (0.0, 60.0, " s"),
+          "overlap": (0.0, 1.0, ""), "chunked": (0.01, 100.0, "")}
+
+
+def in_bounds(key: str, value, name: str | None = None) -> float:
+    """``value`` as a float when it is a number in ``BOUNDS[key]``, else a ValueError naming it ``name``
+    (default: ``key``) and the range."""
+    low, high, unit = BOUNDS[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ValueError(f"{name or key} must be a finite number in [{low:g}, {high:g}]{unit}, "
+                         f"got {reprlib.repr(value)}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -52,8 +69,8 @@ class LevelCost:
     shared: bool = False  # one link per unit inside the level instead of one per rank
 
     def __post_init__(self):
-        if not (self.alpha_s >= 0 and self.bandwidth_Bps > 0):
-            raise ValueError(f"level cost needs alpha_s >= 0 and bandwidth_Bps > 0, got {self}")
+        in_bounds("alpha_s", self.alpha_s)
+        in_bounds("bandwidth_Bps", self.bandwidth_Bps)
 
     def seconds(self, peers: float, link_bytes: float) -> float:
         """The alpha-beta time at this level: alpha per peer reached, the link's bytes over its bandwidth."""
@@ -87,16 +104,17 @@ class CostModel:
                 raise ValueError(f"unknown cost key {unknown[0]!r} for level {name!r}; "
                                  "valid: alpha_s, bandwidth_Bps, shared")
             base = out[name]
-            out[name] = LevelCost(float(values.get("alpha_s", base.alpha_s)),
-                                  float(values.get("bandwidth_Bps", base.bandwidth_Bps)),
-                                  bool(values.get("shared", base.shared)))
+            shared = values.get("shared", base.shared)
+            if not isinstance(shared, bool):  # bool("no") would be True
+                raise ValueError(f"'cost.{name}.shared' must be true or false, got {reprlib.repr(shared)}")
+            out[name] = LevelCost(in_bounds("alpha_s", values.get("alpha_s", base.alpha_s), f"'cost.{name}.alpha_s'"),
+                                  in_bounds("bandwidth_Bps", values.get("bandwidth_Bps", base.bandwidth_Bps),
+                                            f"'cost.{name}.bandwidth_Bps'"), shared)
         return replace(self, levels=out)
 
     def with_exchange(self, latency_s: float, overlap: float, chunked: float = 1.0) -> "CostModel":
-        if not (latency_s >= 0 and 0 <= overlap <= 1 and chunked > 0):
-            raise ValueError(f"exchange needs latency_s >= 0, overlap in [0, 1] and chunked > 0, got {latency_s}, "
-                             f"{overlap}, {chunked}")
-        return replace(self, latency_s=float(latency_s), overlap=float(overlap), chunked=float(chunked))
+        given = {"latency_s": latency_s, "overlap": overlap, "chunked": chunked}
+        return replace(self, **{key: in_bounds(key, value, f"'exchange.{key}'") for key, value in given.items()})
 
     def check_levels(self, names) -> None:
         if list(self.levels) != list(names):

@@ -4,6 +4,8 @@ planted link."""
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
 import re
 import tempfile
@@ -180,6 +182,64 @@ def read_yaml_mapping(path, what: str, required=(), optional=()) -> dict:
     if missing:
         raise ValueError(f"{what} file {path} needs {missing[0]!r}")
     return data
+
+
+def read_jsonl(path, what: str) -> tuple[list[tuple[int, dict]], int | None]:
+    """The rows of a JSON-lines log as (line number, object), and the number of a torn last line
+    (None if none). A process killed while writing a row leaves it half-written at the end: that
+    line is skipped, as a resumed run skips it. Any other line that is no JSON object is a
+    ValueError naming the file and the line. NaN, Infinity and numbers beyond a float's range read as
+    None (null), as a run logs them."""
+    if not Path(path).is_file():  # a FIFO would never end
+        raise ValueError(f"{what} {path} is not a file")
+    lines = Path(path).read_bytes().splitlines()
+    rows = []
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw.decode("utf-8"), parse_constant=lambda name: None, parse_float=_finite_or_none)
+        except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            if number == len(lines):
+                return rows, number
+            raise ValueError(f"{what} {path}: line {number} is not JSON ({_json_problem(e)})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{what} {path}: line {number} must hold a JSON object, got {type(row).__name__}")
+        rows.append((number, row))
+    return rows, None
+
+
+def _finite_or_none(text: str) -> float | None:
+    value = float(text)
+    return value if math.isfinite(value) else None
+
+
+def _json_problem(e: Exception) -> str:
+    """A decoder's complaint without its position inside the line, which the line number replaces."""
+    if isinstance(e, UnicodeDecodeError):
+        return f"not UTF-8 text at byte {e.start}"
+    if isinstance(e, json.JSONDecodeError):
+        return f"{e.msg} at column {e.colno}"
+    return type(e).__name__
+
+
+def check_output_file(path, what: str, make_folders: bool = False) -> None:
+    """Refuse, before any work, a file path its output could not be written to: a folder or another
+    thing that is no regular file, in a folder that does not exist (``make_folders``: whose nearest
+    existing folder the writer creates the rest in) or that this process may not write in."""
+    path = Path(path)
+    if path.exists() and not path.is_file():
+        kind = "a folder" if path.is_dir() else "not a regular file"
+        raise ValueError(f"{what} {str(path)!r} is {kind}: give the path of a file to write")
+    folder = path.parent
+    while make_folders and not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.exists():
+        raise ValueError(f"{what} {str(path)!r}: the folder {str(folder)!r} does not exist")
+    if not folder.is_dir():
+        raise ValueError(f"{what} {str(path)!r}: {str(folder)!r} is not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} {str(path)!r}: the folder {str(folder)!r} is not writable")
 
 
 @contextlib.contextmanager

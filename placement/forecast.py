@@ -19,17 +19,23 @@ every collective pays its ``latency_s``.
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass
 
 import torch
 
-from placement.placement import NAMED, Placement
+from placement.placement import MAX_EXPERTS, NAMED, Placement
 from placement.plan import DEDUP_MODES, DispatchPlan
 from placement.simulate import check_memory
 from placement.topology import Topology
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 PLACEMENTS = NAMED  # every named placement, compared side by side
+# The most of each shape value: far above any model (hidden sizes are thousands, MoE layers about a
+# hundred), and low enough that bytes and seconds stay finite floats whatever the link rates.
+MAX_SHAPE = {"hidden": 1 << 20, "ffn": 1 << 20, "experts": MAX_EXPERTS, "top_k": MAX_EXPERTS,
+             "tokens_per_rank": 1 << 30, "layers": 10_000}
+TFLOPS_RANGE = (1e-3, 1e6)  # achieved TFLOP/s per rank: from a CPU's GFLOP/s to a thousand times a GPU's
 
 
 @dataclass(frozen=True)
@@ -43,10 +49,10 @@ class ModelShape:
     dtype: str = "bf16"
 
     def __post_init__(self):
-        for name in ("hidden", "ffn", "experts", "top_k", "tokens_per_rank", "layers"):
+        for name, most in MAX_SHAPE.items():
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be an int >= 1, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= most:
+                raise ValueError(f"--{name.replace('_', '-')} must be an int in [1, {most}], got {reprlib.repr(v)}")
         if self.top_k > self.experts:
             raise ValueError(f"--top-k {self.top_k} is more than --experts {self.experts}")
         if self.dtype not in DTYPE_BYTES:
@@ -111,9 +117,12 @@ def forecast(shape: ModelShape, topology: Topology, routing=None, ep: int | None
     """Bytes per token per level and predicted seconds per placement x dedup x pipeline chunks.
     ``routing``: None (uniform), or a callable (tokens, generator) -> [T, K] expert ids (e.g. a
     recorded run's)."""
-    if tflops <= 0:
-        raise ValueError(f"--tflops must be > 0, got {tflops}")
-    ep = ep or math.gcd(topology.world_size, shape.experts)
+    low, high = TFLOPS_RANGE
+    if isinstance(tflops, bool) or not isinstance(tflops, (int, float)) or not low <= tflops <= high:
+        raise ValueError(f"--tflops must be a finite number in [{low:g}, {high:g}] (TFLOP/s per rank), got {tflops}")
+    if ep is not None and (isinstance(ep, bool) or not isinstance(ep, int) or ep < 1):
+        raise ValueError(f"--ep must be an int >= 1, got {ep!r}")
+    ep = ep if ep is not None else math.gcd(topology.world_size, shape.experts)
     group = ep_topology(topology, ep)
     sample = sample if sample is not None else min(shape.tokens_per_rank, max(16, -(-8192 // ep)))
     if sample < 1:

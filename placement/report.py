@@ -2,7 +2,8 @@
 
 ``write_report(run_dir, topology)`` reads the run's recorded routing
 (``routing.npz``: the experts every validation token chose, and its rank) and its
-``metrics.jsonl``, and writes to ``run_dir``:
+``metrics.jsonl`` (a torn last row, which a killed run leaves, skipped), checks first
+that it can write its files, and writes to ``run_dir``:
 
 report.json        everything below, as numbers
 report.md          the tables, linking the plots
@@ -24,17 +25,22 @@ the training summary's are of the router's load before them.
 from __future__ import annotations
 
 import json
+import math
+import reprlib
 from pathlib import Path
 
 import torch
 
 from placement.cost import CostModel
-from placement.files import replacing, write_atomic
+from placement.files import check_output_file, read_jsonl, replacing, write_atomic
 from placement.locality import node_share, random_pair_tree_distance, tree_distance
 from placement.placement import NAMED, Placement, cut_weight
 from placement.simulate import RoutingRecord, recorded_layers
 from placement.topology import Topology
 from placement.traffic import DEDUP_MODES, dispatch_traffic
+
+OUTPUTS = ("report.json", "report.md", "traffic_heatmap.png", "bytes_by_level.png", "expert_load.png",
+           "tree_distance.png")
 
 
 def placement_name(run_placement: str) -> str:
@@ -114,7 +120,9 @@ def analyze(record: RoutingRecord, topology: Topology, run_placement: str = "con
     out["expert_load"] = torch.bincount(valid, minlength=record.num_experts).tolist()
     e = record.num_experts
     if e >= 2 and not e & (e - 1) and record.expert_idx.shape[1] >= 2:
-        out["tree_distance"] = tree_distance(record.expert_idx, e)
+        distance = tree_distance(record.expert_idx, e)
+        if math.isfinite(distance):  # NaN when no token kept two experts: no co-selected pair to measure
+            out["tree_distance"] = distance
         out["random_pair_tree_distance"] = random_pair_tree_distance(e)
     return out
 
@@ -122,12 +130,40 @@ def analyze(record: RoutingRecord, topology: Topology, run_placement: str = "con
 def _node_share(record: RoutingRecord, expert_node: torch.Tensor, num_nodes: int) -> dict:
     idx = record.expert_idx
     share, cv = node_share(torch.bincount(idx[idx >= 0], minlength=record.num_experts), expert_node, num_nodes)
-    return {"node_share": share, "node_share_cv": cv}
+    return {"node_share": share, "node_share_cv": cv if math.isfinite(cv) else None}  # None: no slot dispatched
 
 
-def _metrics(run_dir: Path) -> list[dict]:
+def _training(run_dir: Path) -> dict:
+    """The training rows of the run's metrics.jsonl the report plots and sums (a torn last row, which a
+    killed run leaves, skipped: ``torn_last_row`` gives its line)."""
     path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    rows, torn = read_jsonl(path, "metrics file") if path.exists() else ([], None)
+    steps = [(number, r) for number, r in rows if "loss" in r]
+    for number, r in steps:
+        problem = _metric_problem(r)
+        if problem:
+            raise ValueError(f"metrics file {path}: line {number}: {problem}")
+    steps = [r for _, r in steps]
+    return {
+        "steps": [r["step"] for r in steps],
+        "tree_distance": [r.get("tree_distance") for r in steps],  # the mean over MoE layers when several
+        "measured_bytes_by_level": {k[len("bytes_"):]: sum(r.get(k, 0) for r in steps)
+                                    for k in sorted({k for r in steps for k in r if k.startswith("bytes_")})},
+        "torn_last_row": torn,
+    }
+
+
+def _metric_problem(row: dict) -> str | None:
+    """What is wrong with a training row's step, tree distance or byte counts (None: nothing)."""
+    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+    if not is_int(row.get("step")):
+        return f"'step' must be an int, got {reprlib.repr(row.get('step'))}"
+    distance = row.get("tree_distance")
+    if distance is not None and (isinstance(distance, bool) or not isinstance(distance, (int, float))):
+        return f"'tree_distance' must be a number or null, got {reprlib.repr(distance)}"
+    counts = [(k, v) for k, v in row.items() if k.startswith("bytes_") and not (is_int(v) and v >= 0)]
+    return f"{counts[0][0]!r} must be a count of bytes (an int >= 0), got {reprlib.repr(counts[0][1])}" \
+        if counts else None
 
 
 def write_report(run_dir: str | Path, topology: Topology, run_placement: str = "contiguous",
@@ -137,6 +173,7 @@ def write_report(run_dir: str | Path, topology: Topology, run_placement: str = "
     topology came from (given, the run's own, assumed); ``rates_source`` where its link rates did
     when they are not the cost model's defaults: a file, "calibrated <date> (file)" for calibrate's."""
     run_dir = Path(run_dir)
+    check_outputs(run_dir)
     layers = [analyze(RoutingRecord.load(run_dir, i), topology, run_placement)
               for i in range(max(1, recorded_layers(run_dir)))]
     report = dict(layers[0])
@@ -147,21 +184,23 @@ def write_report(run_dir: str | Path, topology: Topology, run_placement: str = "
     source = "the cost model's defaults" if default else rates_source or "given"
     kind = "default link rates" if default else "calibrated" if source.startswith("calibrated") else "given link rates"
     report["link_rates"] = {"source": source, "kind": kind, "default": default, "levels": link_rates(topology)}
-    steps = [r for r in _metrics(run_dir) if "loss" in r]
-    report["training"] = {
-        "steps": [r["step"] for r in steps],
-        "tree_distance": [r.get("tree_distance") for r in steps],  # the mean over MoE layers when several
-        "measured_bytes_by_level": {k[len("bytes_"):]: sum(r.get(k, 0) for r in steps)
-                                    for k in sorted({k for r in steps for k in r if k.startswith("bytes_")})},
-    }
+    report["training"] = _training(run_dir)
     shown = report["run_placement_shown"] or next(iter(report["placements"]))
     whose = " (the run's)" if shown == report["run_placement_shown"] else ""
     report["heatmap"] = {"placement": shown, "dedup": report["heatmap_dedup"],
                          "title": f"dispatch KiB, layer 0, {shown} placement{whose}, {report['heatmap_dedup']} dedup"}
+    # strict JSON: a NaN or inf here is a bug to refuse, never a file other tools cannot read
+    text, markdown = json.dumps(report, indent=1, allow_nan=False) + "\n", _markdown(report, topology)
     _plots(run_dir, report, topology)
-    write_atomic(run_dir / "report.json", json.dumps(report, indent=1) + "\n")
-    write_atomic(run_dir / "report.md", _markdown(report, topology))
+    write_atomic(run_dir / "report.json", text)
+    write_atomic(run_dir / "report.md", markdown)
     return report
+
+
+def check_outputs(run_dir: str | Path) -> None:
+    """Refuse, before the analysis, a run directory the report's files could not be written into."""
+    for name in OUTPUTS:
+        check_output_file(Path(run_dir) / name, "report file")
 
 
 def _rate(bytes_per_s: float) -> str:
@@ -211,7 +250,7 @@ def _markdown(report: dict, topology: Topology) -> str:
         lines.append("Node share (each node's share of the validation slots dispatched, after capacity drops; "
                      "the training summary's node share is of the router's load before them): " + "; ".join(
                          f"layer {li} {name} " + " / ".join(f"{v:.3f}" for v in p["node_share"])
-                         + f" (CV {p['node_share_cv']:.3f})"
+                         + (f" (CV {p['node_share_cv']:.3f})" if p["node_share_cv"] is not None else " (CV n/a)")
                          for li, layer in enumerate(report["layers"]) for name, p in layer["placements"].items())
                      + ".")
     distances = [(li, layer["tree_distance"]) for li, layer in enumerate(report["layers"]) if "tree_distance" in layer]

@@ -77,6 +77,9 @@ class RoutingRecord:
         arrays = {"expert_idx": ("iu", 2), "src_rank": ("iu", 1), "meta": ("iu", 1), "probs": ("f", 2)}
         z = read_npz(path, arrays, ("expert_idx", "src_rank"), "routing record", optional=("probs",))
         idx, src, meta = z["expert_idx"], z["src_rank"], z["meta"]
+        if not len(idx):  # every use divides by the tokens or draws from them
+            raise ValueError(f"routing record {path} holds no tokens (0 rows in 'expert_idx'): nothing to measure; "
+                             "train with validation data so that the run records its routing")
         if meta.shape != (3,):
             raise ValueError(f"routing record {path}: 'meta' must hold [num_experts, world_size, token_bytes], "
                              f"got {meta.size} values")
@@ -95,8 +98,8 @@ class RoutingRecord:
         if idx.shape[1] > e:
             raise ValueError(f"routing record {path}: {idx.shape[1]} experts per token of {e}")
         probs = z.get("probs")
-        if probs is not None and (probs.shape != (len(idx), e) or not np.isfinite(probs).all()):
-            raise ValueError(f"routing record {path}: 'probs' must be finite [{len(idx)}, {e}], got {probs.shape}")
+        if probs is not None:
+            _check_probs(path, probs, (len(idx), e))
         return cls(torch.from_numpy(idx).long(), torch.from_numpy(src).long(), e, w, b, _dispatch(path),
                    None if probs is None else torch.from_numpy(probs).float())
 
@@ -116,6 +119,16 @@ class RoutingRecord:
         return coactivation(self.expert_idx, e)
 
 
+def _check_probs(path: Path, probs: np.ndarray, shape: tuple) -> None:
+    """A record's router distribution: one row per token over every expert, finite and >= 0."""
+    if probs.shape != shape:
+        raise ValueError(f"routing record {path}: 'probs' must be finite [{shape[0]}, {shape[1]}], got {probs.shape}")
+    improper = probs[~(np.isfinite(probs) & (probs >= 0))]
+    if len(improper):
+        raise ValueError(f"routing record {path}: 'probs' must hold probabilities (finite, >= 0), got "
+                         f"{len(improper)} values that are not, such as {improper[0]}")
+
+
 def _dispatch(routing: Path) -> dict | None:
     """The JSON beside a routing record (how an expert-parallel run moved its tokens), or None."""
     side = routing.with_suffix(".json")
@@ -124,7 +137,7 @@ def _dispatch(routing: Path) -> dict | None:
     if not side.is_file() or side.stat().st_size > 16 << 20:
         raise ValueError(f"routing record {side} is not a file of at most 16 MiB")
     try:
-        data = json.loads(side.read_text(encoding="utf-8"))
+        data = json.loads(side.read_text(encoding="utf-8"), parse_constant=_no_constant)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ValueError(f"routing record {side} is not valid JSON ({type(e).__name__})") from None
     if not isinstance(data, dict) or not isinstance(data.get("topology"), str):
@@ -134,6 +147,11 @@ def _dispatch(routing: Path) -> dict | None:
     except ValueError as e:
         raise ValueError(f"routing record {side}: {e}") from None
     return data
+
+
+def _no_constant(name: str):
+    """Strict JSON: NaN, Infinity and -Infinity are no numbers (and report.json could not hold them)."""
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def replicas_for(num_experts: int, world: int) -> int:

@@ -109,8 +109,9 @@ def balance_step(bias: Tensor, load: Tensor, limits: list[tuple[int, int]], rate
 def level_depths(levels: dict, topology_levels: tuple, sizes: tuple, num_experts: int) -> list[tuple[int, int]]:
     """{level name: M} -> [(depth, M)]: a level's units are the subtrees at depth log2(units so far)
     when the level sizes are powers of two and tree-prefix placement put them there. A limit of
-    more units than the topology has (``node: 2`` on one node) limits nothing: M is capped there,
-    and two levels of one depth keep the tighter limit."""
+    more units than the topology has (``node: 2`` on one node) would limit nothing and is refused;
+    one of exactly as many (``node: 1`` on one node) limits nothing either, which lets a cluster's
+    config run on fewer nodes. Two levels of one depth keep the tighter limit."""
     out: dict[int, int] = {}
     for name, m in levels.items():
         if name not in topology_levels:
@@ -122,6 +123,9 @@ def level_depths(levels: dict, topology_levels: tuple, sizes: tuple, num_experts
         if units & (units - 1) or units > num_experts:
             raise ValueError(f"router key 'subtree_limit': the {units} {name}s of the topology are not subtrees "
                              f"of a {num_experts}-expert tree (their count must be a power of two <= num_experts)")
+        if m > units:
+            raise ValueError(f"router key 'subtree_limit' allows {m} {name}s, but the topology has {units}: "
+                             f"a limit of more {name}s than there are limits nothing; give at most {units}")
         depth = units.bit_length() - 1
-        out[depth] = min(out.get(depth, m), m, units)
+        out[depth] = min(out.get(depth, m), m)
     return sorted(out.items())

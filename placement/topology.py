@@ -202,17 +202,14 @@ class Topology:
         for name, c in costs.items():
             if not isinstance(c, dict):
                 refuse(f"cost.{name}", "a mapping", c)
-        numbers = [(f"cost.{n}.{k}", v) for n, c in costs.items() for k, v in c.items() if k != "shared"]
-        numbers += [(f"exchange.{k}", v) for k, v in exchange.items() if k != "calibrated"]
-        for key, value in numbers:  # NaN and inf would price every exchange at NaN or inf
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) < 1e300:
-                refuse(key, "a finite number", value)
-        cost = CostModel.default(levels).updated(costs)
         unknown = sorted(set(exchange) - {"latency_s", "overlap", "chunked", "calibrated"})
         if unknown:
             raise ValueError(f"{path}: unknown exchange key {unknown[0]!r}; valid: latency_s, overlap, chunked")
-        cost = cost.with_exchange(float(exchange.get("latency_s", 0.0)), float(exchange.get("overlap", 0.0)),
-                                  float(exchange.get("chunked", 1.0)))
+        try:  # the cost model checks every number against its range (cost.BOUNDS), naming the key
+            cost = CostModel.default(levels).updated(costs).with_exchange(
+                exchange.get("latency_s", 0.0), exchange.get("overlap", 0.0), exchange.get("chunked", 1.0))
+        except ValueError as e:
+            raise ValueError(f"topology file {path}: {e}") from None
         return cls(levels, tuple(data["sizes"]), cost)
 
     @classmethod

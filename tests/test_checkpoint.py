@@ -105,6 +105,22 @@ def test_missing_experts_are_a_clear_error(tmp_path):
         checkpoint.load(checkpoint.latest(tmp_path), big, torch.optim.Adam(big.parameters()), {})
 
 
+@pytest.mark.parametrize("where", ["expert weight", "adam state"])
+def test_a_non_finite_state_is_never_saved_and_latest_keeps_the_last_good_one(tmp_path, where):
+    torch.manual_seed(0)
+    layer = MoELayer(H, F, {"type": "switch", "num_experts": 4, "top_k": 2})
+    opt = torch.optim.Adam(layer.parameters())
+    checkpoint.save(tmp_path, 1, layer, opt, {})
+    weight = next(p for n, p in layer.named_parameters() if "expert" in n)
+    with torch.no_grad():
+        (weight if where == "expert weight" else opt.state[weight]["exp_avg_sq"])[0, 0] = float("inf")
+    with pytest.raises(checkpoint.CheckpointError, match=r"not saving checkpoint step-2: .* holds NaN or Inf; "
+                                                         r"the newest checkpoint is still .*step-1"):
+        checkpoint.save(tmp_path, 2, layer, opt, {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-1"]  # nothing written, not even a tmp
+    assert checkpoint.latest(tmp_path).name == "step-1"
+
+
 def test_the_balance_bias_travels_and_a_checkpoint_from_before_it_loads(tmp_path):
     limited = {"type": "branch", "num_experts": E, "top_k": 2, "subtree_limit": 1, "subtree_depth": 1}
     torch.manual_seed(0)

@@ -86,12 +86,9 @@ def test_bad_limits_name_the_key(kw, key):
 
 def test_a_limit_by_level_is_resolved_from_the_topology_and_tree_prefix_placement():
     topo = Topology(("rack", "node", "gpu"), (2, 2, 2))
-    layer = MoELayer(8, 12, {"type": "branch", "num_experts": 16, "top_k": 4, "subtree_limit": {"rack": 1, "node": 2}},
-                     topology=Topology(("rack", "node", "gpu"), (1, 1, 1)))
-    router = layer.router
-    router.subtree_levels = None  # resolve for the 8-rank topology, as an EP layer on it would
     from dist_moe.layer import bind_to_topology
 
+    router = _router(16, 4, subtree_limit={"rack": 1, "node": 2})  # resolved for the 8 ranks, as an EP layer would
     bind_to_topology(router, Placement.tree_prefix(16, topo), topo)
     assert router.subtree_levels == [(1, 1), (2, 2)]
     r = router(torch.randn(300, 8))

@@ -105,11 +105,12 @@ def agree_on_errors(check, group=None) -> None:
     """Run ``check()`` (start-up checks: output directory, run lock, checkpoint) on every rank; a
     ValueError on any rank is raised on every rank, so none is left waiting in the first collective
     for a peer that has already stopped."""
+    error = None
     try:
         check()
-        mine = None
     except ValueError as e:
-        mine = str(e)
+        error = e
+    mine = None if error is None else (str(error) or type(error).__name__)
     messages = [mine]
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         messages = [None] * dist.get_world_size(group)
@@ -117,4 +118,6 @@ def agree_on_errors(check, group=None) -> None:
     bad = [(rank, m) for rank, m in enumerate(messages) if m]
     if bad:
         rank, message = bad[0]
-        raise ValueError(message if message == mine else f"rank {rank}: {message}")
+        if message == mine:
+            raise error  # this rank's own, its type kept (a CheckpointError stays one)
+        raise ValueError(f"rank {rank}: {message}")

@@ -26,11 +26,17 @@ from torch.autograd.function import once_differentiable
 from dist_moe.dispatch.all_to_all import Hop, pairs_back
 from dist_moe.experts import Experts, apply_experts
 
+# Every chunk is one more exchange per stage and direction, each with its latency: far below this
+# the overlap has stopped paying, and a bound keeps per-chunk lists (bounds, hops, saved graphs) small
+# whatever the config says.
+MAX_PIPELINE_CHUNKS = 64
+
 
 def check_chunks(chunks) -> int:
-    """A layer's ``pipeline_chunks``: an int >= 1 (the same on every rank), or ValueError naming it."""
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"pipeline_chunks must be an int >= 1, got {chunks!r}")
+    """A layer's ``pipeline_chunks``: an int in [1, MAX_PIPELINE_CHUNKS] (the same on every rank), or
+    ValueError naming it."""
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or not 1 <= chunks <= MAX_PIPELINE_CHUNKS:
+        raise ValueError(f"pipeline_chunks must be an int in [1, {MAX_PIPELINE_CHUNKS}], got {chunks!r}")
     return chunks
 
 

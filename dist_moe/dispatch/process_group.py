@@ -24,6 +24,10 @@ def launched_world_size() -> int:
 
 
 DEVICES = ("auto", "cpu", "cuda")
+# How long a collective may wait for a peer: below a second the group's own start-up (the store's
+# rendezvous) times out before any peer could answer; beyond a week a hung peer is never reported,
+# and far beyond, the backends' own timers overflow.
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 7 * 24 * 3600
 
 
 def local_rank() -> int:

@@ -11,7 +11,8 @@ default; examples or tokens as options, see ``dist_moe.gar.observe``):
   L_norm   = - sum_k ||sum_m p_mk g_m||^2 / (sum_m p_mk + eps)
 
 Router parameters get grad(L_task + lambda L_norm); all other parameters get
-grad(L_task); then one global-norm clip and one optimizer step. With a ``share`` s
+grad(L_task); then one global-norm clip and one optimizer step, unless a loss or a gradient is not
+finite on some rank: then no rank steps (the step is skipped, as a plain step is). With a ``share`` s
 instead of a fixed lambda (an extension: ``train.gar.share``), lambda is set on every
 step so that ||lambda grad_router L_norm|| = s ||grad_router L_task||, both measured on
 this step's gradients (summed over the ranks under expert parallelism).
@@ -31,7 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from dist_moe.dispatch.grads import clip_global, group_size, sum_replicated_grads
+from dist_moe.dispatch.grads import all_finite, clip_global, group_size, sum_replicated_grads
 from dist_moe.dispatch.stats import all_reduce_sum_
 from dist_moe.gar.observe import Observations, collect_observations
 from dist_moe.routing.gar import gar_loss, gar_loss_gram
@@ -84,6 +85,8 @@ def gar_train_step(
     rank_local_ids, group)``, when given, replaces the gradient sum, clip and
     ``optimizer.step()`` (an engine that owns them, e.g. DeepSpeed). ``share`` replaces
     ``lam`` by the lambda that gives GAR that share of the router's gradient (``share_lambda``).
+    Returns the losses, lambda, the gradient norm and ``stepped``: False when a loss or a gradient
+    was not finite on some rank, in which case no rank updated a parameter.
     """
     optimizer.zero_grad(set_to_none=True)
     obs = collect_observations(model, groups, loss_fn, weights, mode, sizes, unit)
@@ -96,16 +99,33 @@ def gar_train_step(
         (lam * aux / world).backward()  # router parameters only: inputs and observations are detached
     params = [p for p in model.parameters() if p.requires_grad]
     local = rank_local_param_ids(obs.layers)
-    if finish is not None:
-        finish(params, local, obs.group)
-        return {"task_loss": obs.task_loss, "gar_loss": float(aux.detach()), "grad_norm": None, "lambda": lam}
+    out = {"task_loss": obs.task_loss, "gar_loss": float(aux.detach()), "grad_norm": None, "lambda": lam,
+           "stepped": False}
+    losses = torch.tensor([obs.task_loss, out["gar_loss"], lam], dtype=torch.float64)
+    if finish is not None:  # the engine reduces: every rank's own gradients are checked before it does
+        if _finite_or_cleared(losses, params, obs.group):
+            finish(params, local, obs.group)
+            out["stepped"] = True
+        return out
     if obs.group is not None:
         sum_replicated_grads(params, local, obs.group)
-    grad_norm = None
+    if not _finite_or_cleared(losses, params, obs.group):  # after the sum, which may overflow too
+        return out
     if max_grad_norm is not None:
-        grad_norm = clip_global(params, local, obs.group, max_grad_norm)
+        out["grad_norm"] = clip_global(params, local, obs.group, max_grad_norm)
     optimizer.step()
-    return {"task_loss": obs.task_loss, "gar_loss": float(aux.detach()), "grad_norm": grad_norm, "lambda": lam}
+    out["stepped"] = True
+    return out
+
+
+def _finite_or_cleared(losses: Tensor, params, group) -> bool:
+    """Whether the losses, lambda and every gradient (L_norm's included) are finite on every rank;
+    if not, the gradients are dropped so that nothing of the step reaches the optimizer."""
+    if all_finite(losses, params, group):
+        return True
+    for p in params:
+        p.grad = None
+    return False
 
 
 def router_parameters(obs: Observations) -> list[Tensor]:

@@ -12,11 +12,18 @@ import math
 import torch
 from torch import Tensor
 
+from placement.placement import MAX_EXPERTS
+
+# A factor of E / K already lets every expert take every token (nothing drops), and E <= MAX_EXPERTS:
+# larger factors change nothing but can overflow ceil(factor * T * K / E) to inf.
+MAX_CAPACITY_FACTOR = float(MAX_EXPERTS)
+
 
 def capacity_for(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
     if (isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float))
-            or not 0 < capacity_factor < math.inf):  # inf: no cap, and ceil(inf) raises
-        raise ValueError(f"capacity_factor must be a finite number > 0, got {capacity_factor!r}")
+            or not 0 < capacity_factor <= MAX_CAPACITY_FACTOR):
+        raise ValueError(f"capacity_factor must be a number in (0, {MAX_CAPACITY_FACTOR:g}] (null: dropless), "
+                         f"got {capacity_factor!r}")
     return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
 
 

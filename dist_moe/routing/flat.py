@@ -64,6 +64,10 @@ class _LearnedFlatRouter(Router):
         counts = torch.bincount(expert_group)
         if (counts != counts[0]).any():
             raise ValueError(f"expert groups must be equally sized, got sizes {counts.tolist()}")
+        if self.node_limit is not None and self.node_limit > len(counts):
+            raise ValueError(f"router key 'node_limit' is {self.node_limit}, but the experts sit on {len(counts)} "
+                             f"node(s): a limit of more nodes than there are limits nothing; give at most "
+                             f"{len(counts)}")
         if self.node_limit is not None and self.top_k > self.node_limit * int(counts[0]):
             raise ValueError(f"top_k={self.top_k} cannot fit in node_limit={self.node_limit} groups of "
                              f"{int(counts[0])}")

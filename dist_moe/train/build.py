@@ -1,15 +1,20 @@
 """A run's data and model from its config: tabular, image, LM or text, hosted by the run's engine."""
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import replace
+
+import psutil
 
 from dist_moe.data.corpus import lm_split
 from dist_moe.data.tabular import tabular_split
 from dist_moe.data.text_tasks import text_split
+from dist_moe.experts import expert_parameters
 from dist_moe.models import TabularMoE
 from dist_moe.models.image import ImageMoE
 from dist_moe.models.text import TextMoE
-from dist_moe.models.tiny_lm import TinyMoELM
+from dist_moe.models.tiny_lm import VOCAB, TinyMoELM
 from dist_moe.routing.registry import RouterKeyError
 
 
@@ -56,6 +61,7 @@ def _data_and_model(cfg, rt):
         if mcfg.label_mask or not mcfg.d_model:
             raise ValueError("model.kind=lm needs model.d_model > 0 and model.label_mask: false")
         data = lm_split(dcfg.seq_len, dcfg.per_domain, dcfg.val_fraction, seed, dcfg.categories)
+        check_model_fits(cfg, rt.world)
         router = categorised_router(cfg, data)
         build = lambda i: rt.build_moe(mcfg.d_model, mcfg.ffn_hidden_size, router,  # noqa: E731
                                        mcfg.capacity_factor, mcfg.expert_type)
@@ -66,12 +72,14 @@ def _data_and_model(cfg, rt):
         if dcfg.categories not in (None, "tasks"):
             raise ValueError(f"data.categories for text_tasks must be 'tasks' or null, got {dcfg.categories!r}")
         data = text_split(dcfg.per_domain, dcfg.seq_len, dcfg.val_fraction, seed)
+        check_model_fits(cfg, rt.world, classes=sum(data.task_classes))
         router = categorised_router(cfg, data)
         moe = rt.build_moe(384, mcfg.ffn_hidden_size, router, mcfg.capacity_factor, mcfg.expert_type)
         return data, TextMoE(moe, data.task_classes)
     data = tabular_split(dcfg.name, dcfg.val_fraction, seed, dcfg.max_rows, dcfg.categories)
     router = categorised_router(cfg, data)
     features = data.x_train.shape[1]
+    check_model_fits(cfg, rt.world, features, data.num_classes)
     moe = rt.build_moe(mcfg.d_model or features, mcfg.ffn_hidden_size, router, mcfg.capacity_factor,
                        mcfg.expert_type)
     model_cls = ImageMoE if kind == "image" else TabularMoE
@@ -79,3 +87,45 @@ def _data_and_model(cfg, rt):
                            **mcfg.block_keys())
 
 
+
+
+TEXT_HIDDEN = 384  # MiniLM's states, which the text model's MoE reads
+
+
+def training_bytes(cfg, world: int, features: int = 0, classes: int = 0) -> int:
+    """About how much memory one rank needs to train ``cfg``'s model: fp32 weights with their gradients
+    and Adam's two moments (its 1/world of the experts), and one batch's activations kept for the
+    backward. Python ints: a size too large for any tensor is still counted, never overflows."""
+    m, r, kind = cfg.model, cfg.router, cfg.model.kind
+    hidden = {"lm": m.d_model, "text": TEXT_HIDDEN}.get(kind, m.d_model or features)
+    moe_layers = m.layers if kind == "lm" else 1
+    experts = expert_parameters(math.ceil(r.num_experts / world), hidden, m.ffn_hidden_size, m.expert_type)
+    weights = moe_layers * (experts + r.num_experts * hidden) + hidden * classes
+    if kind == "lm":  # attention, embeddings, positions, the byte head
+        weights += m.layers * 4 * hidden * hidden + (2 * VOCAB + cfg.data.seq_len) * hidden
+    elif kind in ("tabular", "image"):  # the input projection (the image stem's last linear)
+        weights += (32 * 7 * 7 if kind == "image" else features) * m.d_model
+    tokens = cfg.train.batch_size * (cfg.data.seq_len if kind in ("lm", "text") else 1)
+    k = getattr(r, "top_k", None) or r.num_experts  # a dense router (SpecDrop) reaches every expert
+    per_token = (6 + 2 * k) * hidden + 3 * k * m.ffn_hidden_size + r.num_experts
+    if kind == "lm":
+        per_token += m.heads * cfg.data.seq_len  # attention scores
+    return 4 * 4 * weights + 2 * 4 * tokens * moe_layers * per_token  # activations and their gradients
+
+
+def check_model_fits(cfg, world: int, features: int = 0, classes: int = 0) -> None:
+    """Refuse, before any weight is allocated, a model that would not fit in this rank's share of the
+    memory available now (the ranks of this machine share it), naming its sizes."""
+    needed = training_bytes(cfg, world, features, classes)
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    free = psutil.virtual_memory().available // local
+    if needed > free:
+        m = cfg.model
+        sizes = (f"model.d_model={m.d_model}" + (f" (input features {features})" if features else "")
+                 + (f", model.layers={m.layers}, model.heads={m.heads}" if m.kind == "lm" else "")
+                 + f", model.ffn_hidden_size={m.ffn_hidden_size}, {cfg.router.num_experts} experts, "
+                 f"train.batch_size={cfg.train.batch_size}" + (f", data.seq_len={cfg.data.seq_len}"
+                                                               if m.kind in ("lm", "text") else ""))
+        raise ValueError(f"model.kind={m.kind} with {sizes} needs about {needed / 2**30:.3g} GiB per rank to train "
+                         f"(weights, gradients, Adam, activations), more than the {free / 2**30:.1f} GiB "
+                         f"available{f' to each of {local} ranks here' if local > 1 else ''}")

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dist_moe.dispatch.agree import agree_on_errors
 from dist_moe.dispatch.process_group import barrier
 from dist_moe.moe_view import MoEHost
 from dist_moe.train.checkpoint_files import (
@@ -113,15 +114,17 @@ def save(directory: str | Path, step: int, model: nn.Module, optimizer, extra: d
     directory = Path(directory)
     final = directory / f"step-{step}"
     tmp = directory / f".tmp-step-{step}"
+    _materialise_optimizer_state(model, optimizer)  # a save before the first step still loads
+    state = state_of(model, optimizer, extra)
+    agree_on_errors(lambda: _refuse_non_finite(state, directory, step), group)  # before anything is written
     if _rank(group) == 0:
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         _remove(tmp)  # a save that died earlier
         tmp.mkdir(mode=0o700)
     barrier(group)
-    _materialise_optimizer_state(model, optimizer)  # a save before the first step still loads
     from dist_moe.train.checkpoint_dcp import save_state  # torch.distributed.checkpoint: ~1.6 s to import
 
-    save_state(state_of(model, optimizer, extra), tmp, group)
+    save_state(state, tmp, group)
     barrier(group)
     if _rank(group) == 0:
         if config is not None:
@@ -132,6 +135,19 @@ def save(directory: str | Path, step: int, model: nn.Module, optimizer, extra: d
         write_atomic(directory / LATEST, final.name + "\n", 0o600)  # never through a planted link
     barrier(group)
     return final
+
+
+def _refuse_non_finite(state: dict, directory: Path, step: int) -> None:
+    """A checkpoint never holds NaN or Inf (a resume refuses one): the save is refused instead, so
+    ``latest`` keeps naming the last good checkpoint. One check on the device, one host read."""
+    floats = [(k, t) for k, t in state.items() if t.is_floating_point()]
+    if not floats or bool(torch.stack([torch.isfinite(t).all() for _, t in floats]).all()):
+        return
+    key = next(k for k, t in floats if not bool(torch.isfinite(t).all()))
+    last = latest(directory) if directory.is_dir() else None
+    kept = (f"the newest checkpoint is still {last}, from which train.resume=true continues" if last is not None
+            else "no checkpoint was written")
+    raise CheckpointError(f"not saving checkpoint step-{step}: {key!r} holds NaN or Inf; {kept}")
 
 
 def _remove(path: Path) -> None:

@@ -33,6 +33,9 @@ def _merge(base: dict, update: dict, path: str = "") -> dict:
         if key not in base:
             raise ValueError(f"unknown config key {shown(where)}; valid keys here: {sorted(base)}")
         if isinstance(base[key], dict):
+            if value is None and where in _OPEN_SECTIONS:  # train.gar=null: no GAR, as the schema says
+                out[key] = None
+                continue
             if not isinstance(value, dict):
                 raise ValueError(f"config key {shown(where)} must be a mapping, got {shown(value)}")
             if key in _OPEN_SECTIONS and "type" in value and value["type"] != base[key].get("type"):
@@ -61,6 +64,15 @@ def _switch_router_type(old: dict, new: dict) -> dict:
     return {"type": new["type"], **{k: v for k, v in old.items() if k in keep}}
 
 
+def _keep_given_router_keys(router: dict, given: dict[str, str], item: str) -> None:
+    """A router key set on the command line is never dropped by a later ``router.type=X`` whose
+    router does not take it (the config file's keys are: that is what the bare type switch is for)."""
+    lost = [k for k in given if k not in router]
+    if lost and router.get("type") in ROUTERS:  # an unknown type is named by the router check instead
+        raise ValueError(f"override {shown(item)} drops router.{lost[0]}, set by override {shown(given[lost[0]])}: "
+                         f"router type {router.get('type')!r} does not take it; give one of the two")
+
+
 def parse_override(item: str) -> dict:
     """'train.lr=3e-4' -> {'train': {'lr': 0.0003}} (values parsed as YAML)."""
     if "=" not in item:
@@ -87,8 +99,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         if not isinstance(loaded, dict):
             raise ValueError(f"config file {str(path)!r} must hold a mapping")
         cfg = _merge(cfg, loaded)
+    given: dict[str, str] = {}  # router key -> the override that set it
     for item in overrides:
-        cfg = _merge(cfg, parse_override(item))
+        update = parse_override(item)
+        cfg = _merge(cfg, update)
+        _keep_given_router_keys(cfg["router"], given, item)
+        if isinstance(update.get("router"), dict):
+            given.update({k: item for k in update["router"] if k != "type"})
     cfg["name"] = run_name(cfg["name"], overrides)
     return RunConfig.from_dict(cfg)
 

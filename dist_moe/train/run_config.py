@@ -14,10 +14,12 @@ import warnings
 from dataclasses import dataclass, field, fields, is_dataclass
 
 from dist_moe.config_types import fits, hints, kinds, optional, wanted
-from dist_moe.dispatch.process_group import DEVICES
+from dist_moe.dispatch.pipeline import MAX_PIPELINE_CHUNKS
+from dist_moe.dispatch.process_group import DEVICES, MAX_TIMEOUT_S, MIN_TIMEOUT_S
 from dist_moe.errors import shown
 from dist_moe.experts import KINDS as EXPERT_KINDS
 from dist_moe.integrations.megatron_patches import DISPATCHERS
+from dist_moe.routing.capacity import MAX_CAPACITY_FACTOR
 from dist_moe.routing.gar import GARConfig
 from dist_moe.routing.registry import GAR_MOVED, RouterConfig, RouterKeyError, router_config, router_shape
 from dist_moe.train.build import MODEL_KINDS
@@ -26,7 +28,6 @@ from dist_moe.train.rundir import output_dir
 from placement.placement import NAMED as PLACEMENTS
 from placement.plan import DEDUP_MODES
 
-MAX_TIMEOUT_S = 7 * 24 * 3600
 # router keys a training config leaves to its layer (the hidden size) and its data (SpecDrop's categories)
 GIVEN_LATER = ("hidden_size", "num_categories")
 
@@ -58,14 +59,13 @@ class ParallelConfig:
     # pipeline_chunks > 1, else the engine's own (alltoall / deepspeed), which sends one copy per selected expert
     megatron_dispatcher: str = one_of("auto", ("auto", *DISPATCHERS, "dist_moe"))
     deepspeed_dispatcher: str = one_of("auto", ("auto", "deepspeed", "dist_moe"))
-    # how long any collective may wait for a peer before every rank stops with an error; beyond a week a
-    # hung peer is never reported, far beyond, the backends' own timers overflow
-    timeout_s: float = key(300.0, f"a number of seconds in (0, {MAX_TIMEOUT_S}] (a week)",
-                           lambda v: 0 < v <= MAX_TIMEOUT_S)
+    # how long any collective may wait for a peer before every rank stops with an error (bounds: process_group)
+    timeout_s: float = key(300.0, f"a number of seconds in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S}] (a second to a week)",
+                           lambda v: MIN_TIMEOUT_S <= v <= MAX_TIMEOUT_S)
     # auto: this process's GPU when one is visible, else the CPU; the backend follows
     device: str = one_of("auto", DEVICES)
     # C > 1 cuts each exchange into C token chunks in flight while experts run
-    pipeline_chunks: int = key(1, "an int >= 1", lambda v: v >= 1)
+    pipeline_chunks: int = key(1, f"an int in [1, {MAX_PIPELINE_CHUNKS}]", lambda v: 1 <= v <= MAX_PIPELINE_CHUNKS)
 
 
 @dataclass
@@ -91,7 +91,8 @@ class ModelConfig:
     kind: str = one_of("tabular", MODEL_KINDS)
     ffn_hidden_size: int = _positive(32)
     d_model: int = key(0, "an int >= 0 (0: no input projection)", lambda v: v >= 0)
-    capacity_factor: float | None = key(1.25, "a finite number > 0", lambda v: v > 0)
+    capacity_factor: float | None = key(1.25, f"a number in (0, {MAX_CAPACITY_FACTOR:g}]",
+                                        lambda v: 0 < v <= MAX_CAPACITY_FACTOR)
     expert_type: str = one_of("swiglu", EXPERT_KINDS)
     post_norm: bool = False
     label_mask: bool = False  # mask the logits of classes outside the row's category (SpecDrop's dense control)

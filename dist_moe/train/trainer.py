@@ -45,9 +45,16 @@ from placement import random_pair_tree_distance
 from placement.files import write_atomic
 
 
-def json_safe(record: dict) -> dict:
-    """NaN / inf (e.g. tree distance with top-1 routing) become null: strict JSON has no NaN."""
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+def json_safe(value):
+    """NaN / inf (e.g. tree distance with top-1 routing) become null, at any depth (an experiment's
+    measures in the summary): strict JSON has no NaN."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 class JsonlLogger:
@@ -66,7 +73,7 @@ class JsonlLogger:
         self._f = open_metrics(path, append)
 
     def log(self, record: dict) -> None:
-        self._f.write(json.dumps(json_safe(record)) + "\n")
+        self._f.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
         self._f.flush()
         if self._tb is not None:
             prefix = "val/" if any(k.startswith("val_") for k in record) else "train/"
@@ -255,11 +262,11 @@ class _TrainingRun:
         self.exchange_wait_s += record["exchange_wait_s"]
         self.step += 1
         self.skipped += record.get("skipped", 0.0) > 0  # agreed by every rank
-        nan_stops = self.strategy.stops_on_nan and not math.isfinite(record["loss"])
-        if self.skipped > tcfg.max_skipped_steps or nan_stops:
+        if self.skipped > tcfg.max_skipped_steps:
             raise ValueError(f"training diverged: {int(self.skipped)} steps had a non-finite loss or gradients "
                              f"(train.max_skipped_steps={tcfg.max_skipped_steps}), the last at step {self.step} "
-                             f"(loss {record['loss']}); lower train.lr (now {tcfg.lr}) or check the data")
+                             f"(loss {record['loss']}); lower train.lr (now {tcfg.lr}){self.strategy.diverged_hint} "
+                             "or check the data")
         return record
 
     def maybe_log(self, record: dict, last: bool) -> None:
@@ -310,7 +317,7 @@ class _TrainingRun:
         })
         if rt.is_main:
             self.step_bytes.save(self.out_dir)
-            write_atomic(self.out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+            write_atomic(self.out_dir / "summary.json", json.dumps(summary, indent=2, allow_nan=False) + "\n")
         return summary
 
 

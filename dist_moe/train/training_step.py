@@ -23,22 +23,33 @@ def step_strategy(tcfg: TrainConfig, rt):
     return PlainStep() if tcfg.gar is None else GARStep(tcfg, rt)
 
 
+def buffers_of(model) -> list[torch.Tensor]:
+    """Copies of the model's buffers (BRANCH anchors and EMA step, DeepSeek-V3 biases, load counters)."""
+    return [b.detach().clone() for b in model.buffers()]
+
+
+def put_back(model, saved: list[torch.Tensor]) -> None:
+    """A skipped step leaves no trace but its count: the buffers its forwards moved go back."""
+    with torch.no_grad():
+        for b, old in zip(model.buffers(), saved):
+            b.copy_(old)
+
+
 class PlainStep:
-    stops_on_nan = False  # a non-finite step is skipped and counted (train.max_skipped_steps)
+    # what else a diverged run may lower, beside train.lr
+    diverged_hint = ""
 
     def __call__(self, model, step_fn, xb, yb, cb) -> dict:
         """One step. When the loss or gradients are not finite on any rank, every rank skips the
-        update and restores the buffers the forward moved (BRANCH anchors and EMA step, DeepSeek-V3
-        biases, load counters), so the bad batch leaves no trace but its count."""
-        saved = [b.detach().clone() for b in model.buffers()]
+        update and restores the buffers the forward moved, so the bad batch leaves no trace but its
+        count (train.max_skipped_steps)."""
+        saved = buffers_of(model)
         logits, aux = step_fn.module(xb, cb)
         # a rank left without rows (the epoch's last, short batch) still runs the step's collectives
         task = loss_of(logits, yb) if yb.numel() else logits.sum() * 0.0
         stepped = step_fn(task + aux)
         if not stepped:
-            with torch.no_grad():
-                for b, old in zip(model.buffers(), saved):
-                    b.copy_(old)
+            put_back(model, saved)
         return {"loss": float(task.detach()), "aux_loss": float(aux.detach()), "skipped": 0.0 if stepped else 1.0}
 
 
@@ -70,13 +81,12 @@ def same_category_units(cb: torch.Tensor, g: int, rank: int, counts: torch.Tenso
 
 class GARStep:
     """GAR's step: the batch cut into observation groups (``train.gar_group_size`` rows, consecutive or
-    of one category each, the latter formed over every rank's rows), then ``gar_train_step``. A
-    non-finite loss stops the run."""
-
-    stops_on_nan = True
+    of one category each, the latter formed over every rank's rows), then ``gar_train_step``. A step
+    whose losses or gradients (L_norm's included) are not finite is skipped and counted as a plain one."""
 
     def __init__(self, tcfg: TrainConfig, rt):
         self.gar, self.tcfg, self.rt = tcfg.gar, tcfg, rt
+        self.diverged_hint = " or train.gar." + ("share" if tcfg.gar.share is not None else "lambda")
         # over ranks, a rank's part of a same-task group may be empty: only dist-moe's own MoE layer is
         # tested with empty forwards (every rank raises this alike, before any step)
         if tcfg.gar_groups == "same_category" and rt.world > 1 and rt.engine.name != "torch":
@@ -103,6 +113,7 @@ class GARStep:
             weights = [1 / len(parts)] * len(parts)
         sizes = [len(rows) for rows in parts] if rt.world > 1 else None  # this rank's part of each unit
         groups = [(xb[r], yb[r], None if cb is None else cb[r]) for r in parts]
+        saved = buffers_of(model)
 
         def loss_fn(m, group):
             logits, aux = m(group[0], group[2])
@@ -112,7 +123,9 @@ class GARStep:
         # DeepSpeed owns reduction, clip and step: GAR hands it the accumulated gradients
         out = gar_train_step(model, groups, loss_fn, step_fn.opt, weights, gar.lam, gar.eps, tcfg.max_grad_norm,
                              gar.mode, sizes=sizes, unit=gar.unit, finish=step_fn.finish_external, share=gar.share)
-        record = {"loss": out["task_loss"], "gar_loss": out["gar_loss"]}
+        if not out["stepped"]:
+            put_back(model, saved)
+        record = {"loss": out["task_loss"], "gar_loss": out["gar_loss"], "skipped": 0.0 if out["stepped"] else 1.0}
         if gar.share is not None:  # the lambda this step's gradients set (train.gar.share)
             record["gar_lambda"] = out["lambda"]
         return record

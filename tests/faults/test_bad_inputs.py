@@ -4,6 +4,7 @@ import types
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from dist_moe.cli import main
@@ -17,6 +18,7 @@ from dist_moe.train.build import data_and_model
 from dist_moe.train.config import load_config
 from placement import Placement, Topology
 from placement.simulate import RoutingRecord
+from placement.subtree import level_depths
 from tests.faults.test_user_errors import TINY
 
 
@@ -80,8 +82,18 @@ def test_a_huge_value_is_echoed_cut(capsys):
 # --- numbers in the config ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("overrides,fragments", [
-    (["model.capacity_factor=.inf"], ["'model.capacity_factor' must be a finite number > 0"]),
-    (["parallel.timeout_s=1e15"], ["'parallel.timeout_s' must be a number of seconds in (0, 604800]"]),
+    (["model.capacity_factor=.inf"], ["'model.capacity_factor' must be a number in (0, 65536]"]),
+    (["model.capacity_factor=1e308"], ["'model.capacity_factor' must be a number in (0, 65536]", "1e+308"]),
+    (["parallel.timeout_s=1e15"], ["'parallel.timeout_s' must be a number of seconds in [1, 604800]"]),
+    (["parallel.timeout_s=1e-300"], ["'parallel.timeout_s' must be a number of seconds in [1, 604800]"]),
+    (["parallel.timeout_s=0.001"], ["'parallel.timeout_s' must be a number of seconds in [1, 604800]"]),
+    (["parallel.dedup=node", "parallel.pipeline_chunks=100000000000000000000000000000"],
+     ["'parallel.pipeline_chunks' must be an int in [1, 64]"]),
+    (["parallel.pipeline_chunks=65"], ["'parallel.pipeline_chunks' must be an int in [1, 64], got 65"]),
+    (["router.subtree_limit=1", "router.type=switch"],
+     ["override 'router.type=switch' drops router.subtree_limit", "'router.subtree_limit=1'"]),
+    (["router.type=switch", "router.subtree_limit=1"], ["unknown config key 'router.subtree_limit' for type"]),
+    (["router.subtree_limit.node=1", "router={type: switch}"], ["drops router.subtree_limit"]),
     (["train.max_grad_norm=.inf"], ["'train.max_grad_norm' must be a finite number"]),
     (["train.lr=1e400"], ["'train.lr' must be a finite number"]),
     (["router.type=deepseek_v3", "router.bias_update_rate=.inf"], ["'router.bias_update_rate' must be a finite"]),
@@ -106,6 +118,7 @@ def test_bad_numbers_are_refused_with_the_config(capsys, tmp_path, overrides, fr
     (["router.subtree_limit=1", "router.subtree_depth=1", "router.subtree_balance=quantile"],
      ["router.subtree_balance", "must be one of none, bias", "'quantile'"]),
     (["router.subtree_balance=bias"], ["router.subtree_balance", "give subtree_limit"]),
+    (["router.type=switch", "router.capacity_factor=1e308"], ["router.capacity_factor must be a number in (0, 65536]"]),
     (["router.subtree_limit=1", "router.subtree_depth=1", "router.balance_rate=-1"],
      ["router.balance_rate", "must be a number > 0"]),
 ])
@@ -119,8 +132,60 @@ def test_build_router_names_the_bare_key_for_its_own_callers():
         build_router({**base, "norm_scale": float("inf")})
     with pytest.raises(ValueError, match="^num_experts must be a power of two >= 2 for BranchRouter"):
         build_router({"type": "branch", "hidden_size": 4, "num_experts": 6, "top_k": 2})
-    with pytest.raises(ValueError, match="capacity_factor must be a finite number > 0"):
+    with pytest.raises(ValueError, match=r"capacity_factor must be a number in \(0, 65536\]"):
         MoELayer(4, 8, {"type": "switch", "num_experts": 4}, capacity_factor=float("inf"))
+    with pytest.raises(ValueError, match=r"pipeline_chunks must be an int in \[1, 64\], got 100000000000000000000"):
+        MoELayer(4, 8, {"type": "switch", "num_experts": 4}, pipeline_chunks=10**20)
+
+
+@pytest.mark.parametrize("overrides,fragments", [
+    (["model.d_model=100000000000000000000000000000"], ["model.d_model=100000000000000000000000000000", "GiB"]),
+    (["model.d_model=1000000000"], ["model.d_model=1000000000", "GiB per rank", "available"]),
+    (["--config", "configs/lm_branch.yaml", "model.d_model=100000"], ["model.kind=lm", "model.d_model=100000", "GiB"]),
+    (["--config", "configs/lm_branch.yaml", "model.layers=10000"], ["model.layers=10000", "GiB"]),
+    (["train.batch_size=1000000000000"], ["train.batch_size=1000000000000", "GiB"]),
+])
+def test_model_sizes_beyond_memory_are_refused_before_allocating(capsys, tmp_path, monkeypatch, overrides, fragments):
+    allocated = []
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: allocated.append(a) or real_empty(*a, **k))
+    _fails(capsys, "train", *overrides, f"output.dir={tmp_path / 'run'}", fragments=fragments)
+    assert not (tmp_path / "run").exists()
+    assert all(np.prod(a[0] if a and isinstance(a[0], tuple) else a) < 10**8 for a in allocated), allocated[:3]
+
+
+@pytest.mark.parametrize("overrides,fragments", [
+    (["router.subtree_limit=100"], ["router key 'subtree_limit' allows 100 nodes, but the topology has 1"]),
+    (["router.subtree_limit={node: 100}"], ["allows 100 nodes, but the topology has 1", "give at most 1"]),
+    (["router.type=deepseek_v3", "router.node_limit=100"],
+     ["router key 'node_limit' is 100, but the experts sit on 1 node(s)"]),
+])
+def test_a_node_limit_beyond_the_topology_is_refused(capsys, tmp_path, overrides, fragments):
+    _fails(capsys, "train", *TINY, "--config", "configs/tabular_branch_limited.yaml", *overrides,
+           f"output.dir={tmp_path / 'run'}", fragments=fragments)
+    assert not (tmp_path / "run").exists()
+
+
+def test_limits_beyond_a_two_node_topology_are_refused_and_within_it_accepted():
+    levels, sizes = ("node", "gpu"), (2, 2)
+    for limit in ({"node": 2}, {"node": 1, "gpu": 4}):  # as many units as there are: accepted
+        level_depths(limit, levels, sizes, 8)
+    for limit, units in (({"node": 3}, "2 nodes"), ({"gpu": 5}, "4 gpus")):
+        with pytest.raises(ValueError, match=f"allows .* but the topology has {units.split()[0]}"):
+            level_depths(limit, levels, sizes, 8)
+    nodes = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    build_router({"type": "deepseek_v3", "hidden_size": 4, "num_experts": 8, "top_k": 2, "node_limit": 2}
+                 ).set_expert_groups(nodes)
+    with pytest.raises(ValueError, match="node_limit' is 3, but the experts sit on 2 node"):
+        build_router({"type": "deepseek_v3", "hidden_size": 4, "num_experts": 8, "top_k": 2, "node_limit": 3}
+                     ).set_expert_groups(nodes)
+
+
+def test_an_override_can_switch_gar_off():
+    assert load_config("configs/tabular_switch_gar.yaml").train.gar is not None
+    assert load_config("configs/tabular_switch_gar.yaml", ["train.gar=null"]).train.gar is None
+    again = load_config("configs/tabular_switch_gar.yaml", ["train.gar=null", "train.gar.lambda=0.5"])
+    assert again.train.gar.lam == 0.5
 
 
 # --- data -------------------------------------------------------------------------------------------
@@ -304,3 +369,18 @@ def test_the_run_config_a_report_reads_is_checked(capsys, tmp_path):
     _fails(capsys, "report", str(run), fragments=[f"run config {run / 'config.yaml'}", "parallel.placement"])
     (run / "config.yaml").write_text("a: 1\nb: 2\na: 3\n")
     _fails(capsys, "report", str(run), fragments=["duplicate key 'a'"])
+
+
+def test_a_run_summary_is_strict_json_at_any_depth(tmp_path):
+    """An experiment's measures join the summary nested; a NaN there is null, never a bare NaN token."""
+    import json
+    import math
+
+    from dist_moe.train.trainer import json_safe, train
+
+    assert json_safe({"a": {"b": [math.nan, 1.0]}, "c": math.inf, "d": "x"}) == {"a": {"b": [None, 1.0]}, "c": None,
+                                                                                  "d": "x"}
+    cfg = load_config(None, [*TINY[1:], "train.max_steps=2", f"output.dir={tmp_path}"])
+    summary = train(cfg, quiet=True, after=lambda *_: {"measures": {"purity": math.nan, "per_task": [math.inf]}})
+    assert summary["measures"] == {"purity": None, "per_task": [None]}
+    json.loads((tmp_path / "summary.json").read_text(), parse_constant=lambda name: 1 / 0)  # no NaN token

@@ -2,7 +2,10 @@
 (BRANCH anchors and EMA step, DeepSeek-V3 biases), parameters and optimizer state are untouched;
 more than train.max_skipped_steps stops the run with a clear error on every rank."""
 import functools
+import json
+import math
 import os
+import pathlib
 
 import pytest
 import torch
@@ -116,3 +119,72 @@ def _two_rank_worker(rank, world, out):
 
 def test_a_bad_step_on_one_rank_is_skipped_by_all(tmp_path):
     run_workers(_two_rank_worker, 2, args=(str(tmp_path),), timeout=180)
+
+
+def _checkpoint_tensors(step_dir, out_file) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(step_dir), str(out_file))  # our own files: loaded as plain tensors
+    return torch.load(out_file, weights_only=True)
+
+
+def _assert_all_skipped_and_checkpoints_finite(out, steps: int, where: str) -> None:
+    """Every step skipped: each checkpoint finite and equal to the first (no update reached the model)."""
+    ckpts = [out / "checkpoints" / f"step-{s}" for s in range(1, steps + 1)]
+    first = _checkpoint_tensors(ckpts[0], out / f"first.{where}.pt")
+    for c in ckpts[1:]:
+        later = _checkpoint_tensors(c, out / f"later.{where}.pt")
+        for k, t in first.items():
+            if torch.is_tensor(t) and t.is_floating_point():
+                assert bool(torch.isfinite(later[k]).all()), (where, c.name, k)
+                if k.startswith(("model.", "optim.")):
+                    assert torch.equal(t, later[k]), (where, c.name, k)
+
+
+GAR_1E300 = ["--config", "configs/tabular_switch_gar.yaml", "data.max_rows=2000", "train.batch_size=64",
+             "train.epochs=1", "train.checkpoint_every=1", "train.log_every=1"]
+
+
+@pytest.mark.parametrize("coefficient", ["train.gar.lambda=1e300", "train.gar.lambda=null train.gar.share=1e300"])
+def test_a_gar_step_with_non_finite_gradients_is_skipped_and_never_checkpointed(tmp_path, capsys, coefficient):
+    from dist_moe.cli import main
+
+    code = main(["train", "--quiet", *GAR_1E300, *coefficient.split(), "train.max_skipped_steps=3",
+                 f"output.dir={tmp_path}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "training diverged: 4 steps had a non-finite loss or gradients" in err[-1], err
+    assert coefficient.split()[-1].split("=")[0] in err[-1]  # the coefficient to lower
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # the 4th skipped step stops the run before it is logged or saved
+    assert [r["skipped"] for r in rows] == [1.0] * 3 and all(math.isfinite(r["loss"]) for r in rows)
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-3"
+    _assert_all_skipped_and_checkpoints_finite(tmp_path, 3, "one process")
+    # the run's state is not lost: it resumes from its newest checkpoint with a sane coefficient
+    code = main(["train", "--quiet", *GAR_1E300, "train.gar.lambda=0.001", "train.gar.share=null", "train.resume=true",
+                 f"output.dir={tmp_path}"])
+    assert code == 0, capsys.readouterr().err
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["skipped_steps"] == 0 and summary["samples"] == 1600 and summary["samples_this_run"] == 1600 - 3 * 64
+
+
+def _gar_engine_worker(rank, world, engine, coefficient, out, data_dir):
+    os.environ["DIST_MOE_DATA"] = data_dir
+    os.environ.setdefault("LOCAL_RANK", str(rank))  # what a launcher sets; deepspeed.initialize checks it
+    cfg = load_config("configs/tabular_switch_gar.yaml", [
+        f"engine={engine}", "model.capacity_factor=null", *coefficient.split(), "data.max_rows=1000",
+        "train.batch_size=32", "train.gar_group_size=16", "train.max_steps=3", "train.max_skipped_steps=5",
+        "train.checkpoint_every=1", f"output.dir={out}"])
+    summary = trainer.train(cfg, quiet=True)
+    assert (summary["skipped_steps"], summary["steps"]) == (3, 3), (rank, summary)
+    if rank == 1:  # rank 0 wrote the files; the other rank checks them
+        _assert_all_skipped_and_checkpoints_finite(pathlib.Path(out), 3, f"{engine} rank {rank}")
+
+
+def test_a_non_finite_gar_step_is_skipped_on_every_rank_of_each_engine(tmp_path):
+    from tests.dist_utils import run_cases
+
+    coefficients = {"torch": "train.gar.lambda=1e300", "deepspeed": "train.gar.lambda=null train.gar.share=1e300",
+                    "megatron": "train.gar.lambda=1e300"}
+    cases = [(_gar_engine_worker, engine, coefficient, str(tmp_path / engine), str(tmp_path / "data"))
+             for engine, coefficient in coefficients.items()]
+    run_cases(2, cases, timeout=400)
