@@ -33,6 +33,8 @@ def categorised_router(cfg, data):
     return replace(router, num_categories=n)
 
 
+TEXT_HIDDEN = 384  # MiniLM's states, which the text model's MoE reads
+
 # model.kind -> the dataset it trains on (tabular: any keel dataset)
 DATA_OF_KIND = {"tabular": None, "image": "fashion_mnist", "lm": "corpus", "text": "text_tasks"}
 MODEL_KINDS = tuple(DATA_OF_KIND)
@@ -74,7 +76,7 @@ def _data_and_model(cfg, rt):
         data = text_split(dcfg.per_domain, dcfg.seq_len, dcfg.val_fraction, seed)
         check_model_fits(cfg, rt.world, classes=sum(data.task_classes))
         router = categorised_router(cfg, data)
-        moe = rt.build_moe(384, mcfg.ffn_hidden_size, router, mcfg.capacity_factor, mcfg.expert_type)
+        moe = rt.build_moe(TEXT_HIDDEN, mcfg.ffn_hidden_size, router, mcfg.capacity_factor, mcfg.expert_type)
         return data, TextMoE(moe, data.task_classes)
     data = tabular_split(dcfg.name, dcfg.val_fraction, seed, dcfg.max_rows, dcfg.categories)
     router = categorised_router(cfg, data)
@@ -85,11 +87,6 @@ def _data_and_model(cfg, rt):
     model_cls = ImageMoE if kind == "image" else TabularMoE
     return data, model_cls(features, data.num_classes, router, class_category=data.class_category, moe=moe,
                            **mcfg.block_keys())
-
-
-
-
-TEXT_HIDDEN = 384  # MiniLM's states, which the text model's MoE reads
 
 
 def training_bytes(cfg, world: int, features: int = 0, classes: int = 0) -> int:
