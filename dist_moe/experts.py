@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 KINDS = ("swiglu", "gelu", "lora")
+GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what F.grouped_mm takes here (CPU and CUDA)
 
 
 def _init(shape, fan_in) -> nn.Parameter:
@@ -127,9 +128,41 @@ class Experts(nn.Module):
         z = self._linear("lora_A", x, w["lora_A"])
         return x @ self.base.to(x.dtype) + self.lora_scale * self._linear("lora_B", z, w["lora_B"])
 
-    def forward(self, x_sorted: Tensor, counts: list[int], tags: Tensor | None = None) -> Tensor:
-        """x_sorted: tokens grouped by expert (expert 0's first); counts[e] rows each;
-        ``tags`` [rows], for a tagging capture, say whose row each is."""
+    def forward(self, x_sorted: Tensor, counts: list[int] | Tensor, tags: Tensor | None = None) -> Tensor:
+        """x_sorted: tokens grouped by expert (expert 0's first); counts[e] rows each (a list, or a
+        tensor on x's device: then the grouped path reads nothing back to the host); ``tags`` [rows],
+        for a tagging capture, say whose row each is.
+
+        Every projection runs as one grouped GEMM over all experts (``F.grouped_mm``, offsets made on
+        the device), as Megatron's GroupedMLP does. The per-expert loop runs only where a grouped GEMM
+        cannot: a width whose rows are not a multiple of 16 bytes (the kernels' stride rule, e.g.
+        hidden 10 in fp32), a dtype it lacks, or GAR's factor capture, which records each expert's
+        block inputs and output gradients apart. Both give the same numbers (tests/test_grouped_experts.py)."""
+        if self.grouped(x_sorted):
+            return self._grouped_forward(x_sorted, counts)
+        return self._looped_forward(x_sorted, counts.tolist() if torch.is_tensor(counts) else counts, tags)
+
+    def grouped(self, x: Tensor) -> bool:
+        """Whether ``forward`` runs grouped GEMMs on rows like ``x`` (see there)."""
+        if self.capture is not None or x.dim() != 2 or x.dtype not in GROUPED_DTYPES:
+            return False
+        widths = [w.shape[-1] for w in self.template().values()] + [x.shape[-1]]
+        return all(d * x.element_size() % 16 == 0 for d in widths)
+
+    def _grouped_forward(self, x: Tensor, counts: list[int] | Tensor) -> Tensor:
+        counts = torch.as_tensor(counts, device=x.device)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)  # group e ends at row offs[e]
+
+        def mm(a: Tensor, w: Tensor) -> Tensor:
+            return F.grouped_mm(a, w.to(a.dtype), offs=offs)
+
+        if self.kind == "swiglu":
+            return mm(F.silu(mm(x, self.w_gate)) * mm(x, self.w_up), self.w_down)
+        if self.kind == "gelu":
+            return mm(F.gelu(mm(x, self.w_fc1)), self.w_fc2)
+        return x @ self.base.to(x.dtype) + self.lora_scale * mm(mm(x, self.lora_A), self.lora_B)
+
+    def _looped_forward(self, x_sorted: Tensor, counts: list[int], tags: Tensor | None) -> Tensor:
         # unbind once: its backward stacks the experts' gradients into one tensor, where
         # indexing p[e] per expert would zero-fill a full [E, ...] gradient for each expert
         views = {n: p.unbind(0) for n, p in self.template().items()}
@@ -154,14 +187,17 @@ def apply_experts(experts: Experts, x: Tensor, pair_row: Tensor, pair_slot: Tens
 
     Pairs are grouped by local expert slot with one stable sort, so each expert runs
     once on a contiguous slice; gated outputs are reduced per row with index_add, in
-    fp32 whatever the activations' dtype (the caller casts once). ``counts`` (pairs per
-    slot, known to the dispatcher from its exchange header) saves the one host read that
-    sizing the slices takes otherwise. ``row_tags`` [rows of x] are handed to a tagging
-    capture (GAR observations).
+    fp32 whatever the activations' dtype (the caller casts once). Grouped experts get their
+    counts from the pairs on the device; a loop gets ``counts`` (pairs per slot, known to the
+    dispatcher from its exchange header), which saves the one host read sizing its slices takes.
+    ``row_tags`` [rows of x] are handed to a tagging capture (GAR observations).
     """
     order = torch.argsort(pair_slot, stable=True)
     rows, gates = pair_row[order], pair_gate[order]
-    if counts is None:
+    if experts.grouped(x):  # counted on the device (bincount would read its max back on CUDA): no host read
+        counts = torch.zeros(experts.num_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, pair_slot, torch.ones_like(pair_slot))
+    elif counts is None:
         counts = torch.bincount(pair_slot, minlength=experts.num_experts).tolist()
     out = experts(x[rows], counts, None if row_tags is None else row_tags[rows])
     y = torch.zeros(x.shape[0], out.shape[1], dtype=torch.float32, device=x.device)

@@ -20,7 +20,14 @@ class ExpertsContract(Protocol):
     num_experts: int  # local experts on this rank
     capture: object | None  # GAR's factor capture (dist-moe's Experts only), else None
 
-    def __call__(self, x: Tensor, counts: list[int], tags: Tensor | None = None) -> Tensor: ...
+    def __call__(self, x: Tensor, counts: list[int] | Tensor, tags: Tensor | None = None) -> Tensor:
+        """``counts``: rows per local expert: an int tensor on x's device where ``grouped(x)``, else a list."""
+        ...
+
+    def grouped(self, x: Tensor) -> bool:
+        """Whether a call on rows like ``x`` runs grouped GEMMs, which take their counts on the device
+        (counted there from the pairs: no host read) instead of a host list."""
+        ...
 
     def template(self) -> dict[str, Tensor]:
         """The trainable tensors the dispatch's backward returns gradients for."""

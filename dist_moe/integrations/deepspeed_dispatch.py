@@ -55,6 +55,9 @@ class DeepSpeedExperts:
     def template(self) -> dict:
         return {n: p for n, p in self.experts.named_parameters() if p.requires_grad}
 
+    def grouped(self, x: Tensor) -> bool:
+        return False  # DeepSpeed's copies are modules of their own: one call each, sized by a host list
+
     def __call__(self, x: Tensor, counts: list[int], tags: Tensor | None = None) -> Tensor:
         outs = []
         for expert, rows in zip(self.experts.deepspeed_experts, torch.split(x, counts)):

@@ -48,6 +48,9 @@ class MegatronExperts:
     def template(self) -> dict:
         return dict(self.experts.named_parameters())
 
+    def grouped(self, x: Tensor) -> bool:
+        return False  # SequentialMLP takes tokens_per_expert as a host tensor
+
     def __call__(self, x: Tensor, counts: list[int], tags: Tensor | None = None) -> Tensor:
         per_expert = torch.tensor(counts, dtype=torch.long)  # Megatron's tokens_per_expert, a host tensor
         out, bias = self.experts(x, per_expert, x.new_ones(x.shape[0], dtype=torch.float32))
