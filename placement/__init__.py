@@ -1,4 +1,4 @@
-"""Cluster topology, expert placement and exact byte accounting (DESIGN 3.2).
+"""Cluster topology, expert placement and exact byte accounting.
 
 Runs without a process group, so a 1,024-GPU cluster can be simulated on a CPU.
 """

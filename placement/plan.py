@@ -1,7 +1,7 @@
 """One dispatch plan: which copy of which row goes to which rank, and the (expert, gate) pairs on it.
 
 The dispatcher executes it and ``dispatch_traffic`` counts bytes from it, so the none / rank /
-node rules are written once (DESIGN 3.2's byte rules):
+node rules are written once (the byte rules of ``traffic.py``):
 
 none   one copy per pair (token, selected expert) to the expert's rank
 rank   one copy per (token, destination rank)

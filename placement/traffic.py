@@ -1,4 +1,4 @@
-"""Exact byte accounting of expert-parallel dispatch (DESIGN 3.2 byte rules).
+"""Exact byte accounting of expert-parallel dispatch (the byte rules below).
 
 Payload only: ``token_bytes = hidden_size * element_size``; routing metadata is
 counted separately by the dispatcher and never mixed in. The counting runs on the

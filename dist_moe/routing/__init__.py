@@ -1,4 +1,4 @@
-"""Routing strategies: pure tensor math behind one contract (DESIGN 3.1)."""
+"""Routing strategies: pure tensor math behind one contract (``base.py``)."""
 from dist_moe.routing.base import Router, Routing
 from dist_moe.routing.branch import BranchRouter
 from dist_moe.routing.flat import DeepSeekV3Router, HashRouter, SkyworkRouter, SwitchRouter, UniformRouter

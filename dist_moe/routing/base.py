@@ -1,4 +1,4 @@
-"""The routing contract shared by every strategy (DESIGN 3.1).
+"""The routing contract shared by every strategy.
 
 A Router turns token representations into a Routing: a full distribution over
 experts, the selected experts with their gates, an auxiliary loss and small

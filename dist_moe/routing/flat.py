@@ -1,4 +1,4 @@
-"""Flat baselines (DESIGN 4.4; BRANCH paper appendix B.2).
+"""Flat baselines (BRANCH paper appendix B.2).
 
 switch       softmax top-K, multiplicative input jitter in training, Switch
              load-balancing loss  coeff * E * sum_e f_e P_e, optional capacity;

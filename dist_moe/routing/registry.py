@@ -205,7 +205,7 @@ def router_shape(cfg: dict | RouterConfig, given_later=()) -> RouterShape:
 
 
 def build_router(cfg: dict | RouterConfig, stats_group=None) -> Router:
-    """The router ``cfg`` describes (a dict, as DESIGN 3.1 gives it, or a ``RouterConfig``); a bad key
+    """The router ``cfg`` describes (a dict, as ``build_router`` takes it, or a ``RouterConfig``); a bad key
     raises ValueError naming it (a RouterKeyError when the message names one key)."""
     config = router_config(cfg)
     kwargs = config.kwargs()

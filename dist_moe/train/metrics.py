@@ -1,4 +1,4 @@
-"""Routing metrics every run can report (DESIGN 5)."""
+"""Routing metrics every run can report."""
 from __future__ import annotations
 
 import math
