@@ -52,14 +52,18 @@ BOUNDS = {"alpha_s": (0.0, 60.0, " s"), "bandwidth_Bps": (1.0, 1e18, " bytes/s")
           "overlap": (0.0, 1.0, ""), "chunked": (0.01, 100.0, "")}
 
 
-def in_bounds(key: str, value, name: str | None = None) -> float:
-    """``value`` as a float when it is a number in ``BOUNDS[key]``, else a ValueError naming it ``name``
-    (default: ``key``) and the range."""
-    low, high, unit = BOUNDS[key]
+def in_range(value, low: float, high: float, name: str, unit: str = "") -> float:
+    """``value`` as a float when it is a number in [low, high] (NaN never is), else a ValueError naming
+    it ``name`` and the range."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise ValueError(f"{name or key} must be a finite number in [{low:g}, {high:g}]{unit}, "
-                         f"got {reprlib.repr(value)}")
+        raise ValueError(f"{name} must be a finite number in [{low:g}, {high:g}]{unit}, got {reprlib.repr(value)}")
     return float(value)
+
+
+def in_bounds(key: str, value, name: str | None = None) -> float:
+    """``in_range`` with ``BOUNDS[key]``, named ``name`` (default: ``key``)."""
+    low, high, unit = BOUNDS[key]
+    return in_range(value, low, high, name or key, unit)
 
 
 @dataclass(frozen=True)

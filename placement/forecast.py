@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from placement.cost import in_range
 from placement.placement import MAX_EXPERTS, NAMED, Placement
 from placement.plan import DEDUP_MODES, DispatchPlan
 from placement.simulate import check_memory
@@ -117,9 +118,7 @@ def forecast(shape: ModelShape, topology: Topology, routing=None, ep: int | None
     """Bytes per token per level and predicted seconds per placement x dedup x pipeline chunks.
     ``routing``: None (uniform), or a callable (tokens, generator) -> [T, K] expert ids (e.g. a
     recorded run's)."""
-    low, high = TFLOPS_RANGE
-    if isinstance(tflops, bool) or not isinstance(tflops, (int, float)) or not low <= tflops <= high:
-        raise ValueError(f"--tflops must be a finite number in [{low:g}, {high:g}] (TFLOP/s per rank), got {tflops}")
+    in_range(tflops, *TFLOPS_RANGE, "--tflops", " (TFLOP/s per rank)")
     if ep is not None and (isinstance(ep, bool) or not isinstance(ep, int) or ep < 1):
         raise ValueError(f"--ep must be an int >= 1, got {ep!r}")
     ep = ep if ep is not None else math.gcd(topology.world_size, shape.experts)

@@ -85,19 +85,30 @@ def agree(problem: Tensor, tag: int, group, what: str = "this MoE layer", maxima
     return agreed
 
 
+def buffers_of(module) -> list[Tensor]:
+    """Copies of a module's buffers (BRANCH anchors and EMA step, DeepSeek-V3 biases, SpecDrop's
+    schedule, load counters), for ``put_back`` when what moved them is refused or skipped."""
+    return [b.detach().clone() for b in module.buffers()]
+
+
+def put_back(module, saved: list[Tensor]) -> None:
+    """The buffers ``buffers_of`` copied, restored in place."""
+    with torch.no_grad():
+        for b, old in zip(module.buffers(), saved):
+            b.copy_(old)
+
+
 @contextlib.contextmanager
 def agreed_routing(router):
     """Route inside this block with the data checks left to the agreement (``input_problem``,
     then ``check_headers`` or ``agree``); when the agreement refuses, the router's buffers
     (anchors, biases, schedules) go back to what they were, and the error goes on."""
-    saved = [b.clone() for b in router.buffers()]
+    saved = buffers_of(router)
     try:
         with router.checks_by_caller():
             yield
     except (InputRejected, OutOfStep):
-        with torch.no_grad():
-            for b, old in zip(router.buffers(), saved):
-                b.copy_(old)
+        put_back(router, saved)
         raise
 
 

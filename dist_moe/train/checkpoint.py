@@ -140,10 +140,9 @@ def save(directory: str | Path, step: int, model: nn.Module, optimizer, extra: d
 def _refuse_non_finite(state: dict, directory: Path, step: int) -> None:
     """A checkpoint never holds NaN or Inf (a resume refuses one): the save is refused instead, so
     ``latest`` keeps naming the last good checkpoint. One check on the device, one host read."""
-    floats = [(k, t) for k, t in state.items() if t.is_floating_point()]
-    if not floats or bool(torch.stack([torch.isfinite(t).all() for _, t in floats]).all()):
+    key = _non_finite_key(state)
+    if key is None:
         return
-    key = next(k for k, t in floats if not bool(torch.isfinite(t).all()))
     last = latest(directory) if directory.is_dir() else None
     kept = (f"the newest checkpoint is still {last}, from which train.resume=true continues" if last is not None
             else "no checkpoint was written")
@@ -229,12 +228,22 @@ def load(path: str | Path, model: nn.Module, optimizer, extra: dict, group=None)
     return wanted
 
 
+def _non_finite_key(state: dict) -> str | None:
+    """The first key whose floating tensor holds NaN or Inf, or None: one stacked check on the device
+    and one host read when all are finite (the usual case), a read per tensor only to name the culprit."""
+    floats = [(k, t) for k, t in state.items() if t.is_floating_point()]
+    if not floats or bool(torch.stack([torch.isfinite(t).all() for _, t in floats]).all()):
+        return None
+    return next(k for k, t in floats if not bool(torch.isfinite(t).all()))
+
+
 def _check_values(path, state: dict) -> None:
-    """Training never saves a NaN or Inf (such steps are skipped) nor a negative count (steps, EMA
-    steps): a loaded tensor holding one comes from a damaged or forged file."""
+    """Training never saves a NaN or Inf (such steps are skipped, and a save refuses them) nor a negative
+    count (steps, EMA steps): a loaded tensor holding one comes from a damaged or forged file."""
+    key = _non_finite_key(state)
+    if key is not None:
+        raise CheckpointError(f"checkpoint {path}: {key!r} holds NaN or Inf")
     for key, t in state.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise CheckpointError(f"checkpoint {path}: {key!r} holds NaN or Inf")
         if not t.is_floating_point() and t.dtype not in (torch.bool, torch.uint8) and bool((t < 0).any()):
             raise CheckpointError(f"checkpoint {path}: {key!r} holds a negative count ({int(t.min())})")
 

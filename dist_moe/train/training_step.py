@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from dist_moe.dispatch.agree import buffers_of, put_back
 from dist_moe.dispatch.stats import all_reduce_max
 from dist_moe.gar.step import equal_task_weights, gar_train_step
 from dist_moe.train.run_config import TrainConfig
@@ -21,18 +22,6 @@ def loss_of(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> t
 def step_strategy(tcfg: TrainConfig, rt):
     """``PlainStep``, or a ``GARStep`` when ``train.gar`` is set: ``(model, stepper, x, y, categories) -> record``."""
     return PlainStep() if tcfg.gar is None else GARStep(tcfg, rt)
-
-
-def buffers_of(model) -> list[torch.Tensor]:
-    """Copies of the model's buffers (BRANCH anchors and EMA step, DeepSeek-V3 biases, load counters)."""
-    return [b.detach().clone() for b in model.buffers()]
-
-
-def put_back(model, saved: list[torch.Tensor]) -> None:
-    """A skipped step leaves no trace but its count: the buffers its forwards moved go back."""
-    with torch.no_grad():
-        for b, old in zip(model.buffers(), saved):
-            b.copy_(old)
 
 
 class PlainStep:
@@ -123,7 +112,7 @@ class GARStep:
         # DeepSpeed owns reduction, clip and step: GAR hands it the accumulated gradients
         out = gar_train_step(model, groups, loss_fn, step_fn.opt, weights, gar.lam, gar.eps, tcfg.max_grad_norm,
                              gar.mode, sizes=sizes, unit=gar.unit, finish=step_fn.finish_external, share=gar.share)
-        if not out["stepped"]:
+        if not out["stepped"]:  # a skipped step leaves no trace but its count
             put_back(model, saved)
         record = {"loss": out["task_loss"], "gar_loss": out["gar_loss"], "skipped": 0.0 if out["stepped"] else 1.0}
         if gar.share is not None:  # the lambda this step's gradients set (train.gar.share)
