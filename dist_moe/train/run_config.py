@@ -24,6 +24,7 @@ from dist_moe.routing.gar import GARConfig
 from dist_moe.routing.registry import GAR_MOVED, RouterConfig, RouterKeyError, router_config, router_shape
 from dist_moe.train.build import MODEL_KINDS
 from dist_moe.train.engines import ENGINES
+from dist_moe.train.precision import PRECISIONS
 from dist_moe.train.rundir import output_dir
 from placement.placement import NAMED as PLACEMENTS
 from placement.plan import DEDUP_MODES
@@ -124,6 +125,10 @@ class TrainConfig:
     # a step whose loss or gradients are not finite is skipped (no update, router state restored);
     # the run stops once more than max_skipped_steps have been skipped
     max_skipped_steps: int = key(10, "an int >= 0", lambda v: v >= 0)
+    # bf16: matmuls in bfloat16 under autocast; weights, gradients, optimizer state, routers and the combine fp32
+    precision: str = one_of("fp32", PRECISIONS)
+    # torch's deterministic algorithms and order-fixed sums: a rerun repeats bit for bit, on CUDA too
+    deterministic: bool = False
 
 
 @dataclass

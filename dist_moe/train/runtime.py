@@ -13,6 +13,7 @@ from dist_moe.dispatch.process_group import init_from_env, launched_world_size, 
 from dist_moe.dispatch.stats import all_reduce_sum
 from dist_moe.routing.registry import RouterConfig
 from dist_moe.train.engines import ENGINES
+from dist_moe.train.precision import compute_context, set_up
 from dist_moe.train.run_config import ParallelConfig
 from placement import Placement, Topology
 
@@ -22,16 +23,18 @@ class Runtime:
 
     group = WeakGroup()  # held weakly (dist_moe/dispatch/groups.py)
 
-    def __init__(self, engine: str, parallel: ParallelConfig):
+    def __init__(self, engine: str, parallel: ParallelConfig, precision: str = "fp32", deterministic: bool = False):
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {tuple(ENGINES)}, got {engine!r}")
         self.engine = ENGINES[engine]()  # what differs between torch, deepspeed and megatron (train/engines.py)
         self.engine.check_version()
         self.parallel = parallel
+        self.precision, self.deterministic = precision, deterministic  # train.precision, train.deterministic
         self.timeout_s = parallel.timeout_s
         self._owns_group = not torch.distributed.is_initialized()  # a caller's group is left to the caller
         # first of all: the device (LOCAL_RANK's GPU, or the CPU); the backend follows from it
         self.device = resolve_device(parallel.device)
+        set_up(self.device, deterministic)
         self._defaulted = _one_rank_defaults() if self.engine.needs_group else []
         self.engine.before_group(self.timeout_s, self.device)
         self.rank, self.world, self.group = init_from_env(self.timeout_s, always=self.engine.needs_group,
@@ -67,6 +70,10 @@ class Runtime:
     def stepper(self, model: nn.Module, lr: float, max_grad_norm, micro_batch: int):
         return self.engine.stepper(self, model, lr, max_grad_norm, micro_batch)
 
+    def compute(self):
+        """The context a forward runs in (``train.precision``)."""
+        return compute_context(self.device, self.precision)
+
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         return all_reduce_sum(t, self.group if self.world > 1 else None)
 
@@ -74,6 +81,7 @@ class Runtime:
         """Tear down what this run set up. After a failure there is no closing barrier: a dead
         or cut-off peer would make it wait out the timeout a second time."""
         self.engine.shutdown()
+        torch.use_deterministic_algorithms(False)  # the process's default again (train.deterministic)
         if self._owns_group:
             shutdown(wait=not failed)
         for key in self._defaulted:  # a later run (or a child process) must not inherit this run's port

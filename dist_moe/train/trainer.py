@@ -98,7 +98,7 @@ def train(cfg: RunConfig, quiet: bool = False, after=None) -> dict:
     if not isinstance(cfg, RunConfig):
         raise TypeError(f"train takes load_config's RunConfig (RunConfig.from_dict for a mapping), got "
                         f"{type(cfg).__name__}")
-    runtime = Runtime(cfg.engine, cfg.parallel)
+    runtime = Runtime(cfg.engine, cfg.parallel, cfg.train.precision, cfg.train.deterministic)
     failed = True
     try:
         summary = _train(cfg, runtime, quiet, after)

@@ -1,0 +1,34 @@
+"""``train.precision`` and ``train.deterministic``: how a run computes, set once per run.
+
+bf16 runs the model's matmuls in bfloat16 under ``torch.autocast`` while weights, gradients and
+optimizer state stay fp32; routers and the combine compute in fp32 as under fp32 (they leave
+autocast themselves). fp32 on CUDA lets matmuls use TF32, as Megatron and torchtitan do.
+``deterministic`` turns on torch's deterministic algorithms (an op without one raises) and
+dist-moe's order-fixed sums, so a rerun on CUDA repeats bit for bit as one on CPU does.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+PRECISIONS = ("fp32", "bf16")
+
+
+def compute_context(device: torch.device, precision: str):
+    """What a forward runs under: autocast to bfloat16 for ``bf16``, nothing for ``fp32``."""
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def set_up(device: torch.device, deterministic: bool) -> None:
+    """Process-wide settings of a run: TF32 matmuls on CUDA, and torch's deterministic mode when asked."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if deterministic:
+        # cuBLAS needs a fixed workspace to repeat its reductions (torch's deterministic-mode note)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(deterministic)
