@@ -2,6 +2,8 @@
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
+# the launch scripts take the active environment (VIRTUAL_ENV, CONDA_PREFIX) first: make's targets run in .venv
+IN_VENV := VIRTUAL_ENV=$(CURDIR)/.venv
 
 .PHONY: demo test lint install clean
 
@@ -25,10 +27,10 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	launch/demo.sh
+	$(IN_VENV) launch/demo.sh
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 timeout 2400 $(PY) -m pytest -q
+	$(IN_VENV) OMP_NUM_THREADS=1 timeout 2400 $(PY) -m pytest -q
 
 # ruff's settings: pyproject.toml [tool.ruff]
 lint: $(STAMP)

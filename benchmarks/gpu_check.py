@@ -21,7 +21,14 @@ reason) line, then a summary; ``--out`` also writes gpu_check.json. Budget: a fe
 4. cuda rng: a checkpoint saves this GPU's random stream and resume restores it bit for bit.
 5. device: ``parallel.device=cuda`` takes ``cuda:LOCAL_RANK`` (every visible GPU), refuses a
    LOCAL_RANK past them, and makes that GPU the current device.
-6-8. train: ``dist-moe train`` (the tiny LM, BRANCH routing) on one NCCL rank with each engine.
+6. train step sync: one whole trainer step (screen, forward through the EP dispatcher with 2 chunks,
+   backward, the overlapped gradient sum, clip, fused Adam with its device-side skip) under the same
+   "error" mode: one read (the exchange's) and nothing else.
+7. experts: the grouped GEMM against the per-expert loop (8 experts, hidden 512, ffn 128), fp32 and
+   bf16: equal within the tolerances below, and the time of each.
+8-10. train: ``dist-moe train`` (the tiny LM, BRANCH routing) on one NCCL rank with each engine;
+   engine torch also in bf16 beside fp32, and twice with ``train.deterministic=true``, every logged
+   loss equal bit for bit.
 ``--throughput`` adds tokens/s of the layer, dispatched and pipelined, against Megatron-core's.
 
 ``--cpu``: the device is the CPU and the rank a gloo one; "every synchronising call raises" is
@@ -301,11 +308,11 @@ def make_data(folder: Path) -> Path:
     return folder
 
 
-def _train(engine: str, device, data: Path) -> str:
-    out = data.parent / f"run_{engine}"
+def _train(engine: str, device, data: Path, extra=(), tag: str = "") -> str:
+    out = data.parent / f"run_{engine}{'_' + tag if tag else ''}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
            "dist_moe.cli", "train", "--quiet", "--json", *LM, f"engine={engine}", f"parallel.device={device.type}",
-           f"output.dir={out}"]
+           f"output.dir={out}", *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DIST_MOE_DATA": str(data)}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     if r.returncode != 0:
@@ -334,6 +341,109 @@ def train_deepspeed(device, data):
 @check("train: dist-moe train, engine megatron, one rank")
 def train_megatron(device, data):
     return _train_if_installed("megatron", "megatron.core", "megatron-core", device, data)
+
+
+class _Net(torch.nn.Module):
+    """The trainer's model contract, (x, categories) -> (logits, aux): one MoE layer and a head."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.moe, self.head = layer, torch.nn.Linear(H, 3)
+
+    def forward(self, x, categories=None):
+        y, aux = self.moe(x)
+        return self.head(y), aux
+
+
+@check("train step sync: one trainer step through the EP dispatcher, no sync but its exchange's read")
+def train_step_sync(device):
+    from dist_moe.train.steppers import LocalStepper
+    from dist_moe.train.trainer import screened
+    from dist_moe.train.training_step import PlainStep
+
+    group = _one_rank_group(device)
+    torch.manual_seed(0)
+    layer = MoELayer(H, F, {"type": "branch", "num_experts": 8, "top_k": 2}, pipeline_chunks=2)
+    layer.dispatcher = ExpertParallelDispatcher(group, layer.placement, layer.topology, "rank")
+    model = _Net(layer).to(device)
+    stepper = LocalStepper(model, 1e-3, 1.0, group, 1)
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(T, H, generator=g), torch.randint(0, 3, (T,), generator=g)) for _ in range(3)]
+    if device.type == "cuda":  # as the trainer copies them: from pinned memory, without blocking
+        batches = [(x.pin_memory(), y.pin_memory()) for x, y in batches]
+    step, records = PlainStep(), []
+    for i, (x, y) in enumerate(batches):
+        xb, yb = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if i == 0:  # warm-up: optimizer state, index tables
+            step(model, stepper, *screened(xb)[:1], yb, None, bad_input=screened(xb)[1])
+            continue
+        with no_sync_allowed(device) as seen:
+            xb, bad = screened(xb)
+            records.append(step(model, stepper, xb, yb, None, bad_input=bad))
+        assert not seen.other, f"synchronised outside the exchange: {seen.other[:3]}"
+        assert seen.reads == 1, f"{seen.reads} split-size reads in one step (one exchange: want 1)"
+    losses = [float(r["loss"]) for r in records]  # read after the checked steps
+    assert all(np.isfinite(losses)) and not any(float(r["skipped"]) for r in records), records
+    return f"2 steps (forward, backward, overlapped gradient sum, clip, fused Adam): 1 read each; losses {losses}"
+
+
+@check("experts: grouped GEMM vs per-expert loop, fp32 and bf16 (equality and time)")
+def grouped_vs_loop(device):
+    from dist_moe.experts import Experts
+
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        experts = Experts(8, 512, 128).to(device)
+        counts = torch.tensor([700, 300, 0, 512, 1200, 64, 900, 420], device=device)
+        x = torch.randn(int(counts.sum()), 512, device=device)
+        grad = torch.randn_like(x)
+
+        def run(grouped, experts=experts, counts=counts, x=x, grad=grad, dtype=dtype):
+            xi = x.detach().clone().requires_grad_()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                y = experts(xi, counts) if grouped else experts._looped_forward(xi, counts.tolist(), None)
+            y.float().backward(grad)
+            grads = [xi.grad] + [p.grad.clone() for p in experts.parameters()]
+            experts.zero_grad(set_to_none=True)
+            return [y.detach()] + grads
+
+        worst = max(_relative(a, b) for a, b in zip(run(True), run(False)))
+        assert worst <= TOLERANCE[dtype], f"{dtype}: grouped vs loop differ by {worst:.2e}"
+        seconds = {}
+        for grouped in (False, True):
+            for _ in range(3):
+                run(grouped)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(10):
+                run(grouped)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            seconds[grouped] = (time.perf_counter() - start) / 10
+        out.append(f"{str(dtype)[6:]}: worst {worst:.1e}, grouped {seconds[True] * 1e3:.2f} ms = "
+                   f"{seconds[True] / seconds[False]:.2f}x the loop")
+    return "; ".join(out)
+
+
+@check("train bf16 vs fp32: dist-moe train, engine torch, train.precision bf16 against fp32")
+def train_bf16(device, data):
+    fp32 = _train("torch", device, data, extra=["train.precision=fp32"], tag="fp32")
+    bf16 = _train("torch", device, data, extra=["train.precision=bf16"], tag="bf16")
+    return f"fp32 {fp32}; bf16 {bf16}"
+
+
+@check("deterministic: train.deterministic=true twice, every logged loss bit for bit")
+def train_deterministic(device, data):
+    runs = []
+    for i in range(2):
+        _train("torch", device, data, extra=["train.deterministic=true", "train.log_every=1"], tag=f"det{i}")
+        lines = (data.parent / f"run_torch_det{i}" / "metrics.jsonl").read_text().splitlines()
+        runs.append([json.loads(line).get("loss") for line in lines])
+    differ = [i for i, (a, b) in enumerate(zip(*runs)) if a != b]
+    assert runs[0] == runs[1], f"the two runs differ first at logged line {differ[:1]}"
+    return f"{len(runs[0])} logged lines equal, last loss {[v for v in runs[0] if v is not None][-1]!r}"
 
 
 # --- throughput (optional) --------------------------------------------------------------------
@@ -409,7 +519,11 @@ def main() -> int:
         ep_fp32(device)
         ep_bf16(device)
         cuda_rng(device)
+        train_step_sync(device)
+        grouped_vs_loop(device)
         train_torch(device, data)
+        train_bf16(device, data)
+        train_deterministic(device, data)
         train_deepspeed(device, data)
         train_megatron(device, data)
         if args.throughput:

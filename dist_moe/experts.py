@@ -21,6 +21,13 @@ KINDS = ("swiglu", "gelu", "lora")
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what F.grouped_mm takes here (CPU and CUDA)
 
 
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype experts compute in: autocast's (bf16 under train.precision bf16), else ``x``'s.
+    ``F.grouped_mm`` is not on autocast's lists, so the experts cast their rows themselves."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 def _init(shape, fan_in) -> nn.Parameter:
     bound = 1.0 / math.sqrt(fan_in)
     return nn.Parameter(torch.empty(*shape).uniform_(-bound, bound))
@@ -128,7 +135,8 @@ class Experts(nn.Module):
         z = self._linear("lora_A", x, w["lora_A"])
         return x @ self.base.to(x.dtype) + self.lora_scale * self._linear("lora_B", z, w["lora_B"])
 
-    def forward(self, x_sorted: Tensor, counts: list[int] | Tensor, tags: Tensor | None = None) -> Tensor:
+    def forward(self, x_sorted: Tensor, counts: list[int] | Tensor, tags: Tensor | None = None,
+                weights: dict[str, Tensor] | None = None) -> Tensor:
         """x_sorted: tokens grouped by expert (expert 0's first); counts[e] rows each (a list, or a
         tensor on x's device: then the grouped path reads nothing back to the host); ``tags`` [rows],
         for a tagging capture, say whose row each is.
@@ -137,10 +145,14 @@ class Experts(nn.Module):
         the device), as Megatron's GroupedMLP does. The per-expert loop runs only where a grouped GEMM
         cannot: a width whose rows are not a multiple of 16 bytes (the kernels' stride rule, e.g.
         hidden 10 in fp32), a dtype it lacks, or GAR's factor capture, which records each expert's
-        block inputs and output gradients apart. Both give the same numbers (tests/test_grouped_experts.py)."""
+        block inputs and output gradients apart. Both give the same numbers (tests/test_grouped_experts.py).
+        ``weights`` (slot -> stacked [E, ...] tensor) stand in for the parameters: a pipelined dispatch
+        casts them once per forward and runs every chunk on the same copies."""
+        weights = {**self.template(), **(weights or {})}
+        x_sorted = x_sorted.to(compute_dtype(x_sorted))
         if self.grouped(x_sorted):
-            return self._grouped_forward(x_sorted, counts)
-        return self._looped_forward(x_sorted, counts.tolist() if torch.is_tensor(counts) else counts, tags)
+            return self._grouped_forward(x_sorted, counts, weights)
+        return self._looped_forward(x_sorted, counts.tolist() if torch.is_tensor(counts) else counts, tags, weights)
 
     def grouped(self, x: Tensor) -> bool:
         """Whether ``forward`` runs grouped GEMMs on rows like ``x`` (see there)."""
@@ -149,7 +161,7 @@ class Experts(nn.Module):
         widths = [w.shape[-1] for w in self.template().values()] + [x.shape[-1]]
         return all(d * x.element_size() % 16 == 0 for d in widths)
 
-    def _grouped_forward(self, x: Tensor, counts: list[int] | Tensor) -> Tensor:
+    def _grouped_forward(self, x: Tensor, counts: list[int] | Tensor, w: dict[str, Tensor]) -> Tensor:
         counts = torch.as_tensor(counts, device=x.device)
         offs = torch.cumsum(counts, 0, dtype=torch.int32)  # group e ends at row offs[e]
 
@@ -157,15 +169,16 @@ class Experts(nn.Module):
             return F.grouped_mm(a, w.to(a.dtype), offs=offs)
 
         if self.kind == "swiglu":
-            return mm(F.silu(mm(x, self.w_gate)) * mm(x, self.w_up), self.w_down)
+            return mm(F.silu(mm(x, w["w_gate"])) * mm(x, w["w_up"]), w["w_down"])
         if self.kind == "gelu":
-            return mm(F.gelu(mm(x, self.w_fc1)), self.w_fc2)
-        return x @ self.base.to(x.dtype) + self.lora_scale * mm(mm(x, self.lora_A), self.lora_B)
+            return mm(F.gelu(mm(x, w["w_fc1"])), w["w_fc2"])
+        return x @ self.base.to(x.dtype) + self.lora_scale * mm(mm(x, w["lora_A"]), w["lora_B"])
 
-    def _looped_forward(self, x_sorted: Tensor, counts: list[int], tags: Tensor | None) -> Tensor:
+    def _looped_forward(self, x_sorted: Tensor, counts: list[int], tags: Tensor | None,
+                        weights: dict[str, Tensor] | None = None) -> Tensor:
         # unbind once: its backward stacks the experts' gradients into one tensor, where
         # indexing p[e] per expert would zero-fill a full [E, ...] gradient for each expert
-        views = {n: p.unbind(0) for n, p in self.template().items()}
+        views = {n: p.unbind(0) for n, p in (weights or self.template()).items()}
         tagging = self.capture is not None and tags is not None
         chunk_tags = tags.split(counts) if tagging else [None] * len(counts)
         outs = []
@@ -177,12 +190,12 @@ class Experts(nn.Module):
         if not outs:  # still an autograd function of the input and weights, like any other call
             if tagging:
                 self.capture.current_tags = tags[:0]
-            return self.expert(0, x_sorted[:0])
+            return self.expert(0, x_sorted[:0], {n: v[0] for n, v in views.items()})
         return torch.cat(outs)
 
 
 def apply_experts(experts: Experts, x: Tensor, pair_row: Tensor, pair_slot: Tensor, pair_gate: Tensor,
-                  row_tags: Tensor | None = None, counts: list[int] | None = None) -> Tensor:
+                  row_tags: Tensor | None = None, counts: list[int] | None = None, **weights) -> Tensor:
     """y[r] = sum over pairs p with pair_row[p] == r of gate_p * expert_{slot_p}(x[r]), in fp32.
 
     Pairs are grouped by local expert slot with one stable sort, so each expert runs
@@ -190,18 +203,25 @@ def apply_experts(experts: Experts, x: Tensor, pair_row: Tensor, pair_slot: Tens
     fp32 whatever the activations' dtype (the caller casts once). Grouped experts get their
     counts from the pairs on the device; a loop gets ``counts`` (pairs per slot, known to the
     dispatcher from its exchange header), which saves the one host read sizing its slices takes.
-    ``row_tags`` [rows of x] are handed to a tagging capture (GAR observations).
+    ``row_tags`` [rows of x] are handed to a tagging capture (GAR observations); ``weights=``, when
+    given, to the experts (``Experts.forward``).
     """
     order = torch.argsort(pair_slot, stable=True)
     rows, gates = pair_row[order], pair_gate[order]
-    if experts.grouped(x):  # counted on the device (bincount would read its max back on CUDA): no host read
-        counts = torch.zeros(experts.num_experts, dtype=torch.long, device=x.device).scatter_add_(
-            0, pair_slot, torch.ones_like(pair_slot))
-    elif counts is None:
-        counts = torch.bincount(pair_slot, minlength=experts.num_experts).tolist()
-    out = experts(x[rows], counts, None if row_tags is None else row_tags[rows])
+    counts = slot_counts(experts, x, pair_slot, counts)
+    out = experts(x[rows], counts, None if row_tags is None else row_tags[rows], **weights)
     y = torch.zeros(x.shape[0], out.shape[1], dtype=torch.float32, device=x.device)
     return y.index_add(0, rows, out.float() * gates.float().unsqueeze(1))
+
+
+def slot_counts(experts, x: Tensor, pair_slot: Tensor, counts: list[int] | None = None) -> list[int] | Tensor:
+    """Pairs per local expert slot, as ``experts`` take them: grouped experts a tensor counted on the
+    device (bincount would read its max back on CUDA), a loop a list (``counts`` when the caller knows
+    them, else the one host read that sizing its slices takes)."""
+    if experts.grouped(x):
+        return torch.zeros(experts.num_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, pair_slot, torch.ones_like(pair_slot))
+    return counts if counts is not None else torch.bincount(pair_slot, minlength=experts.num_experts).tolist()
 
 
 class SingleExpert(nn.Module):

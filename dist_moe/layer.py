@@ -4,10 +4,10 @@ Its forward reads tokens -> route -> capacity -> dispatch -> experts -> combine
 (``dispatch/moe_forward.py``, shared with the engines' layers). With ``group=None``
 or a world of one, the dispatcher is local (``LocalDispatcher``: tokens grouped by
 expert with one sort, each expert once on its contiguous slice, gated outputs
-scattered back with ``index_add``). With a larger group, the router runs on this
-rank's tokens, and the expert-parallel dispatcher sends them to the ranks that
-hold their experts under ``placement`` (default contiguous) over ``topology``
-(default: from the launcher's variables).
+summed per token: with ``index_add``, or in a fixed order under ``deterministic``).
+With a larger group, the router runs on this rank's tokens, and the expert-parallel
+dispatcher sends them to the ranks that hold their experts under ``placement``
+(default contiguous) over ``topology`` (default: from the launcher's variables).
 A router built here from a dict reduces its data-parallel statistics (BRANCH
 anchor sums, DeepSeek-V3 loads) over the same group, whose ranks hold
 different tokens.
@@ -50,13 +50,18 @@ class MoELayer(CountsTraffic, nn.Module):
         expert_type: str = "swiglu",
         timeout=None,
         pipeline_chunks: int = 1,
+        deterministic: bool = False,
         **expert_kwargs,
     ):
         """``timeout`` (timedelta) bounds the collectives of any process group this layer creates
         (node dedup's per-node groups); ``group``'s own timeout is set where it was created.
         ``pipeline_chunks`` C > 1 cuts each rank's tokens into C chunks whose exchanges are in
         flight while the experts run others (``dispatch/pipeline.py``); the same C on every rank.
-        Without expert parallelism nothing is exchanged and C changes nothing."""
+        Without expert parallelism nothing is exchanged and C changes nothing.
+        ``deterministic`` (``train.deterministic``) sums each token's expert outputs, and the
+        gradient rows of its copies, in a fixed order instead of with index_add, whose atomics on
+        a GPU add them in any order (``dispatch/combine.py``): a rerun repeats bit for bit. It
+        costs an extra pass over the [T * K, H] rows."""
         super().__init__()
         check_dedup(dedup)
         self.pipeline_chunks = check_chunks(pipeline_chunks)
@@ -85,7 +90,7 @@ class MoELayer(CountsTraffic, nn.Module):
         bind_to_topology(router, placement, topology)  # may raise: before the dispatcher creates any group
         rank = dist.get_rank(group) if world > 1 else 0
         self.local_expert_ids = placement.local_experts(rank)
-        self.dispatcher: Dispatcher = make_dispatcher(group, placement, topology, dedup, timeout)
+        self.dispatcher: Dispatcher = make_dispatcher(group, placement, topology, dedup, timeout, deterministic)
         self.experts = _local_experts(world, rank, len(self.local_expert_ids), hidden_size, ffn_hidden_size,
                                       expert_type, **expert_kwargs)
         self.shared_expert = SharedExpert(hidden_size, shared_expert_hidden) if shared_expert_hidden else None

@@ -31,9 +31,9 @@ done
 if [ -n "$HOSTFILE" ] && [ ! -f "$HOSTFILE" ]; then
   usage_error "--hostfile '$HOSTFILE': no such file (without one the launcher would train one local process)"
 fi
-PY=$(venv_tool python) || exit 2
-DEEPSPEED=$(venv_tool deepspeed) || exit 2
-DIST_MOE=$(venv_tool dist-moe) || exit 2
+PY=$(project_tool python) || exit 2
+DEEPSPEED=$(project_tool deepspeed) || exit 2
+DIST_MOE=$(project_tool dist-moe) || exit 2
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # a pdsh/ssh launch from node 0 brings every rank's output back through the launcher: show it as is
 [ -z "$HOSTFILE" ] && [ -f /job/hostfile ] && HOSTFILE=/job/hostfile  # DeepSpeed's default hostfile

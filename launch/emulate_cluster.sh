@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# An emulated multi-node cluster on one machine (see ../shared/notes/emulated-cluster.md).
+# An emulated multi-node cluster on one machine.
 #
 #   launch/emulate_cluster.sh [--nodes N] [--procs-per-node G] [--rate 400mbit] [--port P]
 #                             [--launcher torchrun|deepspeed] SCRIPT|-m MODULE [ARGS...]
@@ -10,7 +10,8 @@
 # only inter-node traffic is slow: ranks on one node talk over that namespace's
 # loopback. One `torchrun --nnodes N --node_rank i` per node (or, with
 # --launcher deepspeed, one `deepspeed --no_ssh --node_rank i` over a generated
-# hostfile) runs SCRIPT inside its namespace with the project's .venv python (else the first on PATH).
+# hostfile) runs SCRIPT inside its namespace with the active environment's python (else .venv's, else
+# python3). The ranks train on the CPU: parallel.device=auto is the CPU here (dist_moe/dispatch/device_choice.py).
 # Node 0's output streams here; the other nodes' go to log files, named at the start and kept
 # only if the run fails. The first failing rank's line ends a failed run, and its exit code
 # is the script's. Namespaces are named dm<this script's pid>...: removed on every exit path,
@@ -75,9 +76,10 @@ case "$LAUNCHER" in
 esac
 
 SCRIPT_ARGS=("$@")
-PY=$(venv_tool python) || exit 2
-if [ "$LAUNCHER" = deepspeed ]; then DEEPSPEED=$(venv_tool deepspeed) || exit 2; fi
+PY=$(project_tool python) || exit 2
+if [ "$LAUNCHER" = deepspeed ]; then DEEPSPEED=$(project_tool deepspeed) || exit 2; fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+export DIST_MOE_EMULATED_NODES="$NODES"  # the nodes share this host's GPUs, if it has any: their ranks take the CPU
 # after a kill -9 the watcher runs this script's --remove-stale: this run's namespaces go too
 start_run bash "$DIST_MOE_HOME/launch/emulate_cluster.sh" --remove-stale
 if [ "$LAUNCHER" = deepspeed ]; then

@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# Sourced by the launch scripts: the project's .venv first, checked options, and a launcher run
+# Sourced by the launch scripts: the active environment's tools (else .venv's), checked options, and a launcher run
 # (launch/supervise.py) that dies with the script, passes Ctrl-C / kill on once, keeps the launcher's
 # own noise out of sight and ends a failure with the first failing rank's line alone.
 
@@ -24,9 +24,18 @@ check_port() {  # OPTION VALUE: a TCP port, 1..65535 (torchrun and deepspeed tak
   usage_error "$1 takes a port number in 1..65535, got '$2'"
 }
 
-venv_tool() {  # NAME: the project's .venv/bin/NAME (made by `make demo` / `make test`), else NAME on PATH
-  if [ -x "$DIST_MOE_HOME/.venv/bin/$1" ]; then echo "$DIST_MOE_HOME/.venv/bin/$1"; return 0; fi
-  command -v "$1" || { echo "$ME: $1 not found: run 'make demo' (it creates .venv) first" >&2; return 2; }
+project_tool() {  # NAME: the active environment's bin/NAME (VIRTUAL_ENV, else CONDA_PREFIX), else the project's
+  # .venv/bin/NAME (made by `make demo` / `make test`), else NAME on PATH (python: python3). The active environment
+  # comes first: a GPU image's CUDA torch is there, and a CPU .venv would train on the CPU with gloo instead
+  local env=${VIRTUAL_ENV:-${CONDA_PREFIX:-}} name=$1
+  if [ -n "$env" ]; then
+    if [ -x "$env/bin/$name" ]; then echo "$env/bin/$name"; return 0; fi
+    echo "$ME: the active environment $env has no $name: install dist-moe there (pip install -e .), or deactivate it" >&2
+    return 2
+  fi
+  if [ -x "$DIST_MOE_HOME/.venv/bin/$name" ]; then echo "$DIST_MOE_HOME/.venv/bin/$name"; return 0; fi
+  [ "$name" != python ] || name=python3
+  command -v "$name" || { echo "$ME: $name not found: run 'make demo' (it creates .venv) first" >&2; return 2; }
 }
 
 start_run() {  # [CLEANUP...]: RUN_DIR for this run's error lines and launcher logs, removed when the
@@ -35,6 +44,7 @@ start_run() {  # [CLEANUP...]: RUN_DIR for this run's error lines and launcher l
   DIST_MOE_ERROR_DIR="$RUN_DIR/errors"  # every rank writes its line here (dist_moe/errors.py)
   mkdir "$DIST_MOE_ERROR_DIR"
   export DIST_MOE_ERROR_DIR
+  export DIST_MOE_RANK_LINE=1  # each rank says its torch build, device and backend (dist_moe/dispatch/rank_line.py)
   KEEP=()  # logs a printed line named: end_run leaves them
   "$PY" "$DIST_MOE_HOME/launch/supervise.py" --watch "$$" --remove "$RUN_DIR" -- "$@" </dev/null >/dev/null 2>&1 &
   WATCHER=$!

@@ -6,8 +6,8 @@
 #
 # Every process joins one gloo (CPU) or NCCL (GPU) group; the topology comes from
 # torchrun's variables (WORLD_SIZE, LOCAL_WORLD_SIZE), or DIST_MOE_TOPOLOGY=node=2,gpu=2
-# to describe a layout the launcher cannot see. Uses the project's .venv (made by
-# `make test` / `make demo`), else the python and dist-moe on PATH. Ctrl-C or kill stop
+# to describe a layout the launcher cannot see. Uses the active environment's python and
+# dist-moe (VIRTUAL_ENV, else CONDA_PREFIX), else the project's .venv, else those on PATH. Ctrl-C or kill stop
 # every rank, and so does a kill -9 of this script; a failed run ends with the first failing
 # rank's error line alone (torchrun's own report is kept out of sight, see launch/README.md).
 set -euo pipefail
@@ -25,8 +25,8 @@ while [ $# -gt 0 ]; do
 done
 case "$NPROC" in ''|*[!0-9]*|0*) usage_error "--nproc takes a positive integer, got '$NPROC'" ;; esac
 check_port --port "$PORT"
-PY=$(venv_tool python) || exit 2
-DIST_MOE=$(venv_tool dist-moe) || exit 2
+PY=$(project_tool python) || exit 2
+DIST_MOE=$(project_tool dist-moe) || exit 2
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 start_run
 status=0

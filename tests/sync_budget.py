@@ -48,17 +48,22 @@ def _where() -> tuple[str, str, int]:
 
 
 class HostSyncCounter(TorchDispatchMode):
-    def __init__(self, allowed: frozenset = frozenset()):
+    def __init__(self, allowed: frozenset = frozenset(), host_only: frozenset = frozenset()):
         super().__init__()
         self.counts: Counter = Counter()  # what -> how many
         self.sites: Counter = Counter()  # (what, file, function, line) -> how many
         self.allowed_builds = 0  # builds at an allowed (file, function): host-only bookkeeping
-        self._allowed = allowed
+        self.host_only = 0  # reads and builds in host_only code: math on host copies
+        self._allowed, self._host_only = allowed, host_only
 
     def note(self, what: str, where=None) -> None:
         where = where or _where()
         if what == "build" and where[:2] in self._allowed:
             self.allowed_builds += 1
+            return
+        if where[:2] in self._host_only or where[0] in self._host_only or where[0].startswith(
+                tuple(h for h in self._host_only if isinstance(h, str) and h.endswith("/"))):
+            self.host_only += 1
             return
         self.counts[what] += 1
         self.sites[(what, *where)] += 1
@@ -95,10 +100,13 @@ class HostSyncCounter(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def counting(allowed=frozenset()):
+def counting(allowed=frozenset(), host_only=frozenset()):
     """``with counting() as c: ...``; ``c.total``, ``c.reads``, ``c.builds``, ``c.where()`` afterwards
-    (tolist included). ``allowed``: (file, function) pairs whose builds are not counted."""
-    counter = HostSyncCounter(frozenset(allowed))
+    (tolist included). ``allowed``: (file, function) pairs whose builds are not counted; ``host_only``:
+    (file, function) pairs, files or folders ("placement/") whose reads and builds are not counted
+    either, because the tensors they touch live on the host by design (a ledger of host ints, math
+    on a host copy made by a counted read)."""
+    counter = HostSyncCounter(frozenset(allowed), frozenset(host_only))
     original = torch.Tensor.tolist
 
     def tolist(self):

@@ -5,6 +5,7 @@ import datetime
 import pytest
 import torch
 
+from dist_moe.dispatch.device_choice import EMULATED_NODES, choose_device
 from dist_moe.dispatch.process_group import group_options, resolve_device
 from dist_moe.train.config import load_config
 
@@ -93,3 +94,46 @@ def test_a_checkpoint_restores_this_rank_s_gpu_random_stream_bit_for_bit(monkeyp
     assert torch.equal(gpus.states[2], saved_gpu), "the GPU's random stream was not restored"
     assert torch.equal(torch.get_rng_state(), saved_cpu), "the CPU's random stream was not restored"
     assert all(torch.equal(gpus.states[i], s) for i, s in untouched.items()), "another GPU's stream was changed"
+
+
+CPU = torch.device("cpu")
+CHOICES = [  # (choice, GPUs visible, LOCAL_RANK, emulated nodes on this host) -> device
+    ("auto", 0, 0, 1, CPU), ("auto", 4, 3, 1, torch.device("cuda", 3)), ("cpu", 4, 0, 1, CPU),
+    ("cuda", 2, 1, 1, torch.device("cuda", 1)),
+    # `make demo`'s 2 emulated nodes x 2 ranks: the CPU whatever the GPU count (1 or 2 GPUs: LOCAL_RANK 1
+    # refused or both nodes on cuda:0; 4 or 8: NCCL would bypass the throttled link)
+    ("auto", 1, 1, 2, CPU), ("auto", 2, 0, 2, CPU), ("auto", 8, 1, 2, CPU), ("auto", 0, 1, 2, CPU),
+]
+
+
+@pytest.mark.parametrize("choice, gpus, local, nodes, device", CHOICES)
+def test_the_device_choice(choice, gpus, local, nodes, device):
+    assert choose_device(choice, gpus, local, nodes) == device
+
+
+@pytest.mark.parametrize("choice, gpus, local, nodes, message", [
+    ("cuda", 0, 0, 1, "no CUDA device is visible"),
+    ("cuda", 2, 2, 1, "LOCAL_RANK=2, but this node shows 2 CUDA devices"),
+    ("cuda", 8, 0, 2, "parallel.device=cuda on an emulated cluster: its 2 nodes share this host's 8 GPUs"),
+])
+def test_a_device_that_cannot_be_had_is_refused(choice, gpus, local, nodes, message):
+    with pytest.raises(ValueError, match=message):
+        choose_device(choice, gpus, local, nodes)
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 4])
+def test_an_emulated_clusters_ranks_take_the_cpu_on_a_gpu_host(monkeypatch, gpus):
+    """What launch/emulate_cluster.sh's ranks get: it sets the variable, resolve_device reads it."""
+    _FakeGPUs(monkeypatch, gpus)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv(EMULATED_NODES, "2")
+    assert resolve_device("auto") == CPU == resolve_device("cpu")
+    monkeypatch.delenv(EMULATED_NODES)  # a real node: LOCAL_RANK 1 takes its GPU, or is refused without one
+    if gpus > 1:
+        assert resolve_device("auto") == torch.device("cuda", 1)
+    else:
+        with pytest.raises(ValueError, match="LOCAL_RANK=1, but this node shows 1 CUDA devices"):
+            resolve_device("auto")
+    monkeypatch.setenv(EMULATED_NODES, "two")
+    with pytest.raises(ValueError, match=f"{EMULATED_NODES} must be an int >= 1, got 'two'"):
+        resolve_device("auto")

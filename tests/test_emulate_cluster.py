@@ -120,6 +120,25 @@ def test_loopback_fallback_says_the_link_is_not_throttled():
     assert "NOT throttled" in r.stderr and "CLUSTER OK node=2,gpu=1" in r.stdout
 
 
+def test_the_emulated_nodes_ranks_take_the_cpu_on_a_gpu_host(tmp_path):
+    """Every rank of every emulated node is told it shares the host (`make demo` on a GPU host): with 4 GPUs
+    faked visible, parallel.device=auto is the CPU on both nodes (a node whose rank took a GPU exits 3)."""
+    script = tmp_path / "device_of_rank.py"
+    script.write_text(f"""import os, sys
+import torch
+sys.path.insert(0, {str(ROOT)!r})
+torch.cuda.is_available, torch.cuda.device_count = lambda: True, lambda: 4
+from dist_moe.dispatch.process_group import resolve_device
+device = resolve_device("auto")
+print("rank", os.environ["RANK"], "device", device, flush=True)
+sys.exit(0 if device.type == "cpu" else 3)
+""")
+    r = _run("--nodes", "2", "--procs-per-node", "2", "--port", str(free_port()), str(script),
+             EMULATE_CLUSTER_LOOPBACK="1", TMPDIR=str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert len([line for line in r.stdout.splitlines() if line.endswith(" device cpu")]) == 2  # node 0's ranks
+
+
 def test_usage_errors():
     r = _run("--nodes", "x", "script.py")
     assert r.returncode == 2 and "integers" in r.stderr

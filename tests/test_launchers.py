@@ -4,6 +4,7 @@ rank running; bad options are one line and exit 2; nothing is left in TMPDIR."""
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,8 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from dist_moe import errors
+from dist_moe.dispatch.rank_line import ASKED, rank_line, say_rank_line
 from tests.dist_utils import free_port
 from tests.faults.launch import descendants, wait_gone
 
@@ -26,8 +29,9 @@ def _env(tmp_path):
     tmp = tmp_path / "tmp dir"  # a space: every path the scripts build must stay one argument
     tmp.mkdir(exist_ok=True)
     env = {**os.environ, "DIST_MOE_DATA": str(tmp_path / "data"), "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp),
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    env.pop("WORLD_SIZE", None)
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "VIRTUAL_ENV": sys.prefix}
+    for name in ("WORLD_SIZE", "CONDA_PREFIX"):  # the scripts run this interpreter's environment
+        env.pop(name, None)
     return env
 
 
@@ -51,6 +55,8 @@ def test_torchrun_script_runs_two_processes(tmp_path):
     s = _summary(proc, out)
     assert s["engine"] == "torch" and s["world_size"] == 2 and s["topology"] == "node=1,gpu=2"
     assert _left_in_tmp(tmp_path) == []
+    said = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+    assert said == [f"rank {r}/2: torch {torch.__version__}, device cpu, backend gloo" for r in (0, 1)], proc.stdout
 
 
 def test_deepspeed_script_runs_the_deepspeed_engine(tmp_path):
@@ -254,3 +260,52 @@ def test_a_rank_killed_by_a_signal_is_named_from_the_launchers_report():
     deepspeed = ("[2026-12-02 05:12:03,463] [ERROR] [launch.py:259:sigkill_handler] ['python', '-u', 'rank.py', "
                  "'--local_rank=1', 'train'] exits with return code = -11")
     assert supervise.failed_ranks(deepspeed) == (["local rank 1 was killed by SIGSEGV"], [])
+
+
+def _executable(path: Path) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def _project_tool(home: Path, name: str, **env) -> subprocess.CompletedProcess:
+    """lib.sh's project_tool NAME, lib.sh copied into home/launch (home is then the project's folder)."""
+    (home / "launch").mkdir(exist_ok=True)
+    shutil.copy(ROOT / "launch/lib.sh", home / "launch/lib.sh")
+    base = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "CONDA_PREFIX")}
+    return subprocess.run(["bash", "-c", '. "$LIB" && project_tool "$1"', "launcher.sh", name],
+                          env={**base, "LIB": str(home / "launch/lib.sh"), **env}, capture_output=True, text=True)
+
+
+def test_the_scripts_take_the_active_environment_then_venv_then_python3(tmp_path):
+    """A CPU .venv must not win over an activated environment (a GPU image's CUDA torch)."""
+    home, venv, conda = tmp_path / "project", tmp_path / "venv", tmp_path / "conda"
+    active, base = _executable(venv / "bin/python"), _executable(conda / "bin/python")
+    project = _executable(home / ".venv/bin/python")
+    _executable(home / ".venv/bin/dist-moe")
+    on_path = _executable(tmp_path / "path/python3")
+    chosen = [_project_tool(home, "python", VIRTUAL_ENV=str(venv), CONDA_PREFIX=str(conda)),  # a venv over conda's
+              _project_tool(home, "python", CONDA_PREFIX=str(conda)),
+              _project_tool(home, "python")]
+    assert [(p.returncode, p.stdout.strip()) for p in chosen] == [(0, active), (0, base), (0, project)]
+    shutil.rmtree(home / ".venv")
+    no_venv = _project_tool(home, "python", PATH=f"{tmp_path / 'path'}:/usr/bin:/bin")
+    assert (no_venv.returncode, no_venv.stdout.strip()) == (0, on_path)
+    # an active environment without the tool is named, never mixed with .venv's
+    _executable(home / ".venv/bin/dist-moe")
+    missing = _project_tool(home, "dist-moe", VIRTUAL_ENV=str(venv))
+    assert missing.returncode == 2 and missing.stdout == ""
+    assert missing.stderr.splitlines() == [f"launcher.sh: the active environment {venv} has no dist-moe: install "
+                                           "dist-moe there (pip install -e .), or deactivate it"]
+
+
+def test_the_rank_line_names_the_torch_build_device_and_backend(monkeypatch, capsys):
+    gpu = rank_line(1, 4, "2.11.0+cu128", torch.device("cuda", 1), "nccl", "NVIDIA H200")
+    assert gpu == "rank 1/4: torch 2.11.0+cu128, device cuda:1 (NVIDIA H200), backend nccl"
+    monkeypatch.delenv(ASKED, raising=False)
+    say_rank_line(0, 1, torch.device("cpu"), None)  # a plain `dist-moe train`: nothing
+    assert capsys.readouterr().out == ""
+    monkeypatch.setenv(ASKED, "1")
+    say_rank_line(0, 1, torch.device("cpu"), None)
+    assert capsys.readouterr().out == f"rank 0/1: torch {torch.__version__}, device cpu, backend none (one process)\n"

@@ -3,7 +3,9 @@ expert-parallel layer may do either once per exchange in forward (node dedup: tw
 stage) and never in backward, for every router, dedup mode and chunk count, with a shared expert
 (counted on gloo ranks with the ops that block on CUDA, tests/sync_budget.py). Every rank counts
 its own and every rank is checked; a planted build and a planted read, each on one rank only,
-must be caught on that rank, so the check is seen to fail."""
+must be caught on that rank, so the check is seen to fail. The local path (one process) has no stall
+at all, and a whole trainer step none but its layers' exchanges (a log step: one read). The engines'
+own-dispatcher hosts are counted in tests/test_sync_budget_engines.py."""
 import json
 
 import pytest
@@ -118,3 +120,106 @@ def test_a_planted_stall_on_one_rank_fails_the_budget_on_that_rank(counted, what
             assert over, f"the planted {what} on rank {rank} was not counted"
         else:
             assert not over, f"rank {rank} has no plant but is over budget: {over}"
+
+
+# --- the local path (one process, or one expert-parallel rank) and a whole trainer step -------------
+
+def _local_counts(name: str, cfg: dict, plant: bool = False) -> tuple[int, int, list[str]]:
+    """(forward, backward, where) of one local MoELayer forward + backward; ``plant``: one read added."""
+    import torch
+
+    from dist_moe import MoELayer
+    from dist_moe.dispatch import dispatcher
+    from tests.sync_budget import counting
+
+    torch.manual_seed(0)
+    layer = MoELayer(8, 12, dict(cfg), capacity_factor=1.25 if name == "switch" else None, shared_expert_hidden=4)
+    x = torch.randn(13, 8, requires_grad=True)
+    kw = {"categories": torch.randint(0, 5, (13,))} if name.startswith("specdrop") else {}
+    kw.update({"token_ids": torch.arange(13) * 7919} if name == "hash" else {})
+    y, aux = layer(x, **kw)
+    (y.sum() + aux).backward()
+    real = dispatcher.every_slot_pairs
+    if plant:
+        dispatcher.every_slot_pairs = lambda idx, gates: (int(idx.max()), real(idx, gates))[1]
+    try:
+        with counting() as forward:
+            y, aux = layer(x, **kw)
+    finally:
+        dispatcher.every_slot_pairs = real
+    with counting() as backward:
+        (y.square().sum() + aux).backward()
+    return forward.total, backward.total, forward.where() + backward.where()
+
+
+def test_the_local_path_never_stalls_the_host():
+    """Every router, one process: no read and no build in forward or backward (grouped experts sized
+    on the device, every routing slot a pair, input checks asserted on the device); a planted read fails."""
+    from tests.ep_checks import ROUTERS
+
+    over = {name: counts for name, cfg in ROUTERS.items() if (counts := _local_counts(name, cfg))[:2] != (0, 0)}
+    assert not over, over
+    assert _local_counts("switch", ROUTERS["switch"], plant=True)[0] == 1
+
+
+# host-side by design: the dispatcher's byte ledger (host ints), the log step's host floats and the values
+# it read back, placement's and the metrics' math on the log step's one host copy of the routings
+TRAINER_BUILDS = frozenset({("dist_moe/dispatch/dispatcher.py", "traffic"), ("dist_moe/train/trainer.py", "reduced")})
+TRAINER_HOST_ONLY = frozenset({"placement/", "dist_moe/train/metrics.py"})
+TRAINER_PLANT_RANK = 1
+
+
+def _trainer_worker(rank, world, out_dir, plant):
+
+    from dist_moe.train import trainer, training_step
+    from dist_moe.train.config import load_config
+    from tests.sync_budget import counting
+
+    rows = []
+    real_step, real_log, real_plain = (trainer._TrainingRun.train_step, trainer._TrainingRun.maybe_log,
+                                       training_step.PlainStep.__call__)
+
+    def counted(kind, fn):
+        def run(self, *args):
+            with counting(TRAINER_BUILDS, TRAINER_HOST_ONLY) as c:
+                out = fn(self, *args)
+            rows.append({"kind": kind, "step": self.step, "reads": c.reads, "builds": c.builds, "where": c.where()})
+            return out
+        return run
+
+    def planted(self, *args, **kwargs):  # a host read of the loss, as a step that logged every loss would do
+        record = real_plain(self, *args, **kwargs)
+        float(record["loss"])
+        return record
+
+    trainer._TrainingRun.train_step = counted("step", real_step)
+    trainer._TrainingRun.maybe_log = counted("log", real_log)
+    if plant and rank == TRAINER_PLANT_RANK:
+        training_step.PlainStep.__call__ = planted
+    cfg = load_config(None, ["data.max_rows=600", "train.max_steps=4", "train.batch_size=32", "train.log_every=2",
+                             f"output.dir={out_dir}/run{int(plant)}", "model.capacity_factor=null"])
+    trainer.train(cfg, quiet=True)
+    with open(f"{out_dir}/trainer{int(plant)}_rank{rank}.json", "w") as f:
+        json.dump(rows, f)
+
+
+def _trainer_over_budget(rows: list[dict]) -> list[str]:
+    """One MoE layer, dedup rank: a step may read once (its exchange); a log step once (its reduction)."""
+    return [f"{r['kind']} {r['step']}: {r['reads']} reads + {r['builds']} builds: {r['where']}" for r in rows
+            if r["reads"] + r["builds"] > (BUDGET["rank"] if r["kind"] == "step" else 1)]
+
+
+@pytest.mark.parametrize("plant", [False, True])
+def test_a_trainer_step_stalls_only_in_its_exchanges_and_once_per_log(tmp_path, plant):
+    """Two ranks, the tabular model: every training step reads back only in its MoE layer's exchange (no
+    input screen, loss, skip decision, clip norm or gradient sum on the host), a log step once; a read
+    planted on rank 1 fails rank 1 alone."""
+    run_workers(_trainer_worker, 2, args=(str(tmp_path), plant), timeout=240)
+    for rank in range(2):
+        rows = json.loads((tmp_path / f"trainer{int(plant)}_rank{rank}.json").read_text())
+        assert len([r for r in rows if r["kind"] == "step"]) == 4
+        over = _trainer_over_budget(rows)
+        if plant and rank == TRAINER_PLANT_RANK:
+            assert len(over) == 4, f"the planted read on rank {rank} was not counted at every step: {rows}"
+        else:
+            assert not over, f"rank {rank}:\n" + "\n".join(over)

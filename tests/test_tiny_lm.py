@@ -126,17 +126,23 @@ def test_demo_script_trains_on_two_emulated_nodes_and_reports(tmp_path):
     import json
     import os
     import subprocess
+    import sys
     from pathlib import Path
 
     from tests.dist_utils import free_port
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "demo"
-    env = {**os.environ, "DIST_MOE_DATA": str(tmp_path / "data"), "DEMO_PORT": str(free_port())}
-    env.pop("WORLD_SIZE", None)
+    env = {**os.environ, "DIST_MOE_DATA": str(tmp_path / "data"), "DEMO_PORT": str(free_port()),
+           "VIRTUAL_ENV": sys.prefix}  # the demo runs this interpreter's environment
+    for name in ("WORLD_SIZE", "CONDA_PREFIX"):
+        env.pop(name, None)
     proc = subprocess.run([str(root / "launch/demo.sh"), str(out), "train.max_steps=20", "data.per_domain=200"],
                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    # node 0's two ranks say what they train with (node 1's go to its log); the CPU on any host
+    said = [line.split(": ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("rank ")]
+    assert said == [f"torch {torch.__version__}, device cpu, backend gloo"] * 2, proc.stdout[-2000:]
     assert f"report at {out}/report.md" in proc.stdout
     report = json.loads((out / "report.json").read_text())
     assert report["topology"] == "node=2,gpu=2" and report["run_dispatch"]["dedup"] == "node"

@@ -72,8 +72,9 @@ def check_headers(tags: list[int], problems: list[int], my_tag: int, what: str =
 def agree(problem: Tensor, tag: int, group, what: str = "this MoE layer", maxima=()) -> list[int]:
     """One MAX all-reduce over ``group`` of (problem bits, tag, -tag, *maxima); raises like
     ``check_headers``, else returns the group's maxima (e.g. the largest expert load)."""
-    t = torch.tensor([0, tag, -tag, *maxima], dtype=torch.long, device=problem.device)
-    t[0] = problem.reshape(())
+    code = problem.reshape(()).long()
+    # made on the device from scalars (no host-to-device copy of a Python list)
+    t = torch.stack([code, *(code.new_full((), v) for v in (tag, -tag, *maxima))])
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         t = reduce_copy(t, group, dist.ReduceOp.MAX)
     worst, high, low, *agreed = t.tolist()
@@ -96,6 +97,15 @@ def put_back(module, saved: list[Tensor]) -> None:
     with torch.no_grad():
         for b, old in zip(module.buffers(), saved):
             b.copy_(old)
+
+
+def put_back_if(module, saved: list[Tensor], skipped: Tensor) -> None:
+    """``put_back`` decided on the device: each buffer becomes its copy where ``skipped`` (a 0-dim
+    tensor, nonzero: put back) says so, with no host read."""
+    with torch.no_grad():
+        keep = skipped.bool()
+        for b, old in zip(module.buffers(), saved):
+            b.copy_(torch.where(keep, old, b))
 
 
 @contextlib.contextmanager

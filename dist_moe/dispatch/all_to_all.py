@@ -25,6 +25,7 @@ tracked through a hop; the pipeline runs them backwards itself, through the same
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -40,15 +41,58 @@ _PAIR_COLUMNS = 2  # local copy index; expert id << 32 | gate bits
 _LOW = 0xFFFFFFFF
 
 
-BLOCKED_S = [0.0]  # seconds this process's host spent blocked in exchanges (blocked_seconds)
+class WaitClock:
+    """The time spent waiting in exchanges. On the CPU a wait blocks the host: timed with perf_counter.
+    On CUDA a wait only orders the current stream after the collective, and the host's time around
+    the split sizes' read includes every kernel queued before it; so there each wait is timed on the
+    current stream, by a pair of CUDA events, which are read only when the total is asked for: no
+    synchronisation per exchange."""
+
+    FOLD_AT = 4096  # pending pairs: past this, those already run are read (a query, never a wait)
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.pending: list = []  # (start, end) CUDA events, not read yet
+
+    @contextlib.contextmanager
+    def timing(self, device: torch.device):
+        if device.type != "cuda":
+            start = time.perf_counter()
+            yield
+            self.seconds += time.perf_counter() - start
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        self.pending.append((start, end))
+        if len(self.pending) >= self.FOLD_AT:  # a run that never asks for the total stays bounded
+            self._read(wait=False)
+
+    def _read(self, wait: bool) -> None:
+        while self.pending:
+            start, end = self.pending[0]
+            if wait:
+                end.synchronize()  # waits for this event alone, not the device
+            elif not end.query():
+                return
+            self.seconds += start.elapsed_time(end) / 1e3
+            self.pending.pop(0)
+
+    def total(self) -> float:
+        self._read(wait=True)
+        return self.seconds
+
+
+WAITS = WaitClock()
 
 
 def blocked_seconds() -> float:
-    """Seconds this process has spent blocked in dist-moe's exchanges so far: every wait for an
+    """Seconds this process has spent waiting in dist-moe's exchanges so far: every wait for an
     all-to-all and the split sizes' exchange. The trainer logs its growth per step
-    (``exchange_wait_s``). On gloo that is the exchange time the step paid; on CUDA a wait only
-    orders the stream, so it counts the host's blocking alone (the split sizes' read)."""
-    return BLOCKED_S[0]
+    (``exchange_wait_s``). On gloo that is the host's time blocked; on CUDA the current stream's
+    (``WaitClock``), read here: call it once per step, not per exchange."""
+    return WAITS.total()
 
 
 class Pending:
@@ -60,9 +104,8 @@ class Pending:
 
     def wait(self) -> Tensor:
         if self._work is not None:
-            start = time.perf_counter()
-            self._work.wait()
-            BLOCKED_S[0] += time.perf_counter() - start
+            with WAITS.timing(self.out.device):
+                self._work.wait()
             self._work = self._source = None  # no work object outlives its wait (groups.py)
         return self.out
 
@@ -200,11 +243,10 @@ def plan_hops(group, chunks: list[Chunk], expert_slot: Tensor, num_local: int, t
     header = torch.cat([torch.full((1,), tag, dtype=torch.long, device=device), code]).expand(w, 2)
     counts = torch.cat([_counts(c, expert_slot, num_local) for c in chunks] + [header], 1).contiguous()
     got = torch.empty_like(counts)
-    start = time.perf_counter()
-    dist.all_to_all_single(got, counts, group=group)
-    both = torch.stack([counts, got])  # [2, W, chunks * width + 2]
-    sent_rows, got_rows = read_to_host(both)  # the exchange's one host read
-    BLOCKED_S[0] += time.perf_counter() - start
+    with WAITS.timing(device):
+        dist.all_to_all_single(got, counts, group=group)
+        both = torch.stack([counts, got])  # [2, W, chunks * width + 2]
+        sent_rows, got_rows = read_to_host(both)  # the exchange's one host read
     check_headers([r[-2] for r in got_rows], [r[-1] for r in got_rows], tag)
     width = 2 + num_local
     buffers, kept, expert_counts, counts = [], [], [], []

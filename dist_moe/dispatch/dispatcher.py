@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dist_moe.dispatch.all_to_all import Chunk, plan_hops
+from dist_moe.dispatch.combine import apply_experts_in_order, take_rows
 from dist_moe.dispatch.groups import WeakGroup, free_import_time_defaults
 from dist_moe.dispatch.pipeline import PipelineRun, chunk_bounds, run_pipeline
 from dist_moe.experts import Experts, apply_experts
@@ -41,12 +42,27 @@ from placement import Placement, Topology, Traffic
 from placement.plan import DispatchPlan, Exchange, check_dedup
 
 
+def kept_pairs(expert_idx: Tensor, gates: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The [T, K] routing's kept (not dropped) slots as pairs: (place, expert, gate), a pair's place its
+    index t * K + j in the flat routing (its token is place // K). One host read: how many are kept."""
+    place = torch.nonzero(expert_idx.reshape(-1) >= 0).squeeze(1)
+    # gathered by index, not by mask: the backward puts each gate's gradient back without accumulating
+    return place, expert_idx.reshape(-1)[place], take_rows(gates.reshape(-1), place, place, 1)
+
+
 def routing_pairs(expert_idx: Tensor, gates: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Flatten [T, K] routing into (token, expert, gate) pairs, leaving out dropped slots."""
+    place, expert, gate = kept_pairs(expert_idx, gates)
+    return place // expert_idx.shape[1], expert, gate
+
+
+def every_slot_pairs(expert_idx: Tensor, gates: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Every [T, K] slot as a pair, so their number is known without reading the routing back: a
+    dropped slot (-1) goes to expert 0 with gate 0, which costs its expert one row and adds 0."""
     t, k = expert_idx.shape
-    valid = (expert_idx >= 0).reshape(-1)
-    token = torch.arange(t, device=expert_idx.device).repeat_interleave(k)[valid]
-    return token, expert_idx.reshape(-1)[valid], gates.reshape(-1)[valid]
+    dropped = expert_idx < 0
+    token = torch.arange(t, device=expert_idx.device).repeat_interleave(k)
+    return token, expert_idx.clamp(min=0).reshape(-1), gates.masked_fill(dropped, 0.0).reshape(-1)
 
 
 class LocalDispatcher:
@@ -58,15 +74,29 @@ class LocalDispatcher:
     rank = 0
     metadata_bytes = 0
 
-    def __init__(self, placement: Placement):
+    def __init__(self, placement: Placement, fixed_order: bool = False):
+        """``fixed_order``: sum each token's expert outputs (and its gradient rows) in a fixed order
+        (``combine.py``), so reruns on a GPU repeat bit for bit; it costs a few percent of the layer
+        (an extra pass over the [T * K, H] rows), so only deterministic runs ask for it."""
         self.placement = placement  # its slot table maps expert ids to this rank's slots
+        self.fixed_order = fixed_order
 
     def __call__(self, h: Tensor, expert_idx: Tensor, gates: Tensor, experts, copy_meta: Tensor | None = None,
                  row_tags: Tensor | None = None, tag: int | None = None, problem: Tensor | None = None,
                  chunks: int = 1, side: nn.Module | None = None):
-        token, expert, gate = routing_pairs(expert_idx, gates)
+        t, k = expert_idx.shape
+        if experts.grouped(h):  # grouped experts size their groups on the device: no host read in the local forward
+            token, expert, gate = every_slot_pairs(expert_idx, gates)
+            place = torch.arange(t * k, device=h.device)
+        else:
+            place, expert, gate = kept_pairs(expert_idx, gates)
+            token = place // k
         slot = self.placement.slot_table(h.device)[expert]
-        y = apply_experts(experts, h, token, slot, gate, row_tags).to(h.dtype)  # accumulated in fp32
+        if self.fixed_order:  # a token's k outputs summed in its routing's slot order (place t * k + j)
+            y = apply_experts_in_order(experts, h, token, slot, gate, k, row_tags, places=place)
+        else:  # index_add: with atomics on a GPU
+            y = apply_experts(experts, h, token, slot, gate, row_tags)
+        y = y.to(h.dtype)  # accumulated in fp32
         return y if side is None else (y, side(h))
 
     @property
@@ -77,16 +107,18 @@ class LocalDispatcher:
         pass
 
 
-def make_dispatcher(group, placement: Placement, topology: Topology, dedup: str = "rank", timeout=None):
-    """``ExpertParallelDispatcher`` over ``group`` when it has more than one rank, else ``LocalDispatcher``."""
+def make_dispatcher(group, placement: Placement, topology: Topology, dedup: str = "rank", timeout=None,
+                    fixed_order: bool = False):
+    """``ExpertParallelDispatcher`` over ``group`` when it has more than one rank, else ``LocalDispatcher``
+    (``fixed_order``: see there)."""
     world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
     if world == 1:
-        return LocalDispatcher(placement)
+        return LocalDispatcher(placement, fixed_order)
     if dedup == "node" and world != dist.get_world_size():
         # node groups are made collectively over the world's ranks: an EP group of part of it cannot make them
         raise ValueError(f"dedup='node' needs the expert-parallel group to be the whole world ({world} of "
                          f"{dist.get_world_size()} ranks); use dedup='rank'")
-    return ExpertParallelDispatcher(group, placement, topology, dedup, timeout)
+    return ExpertParallelDispatcher(group, placement, topology, dedup, timeout, fixed_order)
 
 
 # weak values: torch.distributed owns the groups, and destroy_process_group() frees them (groups.py)
@@ -131,8 +163,10 @@ class ExpertParallelDispatcher:
     group = WeakGroup()  # both held weakly: torch.distributed owns them (groups.py)
     node_group = WeakGroup()
 
-    def __init__(self, group, placement: Placement, topology: Topology, dedup: str = "rank", timeout=None):
+    def __init__(self, group, placement: Placement, topology: Topology, dedup: str = "rank", timeout=None,
+                 fixed_order: bool = False):
         self.group = group
+        self.fixed_order = fixed_order  # the pipeline's sums of rows (LocalDispatcher's)
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         if topology.world_size != self.world:
@@ -211,7 +245,8 @@ class ExpertParallelDispatcher:
         second = self._second_stage(first, tag, row_bytes) if self.dedup == "node" else None
         params = [p for p in experts.template().values() if p.requires_grad]
         side_params = [] if side is None else [p for p in side.parameters() if p.requires_grad]
-        run = PipelineRun(first, second, experts, slot_of, row_tags is not None, side, params, side_params)
+        run = PipelineRun(first, second, experts, slot_of, row_tags is not None, side, params, side_params, k,
+                          self.fixed_order)
         y, side_y = run_pipeline(run, h, gates)
         return y if side is None else (y, side_y)
 

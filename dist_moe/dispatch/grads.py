@@ -33,20 +33,37 @@ def sum_replicated_grads(params, local_ids: set[int], group, bucket_bytes: int =
             bucket, size = [], 0
 
 
+def global_norm(params, local_ids: set[int], group, loss: torch.Tensor | None = None) -> torch.Tensor:
+    """The gradient norm over every rank's gradients, a scalar on their device (no host read, no fp64
+    copy): per-tensor norms in one foreach call, rank-local parameters' squares summed over ranks.
+    A non-finite ``loss`` (or gradient) on any rank makes it non-finite on every rank: the check rides
+    in the same all-reduce."""
+    grads = [p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else (loss.device if loss is not None else None)
+
+    def squares(gs):
+        return torch.stack(torch._foreach_norm(gs)).float().square().sum() if gs else torch.zeros((), device=device)
+
+    local = squares([p.grad for p in params if p.grad is not None and id(p) in local_ids])
+    if loss is not None:
+        local = local + loss.detach().float().sum() * 0.0  # NaN when the loss is NaN or Inf
+    replicated = squares([p.grad for p in params if p.grad is not None and id(p) not in local_ids])
+    return (replicated + all_reduce_sum(local, group)).sqrt()
+
+
+def clip_to(params, total: torch.Tensor, max_norm: float) -> None:
+    """Scale every gradient by min(1, max_norm / total) on the device, as torch's clip_grad_norm_ does."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
+
+
 def clip_global(params, local_ids: set[int], group, max_norm: float) -> float:
-    """One global-norm clip over all parameters; rank-local parameters' squares are summed over ranks."""
-    with_grad = [p for p in params if p.grad is not None]
-    if group is None:
-        return float(torch.nn.utils.clip_grad_norm_(with_grad, max_norm))
-    squares = torch.zeros(2, dtype=torch.float64, device=with_grad[0].grad.device if with_grad else None)
-    for p in with_grad:  # [replicated, rank-local], summed on the gradients' device (no host read per tensor)
-        squares[int(id(p) in local_ids)] += (p.grad.double() ** 2).sum()
-    total = float(squares[0] + all_reduce_sum(squares[1:], group)[0]) ** 0.5
-    coef = max_norm / (total + 1e-6)
-    if coef < 1:
-        for p in with_grad:
-            p.grad.mul_(coef)
-    return total
+    """One global-norm clip over all parameters; rank-local parameters' squares are summed over ranks.
+    Returns the norm before clipping."""
+    total = global_norm(params, local_ids, group)
+    clip_to(params, total, max_norm)
+    return float(total)
 
 
 def all_finite(loss: torch.Tensor, params, group) -> bool:
@@ -65,4 +82,5 @@ def scale_grads(params, factor: float) -> None:
             p.grad.mul_(factor)
 
 
-__all__ = ["BUCKET_BYTES", "all_finite", "clip_global", "group_size", "scale_grads", "sum_replicated_grads"]
+__all__ = ["BUCKET_BYTES", "all_finite", "clip_global", "clip_to", "global_norm", "group_size", "scale_grads",
+           "sum_replicated_grads"]

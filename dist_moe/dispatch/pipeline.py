@@ -24,7 +24,8 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from dist_moe.dispatch.all_to_all import Hop, pairs_back
-from dist_moe.experts import Experts, apply_experts
+from dist_moe.dispatch.combine import apply_experts_in_order, row_places, sum_rows
+from dist_moe.experts import Experts, apply_experts, compute_dtype
 
 # Every chunk is one more exchange per stage and direction, each with its latency: far below this
 # the overlap has stopped paying, and a bound keeps per-chunk lists (bounds, hops, saved graphs) small
@@ -55,15 +56,21 @@ class PipelineRun:
     """One forward's hops and the per-chunk graphs its backward needs."""
 
     def __init__(self, first: list[Hop], second: list[Hop] | None, experts: Experts, slot_of: Tensor,
-                 tagged: bool, side: nn.Module | None, params: list[Tensor], side_params: list[Tensor]):
+                 tagged: bool, side: nn.Module | None, params: list[Tensor], side_params: list[Tensor],
+                 top_k: int = 1, fixed_order: bool = False):
+        """``fixed_order``: every sum of rows (a copy's pairs, a token's copies, their gradients) in a
+        fixed order (``combine.py``), each row taking at most ``top_k``, instead of with index_add."""
         self.first, self.second = first, second
+        self.top_k, self.fixed_order = top_k, fixed_order
         self.experts, self.slot_of, self.tagged, self.side = experts, slot_of, tagged, side
         self.params, self.side_params = params, side_params
         self.train = False
+        self.leaves: list[Tensor] = []  # per forward: the weights every chunk runs on (see ``_weights``)
         self.saved: list[Tensor] = []  # (h, side output) if a side; then per chunk (copies, gates, expert output)
 
     def forward(self, h: Tensor) -> tuple[Tensor, Tensor | None]:
-        dtype, width = h.dtype, h.shape[1]
+        dtype = h.dtype
+        self.weights = self._weights(h)
         sent = [hop.out(h[hop.copy_row]) for hop in self.first]
         side = self._side(h)
         back = []
@@ -74,13 +81,32 @@ class PipelineRun:
             else:
                 inner = self.second[len(back)]
                 y2 = self._experts(inner.out(x[inner.copy_row]).wait(), inner)
-                y = x.new_zeros(x.shape[0], width, dtype=torch.float32)
-                y = y.index_add(0, inner.copy_row, inner.back(y2.to(dtype)).wait().float())
+                y = self._sum_rows([inner.back(y2.to(dtype)).wait()], [inner.copy_row], x.shape[0])
             back.append(hop.back(y.to(dtype)))
-        out = h.new_zeros(h.shape[0], width, dtype=torch.float32)
-        for hop, pending in zip(self.first, back):
-            out.index_add_(0, hop.copy_row, pending.wait().float())
+        out = self._sum_rows([pending.wait() for pending in back], [hop.copy_row for hop in self.first], h.shape[0])
         return out.to(dtype), side
+
+    def _sum_rows(self, values: list[Tensor], rows: list[Tensor], num_rows: int) -> Tensor:
+        """fp32 [num_rows, width]: each row the sum of the ``values`` rows sent for it (``rows``: which)."""
+        if self.fixed_order:
+            index = torch.cat(rows)
+            return sum_rows(torch.cat(values).float(), row_places(index, num_rows, self.top_k), num_rows, self.top_k)
+        out = values[0].new_zeros((num_rows, values[0].shape[1]), dtype=torch.float32)
+        for index, v in zip(rows, values):
+            out.index_add_(0, index, v.float())
+        return out
+
+    def _weights(self, h: Tensor) -> dict:
+        """dist-moe's experts run every chunk on one copy of their weights, cut from the graph and
+        cast to the compute dtype once per forward (bf16 under autocast), so a chunk's backward gives
+        the gradient of that copy alone, which ``backward`` adds into one fp32 buffer per weight."""
+        self.leaves = []
+        if not isinstance(self.experts, Experts):  # an engine's experts keep their own parameters
+            return {}
+        dtype = compute_dtype(h)
+        slots = [n for n, p in self.experts.template().items() if p.requires_grad]
+        self.leaves = [p.detach().to(dtype).requires_grad_(self.train) for p in self.params]
+        return {"weights": dict(zip(slots, self.leaves))}
 
     def _experts(self, x: Tensor, hop: Hop) -> Tensor:
         """This rank's experts on one received chunk: one fp32 row per received copy."""
@@ -89,8 +115,13 @@ class PipelineRun:
         if self.train:
             x, gate = x.detach().requires_grad_(), gate.detach().requires_grad_()
         with torch.set_grad_enabled(self.train):
-            y = apply_experts(self.experts, x, hop.pair_copy, self.slot_of[hop.pair_expert], gate, tags,
-                              counts=hop.expert_counts)
+            slot = self.slot_of[hop.pair_expert]
+            if self.fixed_order:  # a copy takes at most top_k pairs
+                y = apply_experts_in_order(self.experts, x, hop.pair_copy, slot, gate, self.top_k, tags,
+                                           counts=hop.expert_counts, **self.weights)
+            else:
+                y = apply_experts(self.experts, x, hop.pair_copy, slot, gate, tags, counts=hop.expert_counts,
+                                  **self.weights)
         if self.train:
             self.saved += [x, gate, y]
         return y.detach()
@@ -112,20 +143,20 @@ class PipelineRun:
         returned = [hop.out(grad_out[hop.copy_row].to(dtype)) for hop in self.first]
         side_saved, chunks = (saved[:2], saved[2:]) if self.side is not None else ((), saved)  # as _side saved
         inner = iter(zip(chunks[0::3], chunks[1::3], chunks[2::3]))
-        param_grads = [torch.zeros_like(p) for p in self.params]
+        param_grads = [torch.zeros_like(p) for p in self.params]  # fp32, as the parameters
+        wrt = self.leaves or self.params  # what each chunk's graph holds: the cast copies, or the parameters
         grad_h = torch.zeros(h_shape, dtype=torch.float32, device=grad_out.device)
         side_grads = self._side_backward(side_saved, grad_side, grad_h)
         sent_rows, gate_grads = [], []
         for hop, pending in zip(self.first, returned):
             gy = pending.wait()
             if self.second is None:
-                gx, gg = _expert_grads(next(inner), gy, self.params, param_grads)
+                gx, gg = _expert_grads(next(inner), gy, wrt, param_grads)
             else:
                 hop2 = self.second[len(sent_rows)]
                 gy2 = hop2.out(gy[hop2.copy_row]).wait()
-                gx2, gg = _expert_grads(next(inner), gy2, self.params, param_grads)
-                gx = gy.new_zeros(gy.shape, dtype=torch.float32).index_add(
-                    0, hop2.copy_row, hop2.back(gx2.to(dtype)).wait().float())
+                gx2, gg = _expert_grads(next(inner), gy2, wrt, param_grads)
+                gx = self._sum_rows([hop2.back(gx2.to(dtype)).wait()], [hop2.copy_row], gy.shape[0])
             sent_rows.append(hop.back(gx.to(dtype)))
             gate_grads.append(gg)
         # gate gradients are 4 bytes a pair: each stage returns every chunk's in one all-to-all
@@ -134,10 +165,10 @@ class PipelineRun:
                           in zip(self.first, self.second, pairs_back(self.second, gate_grads).wait())]
         gates_back = pairs_back(self.first, gate_grads)
         grad_gates = torch.zeros(gates_numel, dtype=torch.float32, device=grad_out.device)
-        for hop, rows in zip(self.first, sent_rows):
-            grad_h.index_add_(0, hop.copy_row, rows.wait().float())
+        grad_h += self._sum_rows([rows.wait() for rows in sent_rows], [hop.copy_row for hop in self.first], h_shape[0])
         for hop, back in zip(self.first, gates_back.wait()):
             grad_gates.index_put_((hop.sent_pairs,), back)
+        self.leaves = []
         return grad_h.to(dtype), grad_gates, param_grads, side_grads
 
     def _side_backward(self, saved: tuple, grad_side: Tensor | None, grad_h: Tensor) -> list:
@@ -153,7 +184,8 @@ class PipelineRun:
 
 
 def _expert_grads(saved, grad_y: Tensor, params: list[Tensor], param_grads: list[Tensor]):
-    """One chunk's expert backward: gradients of its copies and gates; expert weights' accumulate."""
+    """One chunk's expert backward: gradients of its copies and gates; expert weights' added into
+    ``param_grads`` (fp32, one buffer each, whatever dtype the chunk computed in)."""
     x, gate, y = saved
     grads = torch.autograd.grad(y, [x, gate, *params], grad_y.float(), retain_graph=True, allow_unused=True)
     for acc, g in zip(param_grads, grads[2:]):

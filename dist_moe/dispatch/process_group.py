@@ -36,26 +36,21 @@ def local_rank() -> int:
 
 def resolve_device(choice: str = "auto") -> torch.device:
     """``parallel.device``: the CPU, or this process's GPU (LOCAL_RANK); auto takes a GPU when one is
-    visible. A group that already exists decides (NCCL: its GPU; gloo: the CPU)."""
+    visible, except on an emulated cluster (``device_choice.choose_device``). A group that already
+    exists decides (NCCL: its GPU; gloo: the CPU)."""
+    from dist_moe.dispatch.device_choice import choose_device, emulated_nodes
+
     if choice not in DEVICES:
         raise ValueError(f"parallel.device must be one of {DEVICES}, got {choice!r}")
+    nodes_on_host = emulated_nodes()
     if dist.is_initialized():
         nccl = dist.get_backend() == "nccl"
         if choice == "cuda" and not nccl or choice == "cpu" and nccl:
             raise ValueError(f"parallel.device={choice} but the process group that exists already is "
                              f"{dist.get_backend()} (NCCL runs on GPUs, gloo here on the CPU)")
-        choice = "cuda" if nccl else "cpu"
-    elif choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() else "cpu"
-    if choice == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError("parallel.device=cuda, but no CUDA device is visible (torch.cuda.is_available() is False)")
-    count, local = torch.cuda.device_count(), local_rank()
-    if local >= count:
-        raise ValueError(f"LOCAL_RANK={local}, but this node shows {count} CUDA devices: start at most {count} "
-                         "processes per node (--nproc-per-node / --num_gpus)")
-    return torch.device("cuda", local)
+        choice, nodes_on_host = ("cuda" if nccl else "cpu"), 1  # the group's device stands
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return choose_device(choice, gpus, local_rank(), nodes_on_host)
 
 
 def group_options(device: torch.device, timeout_s: float) -> dict:

@@ -36,6 +36,8 @@ DeepSpeed's top2gating on purpose:
 from __future__ import annotations
 
 import datetime
+import math
+import struct
 
 import torch
 from torch import Tensor, nn
@@ -47,7 +49,7 @@ from dist_moe.dispatch.process_group import shutdown
 from dist_moe.experts import SingleExpert
 from dist_moe.integrations import deepspeed_patches
 from dist_moe.integrations.context import context_tokens, routing_extras
-from dist_moe.integrations.deepspeed_dispatch import use_dist_moe_dispatcher
+from dist_moe.integrations.deepspeed_dispatch import per_expert, use_dist_moe_dispatcher
 from dist_moe.integrations.hosted import DispatchedHost, HostedMoE
 from dist_moe.layer import bind_to_topology
 from dist_moe.moe_view import MoEView
@@ -60,10 +62,15 @@ from placement import Placement
 
 def deepspeed_capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float,
                        min_capacity: int = 8) -> int:
-    """DeepSpeed 0.19.8's ``_capacity`` for a top-k gate, bit for bit (its float32 arithmetic)."""
-    cf = torch.tensor(capacity_factor * top_k)  # float32, as DeepSpeed builds it
-    capacity = torch.ceil((tokens / num_experts) * cf).to(torch.int64)
-    return int(torch.maximum(capacity, torch.tensor(min_capacity).to(torch.int64)))
+    """DeepSpeed 0.19.8's ``_capacity`` for a top-k gate, bit for bit: its float32 product, computed on
+    the host (a tensor built and read back per forward would stall a GPU's stream)."""
+    product = _f32(_f32(tokens / num_experts) * _f32(capacity_factor * top_k))  # exact: 2 x 24 bits fit a double
+    return max(math.ceil(product), min_capacity)
+
+
+def _f32(value: float) -> float:
+    """``value`` rounded to float32, as torch stores a Python number it multiplies a float32 tensor by."""
+    return struct.unpack("f", struct.pack("f", value))[0]
 
 
 class DistMoEGate(nn.Module):
@@ -108,7 +115,12 @@ class DistMoEGate(nn.Module):
     def reset_traffic(self) -> None:
         """Dispatch-direction bytes this rank sent: ``padded`` (what DeepSpeed's all-to-all
         moves, E x C slots) and ``payload`` (routed token copies for other ranks)."""
-        self.traffic = {"padded_bytes": 0, "payload_bytes": 0}
+        self._padded, self._payload = 0, None  # payload: counted on the device, read when asked for
+
+    @property
+    def traffic(self) -> dict:
+        payload = 0 if self._payload is None else int(self._payload)
+        return {"padded_bytes": self._padded, "payload_bytes": payload}
 
     def _ep_rank(self) -> int:
         return 0 if self.ep_group is None or self.ep_size == 1 else torch.distributed.get_rank(self.ep_group)
@@ -126,9 +138,8 @@ class DistMoEGate(nn.Module):
             idx, gates = routing.expert_idx, routing.gates
             if self.capacity_factor is not None:  # DeepSpeed's rule, from the largest token count
                 need = x.shape[0]
-            else:  # dropless: the fullest expert on any rank sets the (shared) capacity
-                counts = torch.bincount(idx[idx >= 0], minlength=e)
-                need = int(counts.max()) if counts.numel() else 0
+            else:  # dropless: the fullest expert on any rank sets the (shared) capacity, a host int
+                need = int(per_expert(idx, e).max())  # DeepSpeed sizes its buffers with it: one read
             group = self.ep_group if self.ep_size > 1 else None
             (agreed,) = agree(tokens.problem, tokens.tag, group, "DistMoEGate", maxima=(need,))
         if self.capacity_factor is not None:
@@ -141,7 +152,7 @@ class DistMoEGate(nn.Module):
         routed = idx >= 0
         physical = torch.where(routed, self.physical_slot.to(idx.device)[idx.clamp_min(0)], -1)
         locations = torch.where(routed, slot_positions(idx, e), 0)
-        exp_counts = torch.bincount(physical[routed], minlength=e)
+        exp_counts = per_expert(physical, e)
         self._record(physical, capacity, x)
         self.last_routing = routing.detached()
         return self.unscaled_aux(routing.aux_loss), capacity, e, physical.t(), locations.t(), gates.t(), exp_counts
@@ -172,8 +183,9 @@ class DistMoEGate(nn.Module):
         row = x.shape[1] * x.element_size()
         per_rank = self.router.num_experts // self.ep_size
         remote = (physical >= 0) & (physical // per_rank != self._ep_rank())
-        self.traffic["payload_bytes"] += int(remote.sum()) * row
-        self.traffic["padded_bytes"] += (self.ep_size - 1) * per_rank * capacity * row
+        payload = remote.sum() * row
+        self._payload = payload if self._payload is None else self._payload + payload
+        self._padded += (self.ep_size - 1) * per_rank * capacity * row
 
 
 def deepspeed_moe_layer(hidden_size: int, ffn_hidden_size: int | None, router: Router | dict, ep_size: int = 1,

@@ -17,12 +17,15 @@ import functools
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from dist_moe.dispatch.dispatcher import CountsTraffic, LocalDispatcher, make_dispatcher
 from dist_moe.dispatch.moe_forward import Tokens, route_and_dispatch
 from dist_moe.dispatch.pipeline import check_chunks
+from dist_moe.experts import SingleExpert, compute_dtype
 from dist_moe.integrations import deepspeed_patches
+from dist_moe.integrations.stacked import grouped_mm, grouped_ok, offsets, stack_in_place, stacked_alias, stacked_view
 from dist_moe.layer import bind_to_topology
 from dist_moe.routing import Routing
 from placement import Topology
@@ -44,26 +47,66 @@ class TokenGate(Protocol):
 
 class DeepSpeedExperts:
     """DeepSpeed's expert copies behind the contract dist-moe's dispatcher runs experts through
-    (rows grouped by local expert, rows per expert -> outputs; ``template()``; ``capture``)."""
+    (rows grouped by local expert, rows per expert -> outputs; ``template()``; ``capture``).
+
+    Copies of dist-moe's own SwiGLU or GELU expert (``SingleExpert``) run as one grouped GEMM per
+    projection over all local experts: their weights are laid out stacked once, in place, and seen
+    as one [E, ...] tensor (``stacked.py``; DeepSpeed's flat optimizer buffers keep that layout:
+    they place each group's parameters in order, one expert after the other). A user's own expert
+    module is a black box, run copy by copy; so are LoRA copies (each holds its own frozen base),
+    and weights re-homed apart or of a width or dtype the kernels refuse (``stacked.grouped_ok``)."""
 
     capture = None
 
     def __init__(self, experts):
         self.experts = experts  # deepspeed.moe.experts.Experts
-        self.num_experts = len(experts.deepspeed_experts)
+        copies = list(experts.deepspeed_experts)
+        self.num_experts = len(copies)
+        kinds = {c.inner.kind if isinstance(c, SingleExpert) else None for c in copies}
+        self._inner = [c.inner for c in copies] if kinds in ({"swiglu"}, {"gelu"}) else []
+        self.restack()
 
     def template(self) -> dict:
         return {n: p for n, p in self.experts.named_parameters() if p.requires_grad}
 
-    def grouped(self, x: Tensor) -> bool:
-        return False  # DeepSpeed's copies are modules of their own: one call each, sized by a host list
+    def _slots(self) -> list[str]:
+        return list(self._inner[0].template()) if self._inner else []
 
-    def __call__(self, x: Tensor, counts: list[int], tags: Tensor | None = None) -> Tensor:
+    def restack(self) -> None:
+        """Lay each slot's weights out stacked (again, after a conversion placed them apart)."""
+        for name in self._slots():
+            stack_in_place([getattr(e, name) for e in self._inner])
+
+    def grouped(self, x: Tensor) -> bool:
+        if not self._inner or self._inner[0].capture is not None:
+            return False
+        views = [stacked_alias([getattr(e, name) for e in self._inner]) for name in self._slots()]
+        return all(v is not None for v in views) and grouped_ok(x, [v.squeeze(1) for v in views], compute_dtype(x))
+
+    def __call__(self, x: Tensor, counts: list[int] | Tensor, tags: Tensor | None = None) -> Tensor:
+        if torch.is_tensor(counts):  # grouped: SingleExpert's math over [E, in, out] stacked weights
+            dtype = compute_dtype(x)  # autocast's, which F.grouped_mm does not apply itself; else x's
+            x = x.to(dtype)
+            w = {name: stacked_view([getattr(e, name) for e in self._inner]).squeeze(1).to(dtype)
+                 for name in self._slots()}
+            offs = offsets(counts.to(x.device))
+            if "w_gate" in w:
+                h = F.silu(grouped_mm(x, w["w_gate"], offs)) * grouped_mm(x, w["w_up"], offs)
+                return grouped_mm(h, w["w_down"], offs)
+            return grouped_mm(F.gelu(grouped_mm(x, w["w_fc1"], offs)), w["w_fc2"], offs)
         outs = []
         for expert, rows in zip(self.experts.deepspeed_experts, torch.split(x, counts)):
             out = expert(rows)
             outs.append(out[0] if isinstance(out, tuple) else out)  # DeepSpeed ignores a bias term too
         return torch.cat(outs)
+
+
+def per_expert(idx: Tensor, num_experts: int) -> Tensor:
+    """[E] routes per expert of ``idx`` (-1: dropped, not counted), counted on the device (bincount
+    of the routed entries would size its output, and select them, by a host read)."""
+    flat = idx.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.long, device=idx.device).scatter_add_(
+        0, flat.clamp_min(0), (flat >= 0).long())
 
 
 @functools.cache
@@ -92,6 +135,11 @@ def layer_class():
                     self.topology = Topology.launched(self.ep_size)
                 self.dispatcher = make_dispatcher(ep_group, self.placement, self.topology, self.dedup, self.timeout)
 
+        def _apply(self, fn, *args, **kwargs):
+            out = super()._apply(fn, *args, **kwargs)  # .to / .bfloat16(): a storage per parameter
+            self.routed_experts.restack()
+            return out
+
         def forward(self, *input: Tensor, **kwargs) -> Tensor:
             x, used_token = input[0], (input[1] if len(input) > 1 else None)
             if self.dispatcher is None:
@@ -103,8 +151,9 @@ def layer_class():
                                             what="DistMoEGate", chunks=self.pipeline_chunks)
             gate.last_routing = routing.detached()
             self.l_aux = gate.unscaled_aux(routing.aux_loss)
-            idx = routing.expert_idx[routing.expert_idx >= 0]  # by DeepSpeed's physical slot, as its gates count
-            self.exp_counts = torch.bincount(gate.physical_slot.to(idx.device)[idx], minlength=gate.router.num_experts)
+            idx = routing.expert_idx  # counted by DeepSpeed's physical slot, as its gates count
+            physical = torch.where(idx >= 0, gate.physical_slot.to(idx.device)[idx.clamp_min(0)], -1)
+            self.exp_counts = per_expert(physical, gate.router.num_experts)
             return y.reshape(x.shape)
 
     return DistMoEDispatchedMOELayer

@@ -26,8 +26,10 @@ from torch import Tensor
 from dist_moe.dispatch.dispatcher import CountsTraffic, make_dispatcher
 from dist_moe.dispatch.moe_forward import route_and_dispatch
 from dist_moe.dispatch.pipeline import check_chunks
+from dist_moe.experts import compute_dtype
 from dist_moe.integrations import megatron_patches
 from dist_moe.integrations.megatron_router import DistMoERouter
+from dist_moe.integrations.stacked import grouped_mm, grouped_ok, offsets, stack_in_place, stacked_alias, stacked_view
 from dist_moe.layer import bind_to_topology
 from dist_moe.routing.registry import RouterConfig
 from placement import Placement, Topology
@@ -37,27 +39,84 @@ from placement.plan import check_dedup
 class MegatronExperts:
     """Megatron's expert module behind the contract dist-moe's dispatcher runs experts through:
     ``experts(rows grouped by local expert, rows per expert, tags) -> outputs``, ``template()``
-    (the trainable tensors the dispatch's backward returns gradients for) and ``capture``."""
+    (the trainable tensors the dispatch's backward returns gradients for) and ``capture``.
+
+    SequentialMLP's experts run as two grouped GEMMs over all local experts (``F.grouped_mm`` on a
+    stacked view of their fc1 and fc2 weights, ``stacked.py``; counts on the device), the math of
+    Megatron's MLP: fc1, its GLU (gate half first) or activation, fc2. Its per-expert loop runs where
+    a grouped GEMM cannot: weights that no longer lie at one stride (re-homed apart, e.g. by a
+    gradient buffer that orders parameters its own way), a width or dtype the kernels refuse
+    (``stacked.grouped_ok``), or an MLP whose activation this does not reproduce (Transformer
+    Engine's activation, clamped or offset GLUs, fp8 / fp4 padding)."""
 
     capture = None  # GAR's factor capture is dist-moe's experts' own
 
     def __init__(self, experts):
         self.experts = experts
         self.num_experts = experts.num_local_experts
+        local = getattr(experts, "local_experts", None)
+        config = experts.config
+        self._mlps = list(local) if local is not None and _plain_mlp(config) else []
+        self.restack()
 
     def template(self) -> dict:
         return dict(self.experts.named_parameters())
 
-    def grouped(self, x: Tensor) -> bool:
-        return False  # SequentialMLP takes tokens_per_expert as a host tensor
+    def _stacked(self) -> tuple[Tensor, Tensor] | None:
+        """fc1 [E, H, F(x2)] and fc2 [E, F, H] as views of Megatron's weights, or None."""
+        if not self._mlps:
+            return None
+        fc1 = stacked_view([m.linear_fc1.weight for m in self._mlps])
+        fc2 = stacked_view([m.linear_fc2.weight for m in self._mlps])
+        return None if fc1 is None or fc2 is None else (fc1.transpose(1, 2), fc2.transpose(1, 2))
 
-    def __call__(self, x: Tensor, counts: list[int], tags: Tensor | None = None) -> Tensor:
+    def grouped(self, x: Tensor) -> bool:
+        if not self._mlps:
+            return False
+        fc1 = stacked_alias([m.linear_fc1.weight for m in self._mlps])
+        fc2 = stacked_alias([m.linear_fc2.weight for m in self._mlps])
+        return (fc1 is not None and fc2 is not None and fc1.shape[2] == x.shape[1]
+                and grouped_ok(x, [fc1.transpose(1, 2), fc2.transpose(1, 2)], compute_dtype(x)))
+
+    def restack(self) -> None:
+        """Lay the weights out stacked again after a conversion placed them apart (``module.to``,
+        ``bfloat16()``: torch gives every parameter a storage of its own)."""
+        for slot in ("linear_fc1", "linear_fc2"):
+            stack_in_place([getattr(m, slot).weight for m in self._mlps])
+
+    def __call__(self, x: Tensor, counts: list[int] | Tensor, tags: Tensor | None = None) -> Tensor:
+        weights = self._stacked() if torch.is_tensor(counts) else None
+        if weights is not None:
+            # autocast's dtype (train.precision bf16), which F.grouped_mm does not apply itself: the
+            # GEMMs in bf16, as Megatron's linear layers run them under autocast or Float16Module
+            dtype = compute_dtype(x)
+            x, (fc1, fc2) = x.to(dtype), (w.to(dtype) for w in weights)
+            offs = offsets(counts.to(x.device))
+            h = grouped_mm(x, fc1, offs)
+            if self.experts.config.gated_linear_unit:  # Megatron's glu: activation(first half) * second half
+                gate, up = torch.chunk(h, 2, dim=-1)
+                h = self.experts.config.activation_func(gate) * up
+            else:
+                h = self.experts.config.activation_func(h)
+            return grouped_mm(h, fc2, offs)
+        counts = counts.tolist() if torch.is_tensor(counts) else counts
         per_expert = torch.tensor(counts, dtype=torch.long)  # Megatron's tokens_per_expert, a host tensor
         out, bias = self.experts(x, per_expert, x.new_ones(x.shape[0], dtype=torch.float32))
         if bias is not None:
             raise ValueError("Megatron experts with a bias (add_bias_linear) are not gated linearly; "
                              "set add_bias_linear=False")
         return out
+
+
+def _plain_mlp(config) -> bool:
+    """Whether Megatron's MLP computes fc2(activation(fc1(x))) with no more than this adapter repeats
+    (no bias, torch's SiLU or GELU, no Transformer Engine activation, clamp, offset or fp8 / fp4)."""
+    return (not config.add_bias_linear and config.activation_func in (torch.nn.functional.silu,
+                                                                       torch.nn.functional.gelu)
+            and not getattr(config, "use_te_activation_func", False)
+            and getattr(config, "activation_func_clamp_value", None) is None
+            and not getattr(config, "glu_linear_offset", 0.0)
+            and not getattr(config, "fp8", None) and not getattr(config, "fp4", None))
 
 
 @functools.cache
@@ -94,6 +153,11 @@ def layer_class():
             agree_group = self.router.agree_group
             self.agree_wider = agree_group is not None and agree_group.size() > world
             self.routed_experts = MegatronExperts(self.experts)
+
+        def _apply(self, fn, *args, **kwargs):
+            out = super()._apply(fn, *args, **kwargs)  # .to / .bfloat16(): a storage per parameter
+            self.routed_experts.restack()
+            return out
 
         def forward(self, hidden_states: Tensor, intermediate_tensors=None, padding_mask: Tensor | None = None):
             """hidden [S, B, H], padding_mask [B, S] (True at padding) -> (output [S, B, H], None)."""

@@ -43,6 +43,15 @@ def apply(cpu: bool | None = None) -> None:
     from megatron.core.tensor_parallel import random
 
     random.CudaRNGStatesTracker = _cpu_rng_tracker(random.CudaRNGStatesTracker)
+    # 0.16.1: its linear layers' autograd functions carry the forward's autocast into their backward
+    # for CUDA only (custom_fwd / custom_bwd with device_type="cuda"). Under CPU autocast
+    # (train.precision bf16) their backward would multiply a bf16 gradient by the fp32 weight and
+    # raise; decorated for the CPU, the backward runs its GEMMs in bf16 as the forward did.
+    from megatron.core.tensor_parallel import layers
+
+    for fn in (layers.LinearWithGradAccumulationAndAsyncCommunication, layers.LinearWithFrozenWeight):
+        fn.forward = staticmethod(torch.amp.custom_fwd(fn.forward.__wrapped__, device_type="cpu"))
+        fn.backward = staticmethod(torch.amp.custom_bwd(fn.backward.__wrapped__, device_type="cpu"))
     if not torch.cuda.is_available():
         # 0.16.1: dist_checkpointing's torch_dist saver calls torch.cuda.synchronize() unguarded
         # (filesystem_async.preload_tensors); a torch without CUDA has nothing to wait for.

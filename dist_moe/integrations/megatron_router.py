@@ -88,12 +88,15 @@ class DistMoERouter(nn.Module):
         self.layer_number = layer_number
 
     def forward(self, hidden: Tensor, padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        # a router's own capacity is the only source of dropped routes: refused by its setting, with no
+        # look at the routes (that read would stall a GPU's stream)
+        if self.router.capacity_factor is not None:
+            raise ValueError(f"router capacity_factor={self.router.capacity_factor}: Megatron's dropless dispatch "
+                             "needs every token routed to top_k experts; use Megatron's moe_expert_capacity_factor "
+                             "for capacity, not the router's")
         # one small all-reduce: a rank that raised alone would leave Megatron's collective order
         routing = route_agreed(self.prepare(hidden, padding_mask), self.router, self.routed, self.agree_group,
                                "DistMoERouter")
-        if bool((routing.expert_idx < 0).any()):
-            raise ValueError("Megatron's dropless dispatch needs every token routed to top_k experts; "
-                             "use Megatron's moe_expert_capacity_factor for capacity, not the router's")
         self.record(routing)
         probs = routing.dense_gates()  # [T, E], gates at the selected experts (the aux loss rides on them)
         routing_map = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, routing.expert_idx, True)

@@ -16,6 +16,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
+from dist_moe.dispatch.combine import take_rows
 from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.dispatch.stats import all_reduce_sum
 from placement.placement import MAX_EXPERTS
@@ -36,23 +37,36 @@ class Routing:
 
     def dense_gates(self) -> Tensor:
         """Gates scattered into [T, E] (zero for unselected or dropped experts)."""
-        t, e = self.probs.shape
-        out = self.gates.new_zeros(t, e)
-        kept = self.expert_idx >= 0
-        idx = torch.where(kept, self.expert_idx, 0)
-        return out.scatter_add(1, idx, torch.where(kept, self.gates, 0.0))
+        return _per_expert(self.expert_idx, self.gates, self.probs.shape[1])
 
 
 def expert_load(expert_idx: Tensor, num_experts: int, weights: Tensor | None = None,
                 valid: Tensor | None = None) -> Tensor:
     """Tokens (or gate mass with ``weights``) per expert; dropped slots (-1) and tokens outside
-    ``valid`` ([T] bool, e.g. padding) are left out. A scatter-add, not a bincount over a masked
-    selection: no data-dependent shape, so no host sync on a GPU."""
+    ``valid`` ([T] bool, e.g. padding) are left out. Each token's weights laid out over the experts,
+    then summed over tokens: no data-dependent shape (no host sync on a GPU), and a fixed order of
+    summation where a scatter-add on a GPU would add the gate masses in any order."""
     w = (expert_idx >= 0).float() if weights is None else weights.detach().float() * (expert_idx >= 0)
     if valid is not None:
         w = w * valid.reshape(-1, 1)
-    load = torch.zeros(num_experts, device=expert_idx.device)
-    return load.scatter_add_(0, expert_idx.clamp_min(0).reshape(-1), w.reshape(-1))
+    return _per_expert(expert_idx, w, num_experts).sum(0)
+
+
+def _per_expert(expert_idx: Tensor, values: Tensor, num_experts: int) -> Tensor:
+    """[T, K] values of distinct selected experts (a top-k; -1 dropped) laid out as [T, E], zero
+    elsewhere: one write per (token, expert), so nothing accumulates. A dropped slot writes to a
+    spare column, cut off."""
+    column = torch.where(expert_idx >= 0, expert_idx, num_experts)
+    out = values.new_zeros(expert_idx.shape[0], num_experts + 1).scatter(1, column, values)
+    return out[:, :num_experts]
+
+
+def pick(src: Tensor, idx: Tensor) -> Tensor:
+    """``src.gather(1, idx)`` for distinct indices in each row (a top-k): the backward writes each
+    gradient to its own place, where a gather's would scatter-add them (with atomics on a GPU)."""
+    t, e = src.shape
+    flat = (torch.arange(t, device=idx.device).unsqueeze(1) * e + idx).reshape(-1)
+    return take_rows(src.reshape(-1), flat, flat, 1).reshape(idx.shape)
 
 
 @runtime_checkable
@@ -159,14 +173,9 @@ class Router(nn.Module):
             raise ValueError(f"router input hidden size {x.shape[1]} != hidden_size={hidden_size}")
         if not x.is_floating_point():
             raise ValueError(f"router input must be floating point, got {x.dtype}")
-        if self._caller_checks:
-            pass
-        elif x.is_cuda:
-            # No host sync per layer on GPUs: a device-side assert stops the step instead (torch 2.x).
-            torch._assert_async(torch.isfinite(x).all(), "router input contains NaN or Inf")
-        elif not bool(torch.isfinite(x).all()):
-            bad = int((~torch.isfinite(x)).any(dim=1).sum())
-            raise ValueError(f"router input contains NaN or Inf in {bad} of {x.shape[0]} tokens")
+        if not self._caller_checks:
+            _assert_on_device(torch.isfinite(x).all(), lambda: "router input contains NaN or Inf in "
+                              f"{int((~torch.isfinite(x)).any(dim=1).sum())} of {x.shape[0]} tokens")
         # Routing math runs in fp32 whatever the activation dtype (bf16 underflows masks).
         return x.float()
 
@@ -180,11 +189,10 @@ class Router(nn.Module):
             raise ValueError(f"categories must be an integer tensor, got {categories.dtype}")
         if self._caller_checks:  # an out-of-range id is reported by the caller; keep indexing safe
             return categories.long().clamp(0, num_categories - 1)
-        if num_tokens and (int(categories.min()) < 0 or int(categories.max()) >= num_categories):
-            raise ValueError(
-                f"categories out of range [0, {num_categories}): min {int(categories.min())}, "
-                f"max {int(categories.max())}"
-            )
+        if num_tokens:
+            _assert_on_device(((categories >= 0) & (categories < num_categories)).all(),
+                              lambda: f"categories out of range [0, {num_categories}): min {int(categories.min())}, "
+                                      f"max {int(categories.max())}")
         return categories.long()
 
     def check_valid(self, valid, num_tokens: int) -> Tensor | None:
@@ -236,3 +244,14 @@ def select_top_k(probs: Tensor, k: int) -> tuple[Tensor, Tensor]:
     # ties are common (hash, uniform, SpecDrop's leak weights).
     vals, idx = torch.sort(probs, dim=1, descending=True, stable=True)
     return vals[:, :k], idx[:, :k]
+
+
+def _assert_on_device(ok: Tensor, message) -> None:
+    """Stop when ``ok`` (a bool scalar on the input's device) is False, without reading it back on a
+    GPU: there a device-side assert stops the step (torch's ``_assert_async``). On the CPU the
+    assert raises at once and the error says what was wrong (``message()``, read only then)."""
+    try:
+        torch._assert_async(ok, "MoE router input check failed")
+    except RuntimeError:
+        raise ValueError(message()) from None
+

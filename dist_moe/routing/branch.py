@@ -16,7 +16,7 @@ import numbers
 import torch
 from torch import Tensor
 
-from dist_moe.routing.base import Router, Routing, expert_load, select_top_k, zero_aux
+from dist_moe.routing.base import Router, Routing, expert_load, pick, select_top_k, zero_aux
 from dist_moe.routing.node_map import NodeMap
 from placement.subtree import balance_step, check_limits, level_depths, limited_top_k
 
@@ -154,7 +154,9 @@ class BranchRouter(Router):
         if self.subtree_levels is None:
             vals, idx = select_top_k(probs, self.top_k)
         else:  # at most M subtrees per token, ranked by path mass; the eta rule over the kept selection
-            vals, idx = limited_top_k(probs, self.top_k, self.subtree_levels, bias)
+            # the values picked here: a gather's backward would scatter-add (with atomics on a GPU)
+            _, idx = limited_top_k(probs.detach(), self.top_k, self.subtree_levels, bias)
+            vals = pick(probs, idx)
         gates = vals
         if self.eta:
             gates = vals / vals.sum(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)  # eq. 21

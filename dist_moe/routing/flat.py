@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dist_moe.routing.base import Router, Routing, expert_load, select_top_k, zero_aux
+from dist_moe.routing.base import Router, Routing, expert_load, pick, select_top_k, zero_aux
 from dist_moe.routing.capacity import capacity_for, capacity_step
 from dist_moe.routing.hashing import hash_combine
 from dist_moe.routing.node_map import NodeMap
@@ -133,7 +133,7 @@ class SwitchRouter(_LearnedFlatRouter):
         keep = self.check_valid(valid, x.shape[0])
         probs = torch.softmax(self.logits(x), dim=-1)
         _, idx = select_top_k(self.limit_to_groups(probs.detach()), self.top_k)
-        vals = probs.gather(1, idx)
+        vals = pick(probs, idx)
         gates = vals / vals.sum(1, keepdim=True) if self.normalize_gates else vals
         aux = switch_aux_loss(probs, idx, self.aux_loss_coeff, keep)
         stats = {}
@@ -203,7 +203,7 @@ class DeepSeekV3Router(_LearnedFlatRouter):
         # report the chosen set in order of the unbiased affinity (highest probability first)
         order = torch.sort(scores.detach().gather(1, chosen), dim=1, descending=True, stable=True).indices
         idx = chosen.gather(1, order)
-        vals = scores.gather(1, idx)
+        vals = pick(scores, idx)
         gates = vals / vals.sum(1, keepdim=True).clamp_min(1e-20) if self.normalize_gates else vals
         load = expert_load(idx, self.num_experts, valid=keep)  # padding does not move the biases
         if self.updates_state and self.bias_update_rate > 0:

@@ -4,7 +4,10 @@ Layout under ``DIR``: ``step-<N>/`` (a DCP checkpoint) and ``latest`` (the name 
 the newest complete one). A save writes ``.tmp-step-<N>/`` and renames it once
 every rank has finished, then replaces ``latest``; a crash mid-save leaves a
 ``.tmp-`` directory that is never loaded. Before the rename rank 0 writes
-``manifest.json``: the size and SHA-256 of every file DCP wrote. Every load verifies
+``manifest.json``: the size and SHA-256 of every file DCP wrote, each hashed by the
+rank that wrote it, right after writing it (a rank never waits in a collective while
+another hashes the whole checkpoint: a long wait trips NCCL's watchdog), and
+gathered in one small exchange of (name, size, hash). Every load verifies
 the checkpoint first (each rank, so all ranks agree before any collective;
 ``checkpoint_files`` says what is refused: unlisted, damaged or non-regular files,
 pickled globals outside an allow-list, bytes entries, storage outside the listed
@@ -30,6 +33,7 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dist_moe.dispatch.agree import agree_on_errors
@@ -41,6 +45,7 @@ from dist_moe.train.checkpoint_files import (
     SAFE_GLOBALS,
     CheckpointError,
     checked_bytes,
+    hash_files,
     manifest_files,
     read_json,
     read_regular,
@@ -124,17 +129,44 @@ def save(directory: str | Path, step: int, model: nn.Module, optimizer, extra: d
     barrier(group)
     from dist_moe.train.checkpoint_dcp import save_state  # torch.distributed.checkpoint: ~1.6 s to import
 
-    save_state(state, tmp, group)
-    barrier(group)
+    written = save_state(state, tmp, group)
+    if _rank(group) == 0 and config is not None:
+        write_atomic(tmp / CONFIG, json.dumps(config, indent=1, default=str) + "\n", 0o600)
+        written.append(CONFIG)
+    files = _hashed_by_their_writers(tmp, written, group)  # also waits for every rank's files
     if _rank(group) == 0:
-        if config is not None:
-            write_atomic(tmp / CONFIG, json.dumps(config, indent=1, default=str) + "\n", 0o600)
-        write_manifest(tmp)
+        write_manifest(tmp, files)
         _remove(final)
         tmp.rename(final)
         write_atomic(directory / LATEST, final.name + "\n", 0o600)  # never through a planted link
     barrier(group)
     return final
+
+
+def _hashed_by_their_writers(tmp: Path, written: list[str], group) -> dict[str, dict]:
+    """Every rank hashes the files it wrote (``written``) before the next collective; then one
+    all-gather of the small (name -> size, SHA-256) maps, which stops every rank if one could not hash."""
+    mine, error = {}, None
+    try:
+        mine = hash_files(tmp, written)
+    except (OSError, CheckpointError) as e:
+        error = e
+    report = (None if error is None else str(error), mine)  # plain strings and ints, never from disk
+    gathered = [report]
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, report, group=group)
+    if error is not None:  # this rank's own, its type kept; the others name it below
+        raise error
+    files = {}
+    for rank, (failed, entries) in enumerate(gathered):
+        if failed:
+            raise CheckpointError(f"checkpoint {tmp}: rank {rank} could not hash the files it wrote ({failed})")
+        if set(entries) & set(files):
+            raise CheckpointError(f"checkpoint {tmp}: rank {rank} wrote {sorted(set(entries) & set(files))}, "
+                                  "which another rank wrote too")
+        files.update(entries)
+    return files
 
 
 def _refuse_non_finite(state: dict, directory: Path, step: int) -> None:

@@ -84,9 +84,32 @@ def _unwrapped():
         raise inner from None
 
 
-def save_state(state: dict, directory: Path, group) -> None:
+class _RecordingWriter(dcp.FileSystemWriter):
+    """DCP's file writer, keeping the names of the files this rank wrote: its shards (every file named
+    with the prefix DCP gave this rank's plan, one holding no tensor too), and on the coordinator the
+    .metadata."""
+
+    def __init__(self, path: Path):
+        super().__init__(str(path))
+        self.written: set[str] = set()
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)  # its files are written when it returns
+        prefix = plan.storage_data.prefix  # "__<rank>_": no other rank's names start with it
+        self.written.update(name for name in os.listdir(self.path) if name.startswith(prefix))
+        return future
+
+    def finish(self, metadata, results) -> None:
+        super().finish(metadata, results)
+        self.written.add(METADATA)
+
+
+def save_state(state: dict, directory: Path, group) -> list[str]:
+    """Save ``state`` under ``directory`` with DCP; returns the names of the files this rank wrote."""
+    writer = _RecordingWriter(directory)
     with _unwrapped():
-        dcp.save(state, checkpoint_id=directory, process_group=group, no_dist=group is None)
+        dcp.save(state, storage_writer=writer, process_group=group, no_dist=group is None)
+    return sorted(writer.written)
 
 
 def load_state(state: dict, path: Path, metadata, identities: dict, group) -> None:

@@ -128,16 +128,26 @@ def _listing(path: Path) -> dict[str, os.stat_result]:
     return entries
 
 
-def write_manifest(path: Path) -> None:
-    """Record size and SHA-256 of every file under ``path`` (rank 0, once DCP is done)."""
+def hash_files(path: Path, names) -> dict[str, dict]:
+    """{name: {"bytes", "sha256"}} of the files ``names`` under ``path``, each made 0600 first: what
+    a rank wrote into a checkpoint, hashed by that rank (``checkpoint.save``)."""
     files = {}
-    for name, st in sorted(_listing(path).items()):
-        if name == MANIFEST:
-            continue
+    for name in names:
         os.chmod(path / name, 0o600)
         with open_regular(path / name) as f:
-            files[name] = {"bytes": st.st_size, "sha256": _sha256(f)}
-    write_atomic(path / MANIFEST, json.dumps({"format": 1, "files": files}, indent=1) + "\n", 0o600)
+            files[name] = {"bytes": os.fstat(f.fileno()).st_size, "sha256": _sha256(f)}
+    return files
+
+
+def write_manifest(path: Path, files: dict[str, dict]) -> None:
+    """Write the manifest of ``path`` from ``files`` (``hash_files`` of every rank's own files), which
+    must name every file there and nothing else: a file no rank hashed is refused, never hashed here."""
+    present = set(_listing(path)) - {MANIFEST}
+    if set(files) != present:
+        raise CheckpointError(f"checkpoint {path}: the ranks hashed {sorted(files)[:10]}, the directory holds "
+                              f"{sorted(present)[:10]}")
+    listed = dict(sorted(files.items()))
+    write_atomic(path / MANIFEST, json.dumps({"format": 1, "files": listed}, indent=1) + "\n", 0o600)
 
 
 def _sha256(f) -> str:

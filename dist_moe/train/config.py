@@ -15,6 +15,7 @@ import yaml
 
 from dist_moe.errors import shown
 from dist_moe.routing.registry import ROUTERS, accepted_keys
+from dist_moe.train.engines import ENGINES
 from dist_moe.train.run_config import RunConfig
 from placement.files import parse_yaml, read_yaml, yaml_problem
 
@@ -150,5 +151,7 @@ def model_changes(saved: dict, cfg: RunConfig) -> list[tuple[str, object, object
         pass
     new = cfg.to_dict(full=True)
     old = _leaves({k: saved.get(k, {}) for k in MODEL_SECTIONS} | {"seed": saved.get("seed")})
-    new = _leaves({k: new.get(k, {}) for k in MODEL_SECTIONS} | {"seed": new.get("seed")})
+    new = _leaves({k: new.get(k, {}) for k in MODEL_SECTIONS} | {"seed": new.get("seed")}
+                  | {k: v for k, v in _leaves(new).items() if k in ENGINES[cfg.engine].resume_keys})
+    old.update({k: v for k, v in _leaves(saved).items() if k in ENGINES[cfg.engine].resume_keys})
     return [(k, old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]

@@ -12,6 +12,11 @@ megatron   Megatron-core's MoELayer with dist-moe's router; its tokens move thro
            Both keys default to auto: dist_moe when the config asks for node dedup or pipelined
            chunks (``chooses_dist_moe``), else the engine's own.
 
+``train.precision: bf16`` is each engine's own: DeepSpeed's ``bf16.enabled`` (bf16 module, fp32 masters
+and Adam state in its optimizer; ``DeepSpeedStepper``); for megatron, as for torch, fp32 weights and
+Adam state with the forward under autocast (Megatron's bf16 math: bf16 expert GEMMs, fp32 router and
+combine).
+
 Every engine puts all experts across the launched world (expert parallelism = world size) and
 keeps the router, placement and topology of the config. An ``Engine`` is what differs between
 them: what it sets up before and after the process group, the MoE layer it builds, its stepper
@@ -47,6 +52,7 @@ class Engine:
 
     name = ""
     needs_group = True  # a process group even on one rank (a one-rank group on localhost)
+    resume_keys: tuple[str, ...] = ()  # config keys beyond the model's whose change its checkpoints cannot carry
 
     @staticmethod
     def dispatches(parallel) -> bool:
@@ -81,7 +87,8 @@ class Engine:
         raise NotImplementedError
 
     def stepper(self, rt, model: nn.Module, lr: float, max_grad_norm, micro_batch: int):
-        return LocalStepper(model, lr, max_grad_norm, rt.group if rt.world > 1 else None, rt.world)
+        return LocalStepper(model, lr, max_grad_norm, rt.group if rt.world > 1 else None, rt.world,
+                            datetime.timedelta(seconds=rt.timeout_s))
 
     def shutdown(self) -> None:
         """Tear down what ``after_group`` set up (the process group is the runtime's)."""
@@ -99,11 +106,15 @@ class TorchEngine(Engine):
         return MoELayer(hidden, ffn, router, placement=placement, topology=rt.topology(),
                         group=rt.group if rt.world > 1 else None, dedup=rt.parallel.dedup,
                         timeout=datetime.timedelta(seconds=rt.timeout_s), capacity_factor=capacity_factor,
-                        expert_type=expert_type, pipeline_chunks=rt.parallel.pipeline_chunks)
+                        expert_type=expert_type, pipeline_chunks=rt.parallel.pipeline_chunks,
+                        deterministic=rt.deterministic)
 
 
 class DeepSpeedEngine(Engine):
     name = "deepspeed"
+    # DeepSpeed's bf16 holds the module in bf16 and its fp32 master weights in the optimizer; fp32 holds
+    # the weights themselves: their checkpoints keep different tensors
+    resume_keys = ("train.precision",)
 
     @staticmethod
     def dispatches(parallel):
@@ -124,7 +135,7 @@ class DeepSpeedEngine(Engine):
                                   min_capacity=4, topology=rt.topology())  # min: deepspeed MoE's default
 
     def stepper(self, rt, model, lr, max_grad_norm, micro_batch):
-        return DeepSpeedStepper(model, lr, max_grad_norm, micro_batch)
+        return DeepSpeedStepper(model, lr, max_grad_norm, micro_batch, precision=rt.precision)
 
     def shutdown(self):
         release_groups()

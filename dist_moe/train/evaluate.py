@@ -1,6 +1,7 @@
 """Validation metrics for every model kind, reduced over the ranks of a run, and SpecDrop's Align."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -27,7 +28,9 @@ def evaluate(model, x: torch.Tensor, y: torch.Tensor, c: torch.Tensor | None = N
     layers = moe_layers(model)
     routings = [[] for _ in layers]  # per MoE layer, per batch
     for rows in torch.tensor_split(torch.arange(len(x)), max(1, math.ceil(math.ceil(total / world) / batch_size))):
-        logits, _ = model(x[rows], None if c is None else c[rows])
+        with runtime.compute() if runtime is not None else contextlib.nullcontext():  # train.precision
+            logits, _ = model(x[rows], None if c is None else c[rows])
+        logits = logits.float()
         sums[0] += float(loss_of(logits, y[rows], "sum")) if len(rows) else 0.0
         sums[1] += int((logits.argmax(-1) == y[rows]).sum())
         sums[2] += y[rows].numel()  # rows, or tokens for a language model

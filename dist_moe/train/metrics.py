@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import Tensor
 
 from placement import busiest, node_share, tree_distance
@@ -36,12 +37,6 @@ def routing_metrics(expert_idx: Tensor, load: Tensor, dropped: int, num_experts:
     return out
 
 
-def metrics_of(routing, num_experts: int, expert_node: Tensor | None = None,
-               expert_rank: Tensor | None = None) -> dict:
-    return routing_metrics(routing.expert_idx, routing.stats["load"], routing.stats.get("dropped", 0), num_experts,
-                           expert_node, expert_rank)
-
-
 def layers_metrics(per_layer: list[dict]) -> dict:
     """One MoE layer's metrics as they are; with several, each key's mean over the layers, and every
     layer's own as ``layer<i>_<key>`` (as the bytes are logged)."""
@@ -58,6 +53,23 @@ def layers_metrics(per_layer: list[dict]) -> dict:
     return out
 
 
-def layer_metrics(layer) -> dict:
-    """``metrics_of`` one MoE layer's last routing (any host)."""
-    return metrics_of(layer.last_routing, layer.num_experts, layer.expert_node, layer.expert_rank)
+def routing_tensors(layers) -> list[Tensor]:
+    """What ``host_layer_metrics`` needs of every layer's last routing, as device tensors: the log step
+    reads them back in the same transfer as its reduced values."""
+    out = []
+    for layer in layers:
+        r = layer.last_routing
+        dropped = r.stats.get("dropped", 0)
+        out += [r.expert_idx, r.stats["load"], dropped if torch.is_tensor(dropped) else torch.zeros(())]
+    return out
+
+
+def host_layer_metrics(layers, copies: list[Tensor]) -> list[dict]:
+    """``routing_metrics`` of every layer's last routing from ``copies`` (``routing_tensors``, copied to
+    the host): host math, no read of the device."""
+    out = []
+    for layer, idx, load, dropped in zip(layers, copies[0::3], copies[1::3], copies[2::3]):
+        count = layer.last_routing.stats.get("dropped", 0)
+        count = int(dropped) if torch.is_tensor(count) else count  # a host int already
+        out.append(routing_metrics(idx, load, count, layer.num_experts, layer.expert_node, layer.expert_rank))
+    return out

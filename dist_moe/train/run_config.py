@@ -126,6 +126,7 @@ class TrainConfig:
     # the run stops once more than max_skipped_steps have been skipped
     max_skipped_steps: int = key(10, "an int >= 0", lambda v: v >= 0)
     # bf16: matmuls in bfloat16 under autocast; weights, gradients, optimizer state, routers and the combine fp32
+    # (engine deepspeed: DeepSpeed's own bf16, bf16 weights with fp32 master copies and Adam state)
     precision: str = one_of("fp32", PRECISIONS)
     # torch's deterministic algorithms and order-fixed sums: a rerun repeats bit for bit, on CUDA too
     deterministic: bool = False
@@ -233,6 +234,9 @@ def _check_across(cfg: RunConfig) -> None:
                          "set one of them")
     if cfg.train.gar is not None:
         GARConfig.check_router(cfg.router.type)
+        if cfg.train.precision != "fp32":  # its factorized observations and Gram math are fp32
+            raise ValueError(f"train.gar trains in fp32 only: set train.precision: fp32 "
+                             f"(got {cfg.train.precision!r})")
     _check_engine_dispatch(cfg)
 
 

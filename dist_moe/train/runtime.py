@@ -14,6 +14,7 @@ from dist_moe.dispatch.stats import all_reduce_sum
 from dist_moe.routing.registry import RouterConfig
 from dist_moe.train.engines import ENGINES
 from dist_moe.train.precision import compute_context, set_up
+from dist_moe.dispatch.rank_line import say_rank_line
 from dist_moe.train.run_config import ParallelConfig
 from placement import Placement, Topology
 
@@ -39,6 +40,7 @@ class Runtime:
         self.engine.before_group(self.timeout_s, self.device)
         self.rank, self.world, self.group = init_from_env(self.timeout_s, always=self.engine.needs_group,
                                                           device=self.device)
+        say_rank_line(self.rank, self.world, self.device, self.group)
         _share_cpu_threads()
         self.topology()  # a topology that disagrees with the launch fails here, on every rank, before training
         self.engine.after_group(self)

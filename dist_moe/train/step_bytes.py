@@ -42,12 +42,16 @@ class StepBytes:
             layer.reset_traffic()
         self.steps += 1
 
-    def log(self) -> dict:
-        """``bytes_<level>`` over all MoE layers since the last log, summed over ranks, and
-        ``layer<i>_bytes_<level>`` each when there are several. A collective: every rank calls it."""
+    def pending(self) -> torch.Tensor:
+        """This rank's bytes since the last log, [layers, w, w] int64 on the host: the trainer sums them
+        over ranks in its one log-step reduction and hands the sum to ``logged``."""
+        return self.unlogged
+
+    def logged(self, total: torch.Tensor) -> dict:
+        """``bytes_<level>`` over all MoE layers since the last log (``total``: ``pending`` summed over
+        ranks), and ``layer<i>_bytes_<level>`` each when there are several."""
         if not self.layers:
             return {}
-        total = self.rt.sum(self.unlogged.double()).long()
         self.unlogged.zero_()
         self.run += total
         per_layer = [Traffic(m, layer.topology).by_level() for m, layer in zip(total, self.layers)]

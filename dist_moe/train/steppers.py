@@ -1,58 +1,77 @@
 """Who steps: zero_grad, backward, gradient reduction, clip and the optimizer step of one batch.
 
 ``LocalStepper`` is dist-moe's (engines torch and megatron): replicated parameters are
-all-reduced and divided by the world, rank-local experts (whose gradients already hold every
-rank's tokens) are divided by the world, then one clip over the global norm. ``DeepSpeedStepper``
-hands all of it to ``deepspeed.initialize``'s engine.
+all-reduced while backward runs (``dispatch/grad_overlap.py``) and divided by the world, rank-local
+experts (whose gradients already hold every rank's tokens) are divided by the world, then one clip
+over the global norm and a fused Adam step, all on the device. ``DeepSpeedStepper`` hands all of it
+to ``deepspeed.initialize``'s engine. Both return the step's skip flag as a 0-dim tensor (1.0: the
+loss or some gradient was not finite on some rank, and nothing was updated), which the trainer
+reads only when it logs.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from dist_moe.dispatch.grads import all_finite, clip_global, group_size, scale_grads, sum_replicated_grads
+from dist_moe.dispatch.grad_overlap import overlapped_grad_sum
+from dist_moe.dispatch.grads import all_finite, clip_to, global_norm, group_size, scale_grads
 from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.gar.step import rank_local_param_ids
 from dist_moe.moe_view import moe_views
 
 
 class LocalStepper:
-    """zero_grad, backward, data-parallel average, global clip, Adam step."""
+    """zero_grad, backward (replicated gradients summed over ranks while it runs), data-parallel
+    average, global clip, Adam step: all on the device. A step whose loss or gradients are not finite
+    on any rank changes no weight (Adam's ``found_inf``), and nothing is read back to the host."""
 
     finish_external = None  # GAR reduces, clips and steps itself (DeepSpeedStepper hands that to DeepSpeed)
 
     group = WeakGroup()  # held weakly (dist_moe/dispatch/groups.py)
 
-    def __init__(self, model: nn.Module, lr: float, max_grad_norm, group, world: int):
+    def __init__(self, model: nn.Module, lr: float, max_grad_norm, group, world: int, timeout=None):
         self.module = model
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.opt = torch.optim.Adam(self.params, lr=lr)
+        # fused: one kernel for all parameters, and the only Adam that skips a step on a device flag
+        self.opt = torch.optim.Adam(self.params, lr=lr, fused=True)
         self.local = rank_local_param_ids(moe_views(model))
         self.group, self.world, self.max_grad_norm = group, world, max_grad_norm
+        replicated = [p for p in self.params if id(p) not in self.local]
+        self.overlap = overlapped_grad_sum(replicated, group, timeout) if group is not None else None
 
-    def __call__(self, loss: torch.Tensor) -> bool:
-        """One step; False (and no update) when the loss or any rank's gradients are not finite."""
+    def __call__(self, loss: torch.Tensor) -> torch.Tensor:
+        """One step. Returns a device scalar: 1.0 when the loss or any rank's gradients were not finite
+        (the step changed nothing), else 0.0."""
         self.opt.zero_grad(set_to_none=True)
+        if self.overlap is not None:
+            self.overlap.arm()
         loss.backward()
-        if self.group is not None:
-            sum_replicated_grads(self.params, self.local, self.group)
-            for p in self.params:  # the data-parallel average
-                if p.grad is not None:
-                    p.grad.div_(self.world)
-        if not all_finite(loss, self.params, self.group):
-            self.opt.zero_grad(set_to_none=True)
-            return False
+        if self.overlap is not None:
+            self.overlap.finish()
+            torch._foreach_div_([p.grad for p in self.params if p.grad is not None], self.world)
+        total = global_norm(self.params, self.local, self.group, loss)  # NaN anywhere: NaN on every rank
+        skipped = (~torch.isfinite(total)).float()
         if self.max_grad_norm:
-            clip_global(self.params, self.local, self.group, self.max_grad_norm)
-        self.opt.step()
-        return True
+            clip_to(self.params, total, self.max_grad_norm)
+        self.opt.found_inf = skipped  # read by the fused Adam on the device
+        try:
+            self.opt.step()
+        finally:
+            del self.opt.found_inf
+        return skipped
 
 
 class DeepSpeedStepper:
-    """``deepspeed.initialize`` with MoE parameter groups; the engine runs backward and step."""
+    """``deepspeed.initialize`` with MoE parameter groups; the engine runs backward and step.
+
+    ``precision="bf16"`` is DeepSpeed's own bf16 (``"bf16": {"enabled": true}``): the engine casts the
+    module's parameters to bf16 (buffers keep their dtype: the routers' state stays fp32) and, at ZeRO
+    stage 0, steps through its FP16_Optimizer in bf16 mode: fp32 master weights and fp32 Adam state,
+    bf16 gradients reduced and copied to the masters. Floating-point inputs are cast to bf16 on the way
+    into the module, as DeepSpeed's fp16 ``auto_cast`` does for fp16 (it has no bf16 twin)."""
 
     def __init__(self, model: nn.Module, lr: float, max_grad_norm, micro_batch: int,
-                 optimizer_cls=torch.optim.Adam):
+                 optimizer_cls=torch.optim.Adam, precision: str = "fp32"):
         # deepspeed: an optional engine, imported only where it is used
         import deepspeed
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
@@ -60,21 +79,27 @@ class DeepSpeedStepper:
         groups = split_params_into_different_moe_groups_for_optimizer(
             {"params": [p for p in model.parameters() if p.requires_grad], "name": "parameters"})
         config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
-                  "gradient_clipping": float(max_grad_norm or 0.0), "steps_per_print": 10**9}
+                  "gradient_clipping": float(max_grad_norm or 0.0), "steps_per_print": 10**9,
+                  "bf16": {"enabled": precision == "bf16"}}
+        if precision == "bf16":  # every caller of the module (engine, evaluation, routing records) feeds bf16
+            model.register_forward_pre_hook(_floats_to_bf16)
         self.module, self.opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer_cls(groups, lr=lr),
                                                            config=config)
+        if precision == "bf16":  # what checkpoints read: the fp32 masters and Adam state per parameter
+            self.opt = _MasterWeights(self.opt)
 
-    def __call__(self, loss: torch.Tensor) -> bool:
-        """One step; False (no update) when the loss or any rank's gradients are not finite."""
+    def __call__(self, loss: torch.Tensor) -> torch.Tensor:
+        """One step; returns 1.0 (and updates nothing) when the loss or any rank's gradients are not
+        finite, else 0.0 (DeepSpeed's engine reads its own checks back; this reads one more)."""
         group = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
         self.module.backward(loss)  # reduces gradients: a NaN on one rank reaches every rank's check
         params = [p for p in self.module.module.parameters() if p.requires_grad]
         if not all_finite(loss, params, group):
             for p in params:
                 p.grad = None
-            return False
+            return torch.ones(())
         self.module.step()
-        return True
+        return torch.zeros(())
 
     def finish_external(self, params: list, local_ids: set, group) -> None:
         """Step on gradients accumulated outside ``engine.backward`` (GAR's per-group backwards).
@@ -89,3 +114,33 @@ class DeepSpeedStepper:
         scale_grads(params, group_size(group))
         self.module.allreduce_gradients()
         self.module.step()
+
+
+def _floats_to_bf16(module: nn.Module, args: tuple) -> tuple:
+    """A forward pre-hook: the floating-point positional inputs in bf16 (category ids stay integers)."""
+    return tuple(a.to(torch.bfloat16) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+
+
+class _MasterWeights:
+    """DeepSpeed's bf16 optimizer (0.19.8, ZeRO stage 0: FP16_UnfusedOptimizer, one fp32 master per
+    parameter) as dist-moe's checkpoints read an optimizer: for each bf16 parameter of the module, Adam's
+    fp32 state and its fp32 master weight (``master``), the optimizer's own tensors, so a load fills
+    them in place and a resumed run steps on exactly the weights it saved."""
+
+    def __init__(self, wrapped):
+        self.wrapped = wrapped
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [{"params": params} for params in self.wrapped.fp16_groups]
+
+    @property
+    def state(self) -> dict:
+        adam, out = self.wrapped.optimizer, {}
+        for params, masters in zip(self.wrapped.fp16_groups, self.wrapped.fp32_groups):
+            for p, master in zip(params, masters):
+                if master not in adam.state:  # Adam makes its state at the first step: zeros to load into
+                    adam.state[master] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(master),
+                                          "exp_avg_sq": torch.zeros_like(master)}
+                out[p] = {**adam.state[master], "master": master}
+        return out

@@ -33,7 +33,7 @@ from dist_moe.train import checkpoint
 from dist_moe.train.build import data_and_model
 from dist_moe.train.config import model_changes
 from dist_moe.train.evaluate import evaluate
-from dist_moe.train.metrics import layer_metrics, layers_metrics
+from dist_moe.train.metrics import host_layer_metrics, layers_metrics, routing_tensors
 from dist_moe.train.routing_record import record_routing
 from dist_moe.train.run_config import RunConfig
 from dist_moe.train.rundir import RunDir, check_writable, open_metrics, output_dir, truncate_metrics
@@ -206,7 +206,8 @@ class _TrainingRun:
         self.train_seconds = 0.0  # inside training steps only: no evaluation, logging or checkpoints
         self.exchange_wait_s = 0.0  # of those, blocked in the dispatcher's exchanges (mean over ranks)
         self.step_bytes = StepBytes(self.model, rt)  # what the training steps sent, nothing else
-        self.skipped = 0  # steps skipped for a non-finite loss or gradients
+        # steps skipped for a non-finite loss or gradients: counted on the device, read when logged
+        self.skipped, self.skipped_steps = torch.zeros((), device=rt.device), 0
         if resume_from is not None:
             self.step = restore_state(resume_from, self.model, self.step_fn.opt, self.cursor, rt)
         self.first_step, self.resumed_at = self.step, self.cursor.consumed
@@ -242,45 +243,56 @@ class _TrainingRun:
             r.set_progress(fraction)
 
     def train_step(self) -> dict:
-        """One batch: agreed input check, the step strategy, losses averaged over ranks."""
-        rt, data, tcfg = self.rt, self.data, self.tcfg
+        """One batch: inputs screened, the step strategy, nothing read back (``maybe_log`` reads)."""
+        rt, data = self.rt, self.data
         step_start, waited = time.perf_counter(), blocked_seconds()
         self.step_bytes.clear()  # forwards since the last step (evaluation, records) are not training's
         rows = torch.tensor_split(self.cursor.next_batch(), rt.world)[rt.rank]
-        xb, yb = data.x_train[rows].to(rt.device), data.y_train[rows].to(rt.device)
+        xb, yb = to_device(data.x_train[rows], rt.device), to_device(data.y_train[rows], rt.device)
         cb = data.train_categories(rows)
-        cb = None if cb is None else cb.to(rt.device)
-        if _bad_inputs(xb, rt):  # agreed before any forward: no rank enters a collective alone
-            record = {"loss": math.nan, "skipped": 1.0}
-        else:
-            record = self.strategy(self.model, self.step_fn, xb, yb, cb)
-            self.step_bytes.take()  # a step that ran its forwards (a skipped one sent nothing)
-        # this step's time and its time blocked in exchanges, averaged over ranks with the losses
+        cb = None if cb is None else to_device(cb, rt.device)
+        xb, bad = screened(xb)  # a NaN / Inf batch runs zeroed and the step is skipped on every rank
+        record = self.strategy(self.model, self.step_fn, xb, yb, cb, bad_input=bad, compute=rt.compute())
+        self.step_bytes.take()
+        self.skipped = self.skipped + record["skipped"]  # on the device; read at log steps
+        # this rank's time in the step and blocked in exchanges (averaged over ranks when logged)
         record.update(step_s=time.perf_counter() - step_start, exchange_wait_s=blocked_seconds() - waited)
-        record = _mean_over_ranks(record, rt)
-        self.train_seconds += time.perf_counter() - step_start
+        self.train_seconds += record["step_s"]
         self.exchange_wait_s += record["exchange_wait_s"]
         self.step += 1
-        self.skipped += record.get("skipped", 0.0) > 0  # agreed by every rank
-        if self.skipped > tcfg.max_skipped_steps:
-            raise ValueError(f"training diverged: {int(self.skipped)} steps had a non-finite loss or gradients "
-                             f"(train.max_skipped_steps={tcfg.max_skipped_steps}), the last at step {self.step} "
-                             f"(loss {record['loss']}); lower train.lr (now {tcfg.lr}){self.strategy.diverged_hint} "
-                             "or check the data")
         return record
 
     def maybe_log(self, record: dict, last: bool) -> None:
+        """At a log step (and the last): the record averaged over ranks (one read), the skipped steps
+        checked against train.max_skipped_steps, the metrics line written."""
         if self.step % self.tcfg.log_every == 0 or last:
-            record.update(self.step_bytes.log())  # collective: every rank takes part
+            # the record, the skipped count and the bytes sent: one collective, one read, every rank
+            # (rank 0: with the routings its metrics need, in the same transfer)
+            # None: every step skipped; no tokens: rank 0's part of GAR's last group was empty
+            metrics = self.logger is not None and all(
+                layer.last_routing is not None and len(layer.last_routing.expert_idx) for layer in self.layers)
+            routings = routing_tensors(self.layers) if metrics else []
+            record, sent, copies = reduced({**record, SKIPPED_SO_FAR: self.skipped}, self.step_bytes.pending(),
+                                           self.rt, routings)
+            self._check_skipped(int(record.pop(SKIPPED_SO_FAR)), record)
+            record.update(self.step_bytes.logged(sent))
             if self.logger is not None:
-                # None: every step skipped; no tokens: rank 0's part of GAR's last group was empty
-                if all(layer.last_routing is not None and len(layer.last_routing.expert_idx) for layer in self.layers):
-                    record.update(layers_metrics([layer_metrics(layer) for layer in self.layers]))
+                if metrics:
+                    record.update(layers_metrics(host_layer_metrics(self.layers, copies)))
                 if isinstance(self.routers[0], Scheduled):
                     record["schedule_progress"] = float(self.routers[0].progress)
                 self.logger.log({"step": self.step, **record})
                 self.bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
         self.bar.update(1)
+
+    def _check_skipped(self, skipped: int, record: dict) -> None:
+        self.skipped_steps = skipped  # agreed by every rank
+        tcfg = self.tcfg
+        if skipped > tcfg.max_skipped_steps:
+            raise ValueError(f"training diverged: {skipped} steps had a non-finite loss or gradients "
+                             f"(train.max_skipped_steps={tcfg.max_skipped_steps}) by step {self.step} "
+                             f"(loss {record['loss']}); lower train.lr (now {tcfg.lr}){self.strategy.diverged_hint} "
+                             "or check the data")
 
     def maybe_checkpoint(self, last: bool) -> None:
         every = self.tcfg.checkpoint_every
@@ -309,8 +321,9 @@ class _TrainingRun:
             "topology": rt.topology().describe(),
             "steps": self.step, "already_finished": self.already_finished, "samples": self.cursor.consumed,
             "samples_this_run": self.cursor.consumed - self.resumed_at,
-            "skipped_steps": int(self.skipped), "seconds": round(time.time() - self.start, 2),
-            "train_seconds": round(self.train_seconds, 3), "exchange_wait_s": round(self.exchange_wait_s, 3),
+            "skipped_steps": self.skipped_steps, "seconds": round(time.time() - self.start, 2),
+            "train_seconds": round(self.train_seconds, 3),
+            "exchange_wait_s": round(reduced({"w": self.exchange_wait_s}, torch.zeros(0), rt)[0]["w"], 3),
             **self.last_eval,
             "random_pair_tree_distance": _random_pair(self.layers[0].num_experts), "output_dir": str(self.out_dir),
             **extra,
@@ -321,21 +334,51 @@ class _TrainingRun:
         return summary
 
 
-def _mean_over_ranks(record: dict, rt: Runtime) -> dict:
-    """Logged losses are the mean over ranks (each rank's is its own micro-batch's)."""
-    if rt.world == 1:
-        return record
+SKIPPED_SO_FAR = "skipped so far"  # rides with a logged record's values, popped before it is written
+
+
+def reduced(record: dict, sums: torch.Tensor, rt: Runtime, copy=()) -> tuple[dict, torch.Tensor, list]:
+    """(the record's values averaged over ranks, ``sums`` [host int64] summed over them, host copies of
+    ``copy``'s device tensors): one all-reduce and one read for all three. The record holds device
+    scalars and host floats (times); the host values go up through pinned memory, which does not wait
+    for the device. Integer tensors travel as float64: exact below 2**53."""
     keys = sorted(record)
-    values = rt.sum(torch.tensor([float(record[k]) for k in keys], dtype=torch.float64)) / rt.world
-    return dict(zip(keys, values.tolist()))
+    on_device = [k for k in keys if torch.is_tensor(record[k])]
+    on_host = [k for k in keys if not torch.is_tensor(record[k])]
+    host = torch.cat([torch.tensor([float(record[k]) for k in on_host], dtype=torch.float64),
+                      sums.reshape(-1).double()])
+    parts = [to_device(host, rt.device)]
+    if on_device:
+        parts.insert(0, torch.stack([record[k].to(rt.device, torch.float64).reshape(()) for k in on_device]))
+    values = torch.cat(parts)
+    values = rt.sum(values) if rt.world > 1 else values
+    read = torch.cat([values, *(t.detach().to(rt.device, torch.float64).reshape(-1) for t in copy)]).tolist()
+    n, m = len(keys), values.numel()
+    means = {k: v / rt.world for k, v in zip(on_device + on_host, read[:n])}
+    summed = torch.tensor(read[n:m], dtype=torch.float64).round().long().reshape(sums.shape)
+    copies, start = [], m
+    for t in copy:
+        copies.append(torch.tensor(read[start:start + t.numel()], dtype=torch.float64).to(t.dtype).reshape(t.shape))
+        start += t.numel()
+    return means, summed, copies
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``: to a GPU from pinned memory without blocking (the copy is queued
+    behind the step's kernels instead of waiting for them)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _random_pair(num_experts: int) -> float:
     return random_pair_tree_distance(num_experts) if num_experts >= 2 and not num_experts & (num_experts - 1) else None
 
 
-def _bad_inputs(xb: torch.Tensor, rt: Runtime) -> bool:
-    """Whether any rank's batch holds NaN or Inf (token ids never do)."""
+def screened(xb: torch.Tensor):
+    """(the batch, zeroed when it holds NaN or Inf; a 0-dim bool on its device, True then), decided
+    on the device. Token ids never hold either: (xb, None)."""
     if not xb.is_floating_point():
-        return False
-    return float(rt.sum(torch.tensor([float(not bool(torch.isfinite(xb).all()))]))) > 0
+        return xb, None
+    bad = ~torch.isfinite(xb).all()
+    return torch.where(bad, torch.zeros_like(xb), xb), bad

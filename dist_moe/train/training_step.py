@@ -2,12 +2,13 @@
 (Algorithm 1 over observation groups of the batch, ``train.gar``)."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
 
-from dist_moe.dispatch.agree import buffers_of, put_back
+from dist_moe.dispatch.agree import buffers_of, put_back, put_back_if
 from dist_moe.dispatch.stats import all_reduce_max
 from dist_moe.gar.step import equal_task_weights, gar_train_step
 from dist_moe.train.run_config import TrainConfig
@@ -28,18 +29,22 @@ class PlainStep:
     # what else a diverged run may lower, beside train.lr
     diverged_hint = ""
 
-    def __call__(self, model, step_fn, xb, yb, cb) -> dict:
-        """One step. When the loss or gradients are not finite on any rank, every rank skips the
-        update and restores the buffers the forward moved, so the bad batch leaves no trace but its
-        count (train.max_skipped_steps)."""
+    def __call__(self, model, step_fn, xb, yb, cb, bad_input=None, compute=None) -> dict:
+        """One step, decided on the device. When the loss or gradients are not finite on any rank, or
+        ``bad_input`` (a 0-dim bool: this rank's batch held NaN / Inf and was zeroed) is set on any rank,
+        every rank skips the update and restores the buffers the forward moved, so the bad batch leaves
+        no trace but its count (train.max_skipped_steps). ``compute``: the forward's context
+        (``Runtime.compute``, autocast under train.precision bf16). The record holds device scalars."""
         saved = buffers_of(model)
-        logits, aux = step_fn.module(xb, cb)
+        with compute if compute is not None else contextlib.nullcontext():
+            logits, aux = step_fn.module(xb, cb)
         # a rank left without rows (the epoch's last, short batch) still runs the step's collectives
-        task = loss_of(logits, yb) if yb.numel() else logits.sum() * 0.0
-        stepped = step_fn(task + aux)
-        if not stepped:
-            put_back(model, saved)
-        return {"loss": float(task.detach()), "aux_loss": float(aux.detach()), "skipped": 0.0 if stepped else 1.0}
+        task = loss_of(logits.float(), yb) if yb.numel() else logits.sum().float() * 0.0
+        if bad_input is not None:  # NaN: the step is skipped on every rank, its loss logged as NaN
+            task = task + torch.where(bad_input, math.nan, 0.0)
+        skipped = step_fn(task + aux)
+        put_back_if(model, saved, skipped)
+        return {"loss": task.detach(), "aux_loss": aux.detach(), "skipped": skipped}
 
 
 def category_counts(cb: torch.Tensor, rt) -> torch.Tensor:
@@ -82,8 +87,12 @@ class GARStep:
             raise ValueError(f"train.gar_groups=same_category over {rt.world} ranks needs engine=torch, "
                              f"got engine={rt.engine.name}")
 
-    def __call__(self, model, step_fn, xb, yb, cb) -> dict:
+    def __call__(self, model, step_fn, xb, yb, cb, bad_input=None, compute=None) -> dict:
+        """One GAR step (fp32 only: the config refuses bf16 with GAR); it reads its checks back to the
+        host, as GAR's per-group backwards and lambda need."""
         gar, tcfg, rt = self.gar, self.tcfg, self.rt
+        if bad_input is not None and float(rt.sum(bad_input.float())) > 0:  # agreed before any forward
+            return {"loss": math.nan, "skipped": 1.0}
         g = tcfg.gar_group_size
         if tcfg.gar_groups == "same_category":
             if cb is None:

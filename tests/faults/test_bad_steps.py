@@ -30,7 +30,7 @@ def _inject(monkeypatch, bad_calls: dict, checks: list):
     """Poison step n of ``bad_calls``: NaN / Inf inputs (screened by the trainer before any forward)
     or a NaN expert gradient (found by the step function); record whether the step was skipped and
     whether model and optimizer state came out of it unchanged."""
-    real_screen, real_call = trainer._bad_inputs, training_step.PlainStep.__call__
+    real_screen, real_call = trainer.screened, training_step.PlainStep.__call__
     seen = {"calls": 0, "pending": None}
 
     def settle(model_opt):
@@ -39,31 +39,32 @@ def _inject(monkeypatch, bad_calls: dict, checks: list):
             checks.append((skipped, _same(before, _state(*model_opt))))
             seen["pending"] = None
 
-    def screen(xb, rt):
+    def screen(xb):
         seen["calls"] += 1
         settle(seen.get("refs"))
         poison = bad_calls.get(seen["calls"], "")
         if poison.startswith("input"):
             xb[0, 0] = float("nan") if poison == "input_nan" else float("inf")
             seen["pending"] = (_state(*seen["refs"]), 1.0)
-        bad = real_screen(xb, rt)
-        assert bad or not poison.startswith("input")  # a poisoned batch is always caught (a peer's too)
-        return bad
+        xb, bad = real_screen(xb)
+        assert bool(bad) == poison.startswith("input")  # a poisoned batch is always caught, on this rank
+        assert torch.isfinite(xb).all()  # and runs zeroed
+        return xb, bad
 
-    def step(self, model, step_fn, xb, yb, cb):
+    def step(self, model, step_fn, xb, yb, cb, **kw):
         real_step = functools.partial(real_call, self)
         seen["refs"] = (model, step_fn.opt)
         if bad_calls.get(seen["calls"]) != "grad_nan":
-            return real_step(model, step_fn, xb, yb, cb)
+            return real_step(model, step_fn, xb, yb, cb, **kw)
         before = _state(model, step_fn.opt)
         expert_weight = next(p for n, p in model.moe.named_parameters() if "expert" in n and p.requires_grad)
         handle = expert_weight.register_hook(lambda g: torch.full_like(g, float("nan")))
-        record = real_step(model, step_fn, xb, yb, cb)  # a finite loss, a NaN gradient on this rank
+        record = real_step(model, step_fn, xb, yb, cb, **kw)  # a finite loss, a NaN gradient on this rank
         handle.remove()
-        checks.append((record["skipped"], _same(before, _state(model, step_fn.opt))))
+        checks.append((float(record["skipped"]), _same(before, _state(model, step_fn.opt))))
         return record
 
-    monkeypatch.setattr(trainer, "_bad_inputs", screen)
+    monkeypatch.setattr(trainer, "screened", screen)
     monkeypatch.setattr(training_step.PlainStep, "__call__", step)
 
 

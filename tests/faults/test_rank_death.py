@@ -48,10 +48,10 @@ KILL_IN_SAVE = """
 import os, signal, sys
 from dist_moe.train import checkpoint
 real = checkpoint.write_manifest
-def dying(path):
+def dying(path, *rest):
     if path.name == ".tmp-step-20":  # DCP has written every file; the rename has not happened
         os.kill(os.getpid(), signal.SIGKILL)
-    real(path)
+    real(path, *rest)
 checkpoint.write_manifest = dying
 from dist_moe.cli import main
 sys.exit(main(sys.argv[1:]))
