@@ -10,11 +10,11 @@ from torch import nn
 
 from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.dispatch.process_group import init_from_env, launched_world_size, resolve_device, shutdown
+from dist_moe.dispatch.rank_line import say_rank_line
 from dist_moe.dispatch.stats import all_reduce_sum
 from dist_moe.routing.registry import RouterConfig
 from dist_moe.train.engines import ENGINES
 from dist_moe.train.precision import compute_context, set_up
-from dist_moe.dispatch.rank_line import say_rank_line
 from dist_moe.train.run_config import ParallelConfig
 from placement import Placement, Topology
 
