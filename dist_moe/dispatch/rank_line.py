@@ -4,6 +4,7 @@ wheel, a gloo group) shows at the start, not in the step times."""
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -24,4 +25,7 @@ def say_rank_line(rank: int, world: int, device: torch.device, group) -> None:
         return
     backend = dist.get_backend(group) if group is not None else None
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    print(rank_line(rank, world, torch.__version__, device, backend, gpu), flush=True)
+    # the line and its newline in one write: the ranks share the launcher's unbuffered stdout, where
+    # print's two writes let two ranks' lines run together
+    sys.stdout.write(rank_line(rank, world, torch.__version__, device, backend, gpu) + "\n")
+    sys.stdout.flush()
