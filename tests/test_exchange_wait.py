@@ -112,3 +112,25 @@ def test_a_gloo_exchange_counts_the_wait_for_a_late_peer(tmp_path):
     run_workers(_late_peer, 2, args=(str(tmp_path),), timeout=60)
     waited = [float((tmp_path / f"rank{r}.txt").read_text()) for r in range(2)]
     assert waited[0] > 0.3 and waited[1] < waited[0], waited
+
+
+def test_the_trainer_waits_for_the_timing_events_only_outside_its_steps(tmp_path, monkeypatch):
+    """On CUDA a settled read waits for the last exchange's timing events: the trainer asks for one at
+    its start, around each evaluation and at the end, never in a step; a log step reads unsettled."""
+    from dist_moe.train import trainer
+    from dist_moe.train.config import load_config
+
+    calls = []
+    real = trainer.blocked_seconds
+
+    def counted(settled=True):
+        calls.append(settled)
+        return real(settled)
+
+    monkeypatch.setattr(trainer, "blocked_seconds", counted)
+    summary = trainer.train(load_config(None, ["data.max_rows=600", "train.max_steps=6", "train.log_every=2",
+                                               f"output.dir={tmp_path}"]), quiet=True)
+    assert summary["steps"] == 6
+    evaluations = 3  # batch 256 of 480 training rows: the epochs end at steps 2, 4 and 6
+    assert calls.count(False) == 3, calls  # the log steps 2, 4, 6
+    assert calls.count(True) == 1 + 2 * evaluations + 1, calls

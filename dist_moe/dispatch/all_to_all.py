@@ -79,20 +79,22 @@ class WaitClock:
             self.seconds += start.elapsed_time(end) / 1e3
             self.pending.pop(0)
 
-    def total(self) -> float:
-        self._read(wait=True)
+    def total(self, settled: bool = True) -> float:
+        """Seconds waited so far; ``settled=False`` reads only the events already run (no wait)."""
+        self._read(wait=settled)
         return self.seconds
 
 
 WAITS = WaitClock()
 
 
-def blocked_seconds() -> float:
+def blocked_seconds(settled: bool = True) -> float:
     """Seconds this process has spent waiting in dist-moe's exchanges so far: every wait for an
     all-to-all and the split sizes' exchange. The trainer logs its growth per step
     (``exchange_wait_s``). On gloo that is the host's time blocked; on CUDA the current stream's
-    (``WaitClock``), read here: call it once per step, not per exchange."""
-    return WAITS.total()
+    (``WaitClock``), read here: ``settled`` waits for the last exchange's timing events to run (a
+    synchronisation), else the waits not yet run on the device count later."""
+    return WAITS.total(settled)
 
 
 class Pending:

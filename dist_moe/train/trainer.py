@@ -14,6 +14,7 @@ SpecDrop's Align (category c's assigned expert is c mod E).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -175,6 +176,7 @@ def _train_in(run: "_TrainingRun", after) -> dict:
                 if last or run.cursor.offset == 0:
                     break
             run.evaluate_epoch()
+        run.exchange_wait_s = run.waits.read(settled=True)  # training's, before the routing record's forwards
         record_routing(out_dir, run.model, run.data, rt)
         extra = after(run.model, run.data, rt) if after is not None else {}
     finally:
@@ -204,13 +206,15 @@ class _TrainingRun:
         self.cursor = DataCursor(self.n, cfg.seed, self.global_bs)  # one order; each rank its share
         self.step, self.start, self.last_eval = 0, time.time(), {}
         self.train_seconds = 0.0  # inside training steps only: no evaluation, logging or checkpoints
-        self.exchange_wait_s = 0.0  # of those, blocked in the dispatcher's exchanges (mean over ranks)
+        self.waits = TrainingWaits()  # of those, waiting in the dispatcher's exchanges
+        self.exchange_wait_s = 0.0  # their total, once training ends
         self.step_bytes = StepBytes(self.model, rt)  # what the training steps sent, nothing else
         # steps skipped for a non-finite loss or gradients: counted on the device, read when logged
         self.skipped, self.skipped_steps = torch.zeros((), device=rt.device), 0
         if resume_from is not None:
             self.step = restore_state(resume_from, self.model, self.step_fn.opt, self.cursor, rt)
         self.first_step, self.resumed_at = self.step, self.cursor.consumed
+        self.logged = (0.0, 0.0, self.step)  # (waits, train seconds, step) at the last log
         if rt.is_main:
             write_atomic(out_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
             if resume_from is not None:  # rows a killed run logged after this checkpoint are trained again
@@ -245,7 +249,7 @@ class _TrainingRun:
     def train_step(self) -> dict:
         """One batch: inputs screened, the step strategy, nothing read back (``maybe_log`` reads)."""
         rt, data = self.rt, self.data
-        step_start, waited = time.perf_counter(), blocked_seconds()
+        step_start = time.perf_counter()
         self.step_bytes.clear()  # forwards since the last step (evaluation, records) are not training's
         rows = torch.tensor_split(self.cursor.next_batch(), rt.world)[rt.rank]
         xb, yb = to_device(data.x_train[rows], rt.device), to_device(data.y_train[rows], rt.device)
@@ -255,10 +259,7 @@ class _TrainingRun:
         record = self.strategy(self.model, self.step_fn, xb, yb, cb, bad_input=bad, compute=rt.compute())
         self.step_bytes.take()
         self.skipped = self.skipped + record["skipped"]  # on the device; read at log steps
-        # this rank's time in the step and blocked in exchanges (averaged over ranks when logged)
-        record.update(step_s=time.perf_counter() - step_start, exchange_wait_s=blocked_seconds() - waited)
-        self.train_seconds += record["step_s"]
-        self.exchange_wait_s += record["exchange_wait_s"]
+        self.train_seconds += time.perf_counter() - step_start  # this rank's host time in steps
         self.step += 1
         return record
 
@@ -266,6 +267,7 @@ class _TrainingRun:
         """At a log step (and the last): the record averaged over ranks (one read), the skipped steps
         checked against train.max_skipped_steps, the metrics line written."""
         if self.step % self.tcfg.log_every == 0 or last:
+            record.update(self._interval_times())
             # the record, the skipped count and the bytes sent: one collective, one read, every rank
             # (rank 0: with the routings its metrics need, in the same transfer)
             # None: every step skipped; no tokens: rank 0's part of GAR's last group was empty
@@ -285,6 +287,17 @@ class _TrainingRun:
                 self.bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
         self.bar.update(1)
 
+    def _interval_times(self) -> dict:
+        """Since the last log, per step: this rank's time in steps and waiting in exchanges (averaged
+        over ranks with the record). The waits are read without waiting (on CUDA, timing events not yet
+        run count at the next log), so a log step reads the device once, in its reduction."""
+        waited = self.waits.read(settled=False)
+        steps = self.step - self.logged[2]
+        times = {"step_s": (self.train_seconds - self.logged[1]) / steps,
+                 "exchange_wait_s": (waited - self.logged[0]) / steps}
+        self.logged = (waited, self.train_seconds, self.step)
+        return times
+
     def _check_skipped(self, skipped: int, record: dict) -> None:
         self.skipped_steps = skipped  # agreed by every rank
         tcfg = self.tcfg
@@ -302,7 +315,8 @@ class _TrainingRun:
 
     def evaluate(self) -> dict:
         data = self.data
-        return evaluate(self.model, data.x_val, data.y_val, data.val_categories(), runtime=self.rt)
+        with self.waits.outside():  # its exchanges are not training's
+            return evaluate(self.model, data.x_val, data.y_val, data.val_categories(), runtime=self.rt)
 
     def evaluate_epoch(self) -> None:
         self.last_eval = self.evaluate()
@@ -332,6 +346,25 @@ class _TrainingRun:
             self.step_bytes.save(self.out_dir)
             write_atomic(self.out_dir / "summary.json", json.dumps(summary, indent=2, allow_nan=False) + "\n")
         return summary
+
+
+class TrainingWaits:
+    """This run's time waiting in exchanges during training steps: ``blocked_seconds`` since the run
+    started, less what evaluation waited (``outside``)."""
+
+    def __init__(self):
+        self.start, self.elsewhere = blocked_seconds(), 0.0
+
+    @contextlib.contextmanager
+    def outside(self):
+        before = blocked_seconds()  # settles the steps' waits first: they stay training's
+        try:
+            yield
+        finally:
+            self.elsewhere += blocked_seconds() - before
+
+    def read(self, settled: bool) -> float:
+        return blocked_seconds(settled) - self.start - self.elsewhere
 
 
 SKIPPED_SO_FAR = "skipped so far"  # rides with a logged record's values, popped before it is written
