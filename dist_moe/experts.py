@@ -28,6 +28,27 @@ def compute_dtype(x: Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
+def grouped_ok(x: Tensor, weights: list[Tensor], dtype: torch.dtype | None = None) -> bool:
+    """Whether ``F.grouped_mm`` takes rows like ``x`` against these [E, in, out] weights here: a dtype it
+    has, and every stride but the unit one a multiple of 16 bytes (the CUDA kernels' rule; a width of
+    10 fp32 numbers fails it). ``dtype``: what rows and weights are cast to first (``compute_dtype``,
+    autocast's); None: they must all be ``x``'s already."""
+    if dtype is None:
+        if any(w.dtype != x.dtype for w in weights):
+            return False
+        dtype = x.dtype
+    if x.dim() != 2 or dtype not in GROUPED_DTYPES:
+        return False
+    size = dtype.itemsize
+    strides = [x.stride(0)] + [s for w in weights for s in w.stride() if s != 1]
+    return all(s * size % 16 == 0 for s in strides)
+
+
+def offsets(counts: Tensor) -> Tensor:
+    """grouped_mm's group ends (int32, on the counts' device: no host read)."""
+    return torch.cumsum(counts, 0, dtype=torch.int32)
+
+
 def _init(shape, fan_in) -> nn.Parameter:
     bound = 1.0 / math.sqrt(fan_in)
     return nn.Parameter(torch.empty(*shape).uniform_(-bound, bound))
@@ -155,15 +176,12 @@ class Experts(nn.Module):
         return self._looped_forward(x_sorted, counts.tolist() if torch.is_tensor(counts) else counts, tags, weights)
 
     def grouped(self, x: Tensor) -> bool:
-        """Whether ``forward`` runs grouped GEMMs on rows like ``x`` (see there)."""
-        if self.capture is not None or x.dim() != 2 or x.dtype not in GROUPED_DTYPES:
-            return False
-        widths = [w.shape[-1] for w in self.template().values()] + [x.shape[-1]]
-        return all(d * x.element_size() % 16 == 0 for d in widths)
+        """Whether ``forward`` runs grouped GEMMs on rows like ``x`` (see there), in the dtype it computes
+        in (autocast's under bf16, not the dtype the rows arrive in)."""
+        return self.capture is None and grouped_ok(x, list(self.template().values()), compute_dtype(x))
 
     def _grouped_forward(self, x: Tensor, counts: list[int] | Tensor, w: dict[str, Tensor]) -> Tensor:
-        counts = torch.as_tensor(counts, device=x.device)
-        offs = torch.cumsum(counts, 0, dtype=torch.int32)  # group e ends at row offs[e]
+        offs = offsets(torch.as_tensor(counts, device=x.device))
 
         def mm(a: Tensor, w: Tensor) -> Tensor:
             return F.grouped_mm(a, w.to(a.dtype), offs=offs)

@@ -36,8 +36,8 @@ class OverlappedGradSum:
 
     group = WeakGroup()  # held weakly (groups.py)
 
-    def __init__(self, params: list, group, bucket_bytes: int = BUCKET_BYTES):
-        self.group = group
+    def __init__(self, params: list, make_group, bucket_bytes: int = BUCKET_BYTES):
+        self.make_group, self._made = make_group, False  # made at the first arm: GAR's runs never arm
         self.buckets = _buckets(list(reversed(params)), bucket_bytes)
         self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self.armed = False
@@ -45,7 +45,9 @@ class OverlappedGradSum:
             p.register_post_accumulate_grad_hook(self._arrived)
 
     def arm(self) -> None:
-        """The next backward's gradients are summed as they arrive."""
+        """The next backward's gradients are summed as they arrive (every rank arms at the same step)."""
+        if not self._made:
+            self.group, self._made = self.make_group(), True
         self.armed, self.next, self.works = True, 0, []
         self.waiting = [len(bucket) for bucket in self.buckets]
 
@@ -77,6 +79,7 @@ class OverlappedGradSum:
 
 
 def overlapped_grad_sum(params: list, group, timeout=None) -> OverlappedGradSum:
-    """An ``OverlappedGradSum`` on a new group of ``group``'s ranks (every rank of the world calls it)."""
+    """An ``OverlappedGradSum`` on a new group of ``group``'s ranks, made when it first arms (a
+    collective of the whole world: every rank arms at its first step)."""
     ranks = dist.get_process_group_ranks(group)
-    return OverlappedGradSum(params, dist.new_group(ranks, timeout=timeout))
+    return OverlappedGradSum(params, lambda: dist.new_group(ranks, timeout=timeout))

@@ -26,10 +26,10 @@ from torch import Tensor
 from dist_moe.dispatch.dispatcher import CountsTraffic, make_dispatcher
 from dist_moe.dispatch.moe_forward import route_and_dispatch
 from dist_moe.dispatch.pipeline import check_chunks
-from dist_moe.experts import compute_dtype
+from dist_moe.experts import compute_dtype, grouped_ok, offsets
 from dist_moe.integrations import megatron_patches
 from dist_moe.integrations.megatron_router import DistMoERouter
-from dist_moe.integrations.stacked import grouped_mm, grouped_ok, offsets, stack_in_place, stacked_alias, stacked_view
+from dist_moe.integrations.stacked import grouped_mm, stack_in_place, stacked_alias, stacked_view
 from dist_moe.layer import bind_to_topology
 from dist_moe.routing.registry import RouterConfig
 from placement import Placement, Topology

@@ -16,8 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what F.grouped_mm takes (CPU and CUDA)
-
 
 def stack_in_place(params: list[Tensor]) -> None:
     """Move ``params`` (same shape, dtype and device) into one new [E, ...] storage, expert by expert
@@ -81,27 +79,6 @@ def stacked_view(params: list[Tensor]) -> Tensor | None:
     at one stride in one storage (the caller then runs them one by one)."""
     step = _stride(params) if params else None
     return None if step is None else _Stacked.apply(step, *params)
-
-
-def grouped_ok(x: Tensor, weights: list[Tensor], dtype: torch.dtype | None = None) -> bool:
-    """Whether ``F.grouped_mm`` takes rows like ``x`` against these [E, in, out] weights here: a dtype it
-    has, and every stride but the unit one a multiple of 16 bytes (the CUDA kernels' rule; a width of
-    10 fp32 numbers fails it). ``dtype``: what rows and weights are cast to first (``compute_dtype``,
-    autocast's); None: they must all be ``x``'s already."""
-    if dtype is None:
-        if any(w.dtype != x.dtype for w in weights):
-            return False
-        dtype = x.dtype
-    if x.dim() != 2 or dtype not in GROUPED_DTYPES:
-        return False
-    size = dtype.itemsize
-    strides = [x.stride(0)] + [s for w in weights for s in w.stride() if s != 1]
-    return all(s * size % 16 == 0 for s in strides)
-
-
-def offsets(counts: Tensor) -> Tensor:
-    """grouped_mm's group ends (int32, on the counts' device: no host read)."""
-    return torch.cumsum(counts, 0, dtype=torch.int32)
 
 
 def grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:

@@ -23,12 +23,22 @@ def compute_context(device: torch.device, precision: str):
     return contextlib.nullcontext()
 
 
-def set_up(device: torch.device, deterministic: bool) -> None:
-    """Process-wide settings of a run: TF32 matmuls on CUDA, and torch's deterministic mode when asked."""
+def set_up(device: torch.device, deterministic: bool) -> tuple:
+    """Process-wide settings of a run: TF32 matmuls on CUDA, and torch's deterministic mode when asked.
+    Returns what they were, for ``restore``."""
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+              torch.are_deterministic_algorithms_enabled())
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     if deterministic:
         # cuBLAS needs a fixed workspace to repeat its reductions (torch's deterministic-mode note)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(deterministic)
+    return before
+
+
+def restore(before: tuple) -> None:
+    """The process's settings as ``set_up`` found them (a caller's process outlives the run)."""
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, deterministic = before
     torch.use_deterministic_algorithms(deterministic)

@@ -123,7 +123,7 @@ class TrainConfig:
     checkpoint_every: int | None = _positive(None)
     resume: bool = False  # continue from the newest checkpoint in output.dir (none yet: start afresh)
     # a step whose loss or gradients are not finite is skipped (no update, router state restored);
-    # the run stops once more than max_skipped_steps have been skipped
+    # the run stops once more than max_skipped_steps have been skipped (checked at each log step)
     max_skipped_steps: int = key(10, "an int >= 0", lambda v: v >= 0)
     # bf16: matmuls in bfloat16 under autocast; weights, gradients, optimizer state, routers and the combine fp32
     # (engine deepspeed: DeepSpeed's own bf16, bf16 weights with fp32 master copies and Adam state)

@@ -14,7 +14,7 @@ from dist_moe.dispatch.rank_line import say_rank_line
 from dist_moe.dispatch.stats import all_reduce_sum
 from dist_moe.routing.registry import RouterConfig
 from dist_moe.train.engines import ENGINES
-from dist_moe.train.precision import compute_context, set_up
+from dist_moe.train.precision import compute_context, restore, set_up
 from dist_moe.train.run_config import ParallelConfig
 from placement import Placement, Topology
 
@@ -35,7 +35,7 @@ class Runtime:
         self._owns_group = not torch.distributed.is_initialized()  # a caller's group is left to the caller
         # first of all: the device (LOCAL_RANK's GPU, or the CPU); the backend follows from it
         self.device = resolve_device(parallel.device)
-        set_up(self.device, deterministic)
+        self._settings = set_up(self.device, deterministic)
         self._defaulted = _one_rank_defaults() if self.engine.needs_group else []
         self.engine.before_group(self.timeout_s, self.device)
         self.rank, self.world, self.group = init_from_env(self.timeout_s, always=self.engine.needs_group,
@@ -83,7 +83,7 @@ class Runtime:
         """Tear down what this run set up. After a failure there is no closing barrier: a dead
         or cut-off peer would make it wait out the timeout a second time."""
         self.engine.shutdown()
-        torch.use_deterministic_algorithms(False)  # the process's default again (train.deterministic)
+        restore(self._settings)  # TF32 and deterministic mode as the process had them
         if self._owns_group:
             shutdown(wait=not failed)
         for key in self._defaulted:  # a later run (or a child process) must not inherit this run's port

@@ -97,9 +97,9 @@ class DeepSpeedStepper:
         if not all_finite(loss, params, group):
             for p in params:
                 p.grad = None
-            return torch.ones(())
+            return loss.new_ones(())  # on the loss's device, as LocalStepper's flag
         self.module.step()
-        return torch.zeros(())
+        return loss.new_zeros(())
 
     def finish_external(self, params: list, local_ids: set, group) -> None:
         """Step on gradients accumulated outside ``engine.backward`` (GAR's per-group backwards).

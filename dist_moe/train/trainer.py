@@ -274,8 +274,12 @@ class _TrainingRun:
             metrics = self.logger is not None and all(
                 layer.last_routing is not None and len(layer.last_routing.expert_idx) for layer in self.layers)
             routings = routing_tensors(self.layers) if metrics else []
+            drain = time.perf_counter()
             record, sent, copies = reduced({**record, SKIPPED_SO_FAR: self.skipped}, self.step_bytes.pending(),
                                            self.rt, routings)
+            # on a GPU the steps' queued work finishes here, in the log step's read: the run's time in
+            # training counts it (a logged step_s is the host's, from before)
+            self.train_seconds += time.perf_counter() - drain
             self._check_skipped(int(record.pop(SKIPPED_SO_FAR)), record)
             record.update(self.step_bytes.logged(sent))
             if self.logger is not None:
