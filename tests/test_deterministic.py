@@ -178,3 +178,33 @@ def test_a_deterministic_two_rank_run_repeats_bit_for_bit(tmp_path):
     curves = [[json.loads(x)["loss"] for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
                if "loss" in json.loads(x)] for run in ("first", "second")]
     assert len(curves[0]) == 6 and curves[0] == curves[1]
+
+
+def _ep_worker(rank, world, out):
+    import torch.distributed as dist
+
+    from placement import Placement, Topology
+
+    topo = Topology(("node", "gpu"), (2, world // 2))
+    found = {}
+    for dedup in ("rank", "node"):
+        for chunks in (1, 3):
+            for router in ("switch", "branch", "specdrop"):
+                torch.manual_seed(0)
+                layer = MoELayer(8, 12, dict(ROUTERS[router]), group=dist.group.WORLD, topology=topo,
+                                 placement=Placement.tree_prefix(8, topo), dedup=dedup, pipeline_chunks=chunks,
+                                 shared_expert_hidden=6, deterministic=True)
+                with FloatAccumulations() as ops:
+                    _forward_backward(layer, 8)
+                if ops.sites:
+                    found[f"{router} {dedup} C={chunks}"] = dict(ops.sites)
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(found, f)
+
+
+def test_no_float_accumulation_in_a_deterministic_expert_parallel_layer_on_every_rank(tmp_path):
+    """4 ranks as 2 nodes x 2: rank and node dedup, 1 and 3 chunks, both stages' sums and their backward."""
+    run_workers(_ep_worker, 4, args=(str(tmp_path),), timeout=240)
+    for rank in range(4):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert not found, f"rank {rank}: float accumulations by index: {found}"
