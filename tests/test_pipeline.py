@@ -98,22 +98,25 @@ def _collectives_worker(rank, world, out):
     from dist_moe import MoELayer
     from placement import Placement, Topology
 
-    topology = Topology(("node", "gpu"), (2, 2))
+    two_nodes, one_node, one_rank_each = (Topology(("node", "gpu"), sizes) for sizes in ((2, 2), (1, 4), (4, 1)))
     depth = 4  # E=16
-    for dedup, chunks in (("rank", 1), ("rank", 4), ("node", 1), ("node", 3)):
+    # node dedup runs two stages only where a node boundary and a node's ranks both exist
+    cases = [(two_nodes, "rank", 1, 1), (two_nodes, "rank", 4, 1), (two_nodes, "node", 1, 2),
+             (two_nodes, "node", 3, 2), (one_node, "node", 3, 1), (one_rank_each, "node", 1, 1)]
+    for topology, dedup, chunks, stages in cases:
         layer = MoELayer(8, 8, ROUTER, placement=Placement.tree_prefix(16, topology), topology=topology,
                          group=dist.group.WORLD, dedup=dedup, pipeline_chunks=chunks)
         x = torch.randn(40 + 7 * rank, 8, requires_grad=True)  # every rank a different token count
         layer(x)
         fwd = count_collectives(lambda: layer(x))
         both = count_collectives(lambda: layer(x)[0].square().sum().backward())
-        stages = 2 if dedup == "node" else 1
+        balance = 0 if topology is one_node else 1  # a limit of the one node limits nothing: no balance
         # per stage: split sizes, every chunk's metadata, then each chunk's payload out and back;
         # backward: each chunk's gradients out and back, every chunk's gate gradients at once
         assert fwd["all_to_all_single"] == stages * (2 + 2 * chunks), (rank, dedup, chunks, fwd)
         assert both["all_to_all_single"] - fwd["all_to_all_single"] == stages * (2 * chunks + 1), (rank, both)
         # BRANCH: one sum per depth forward and its gradient's backward, one for the balance's loads
-        assert both["all_reduce"] == 2 * depth + 1, (rank, dedup, chunks, both)
+        assert both["all_reduce"] == 2 * depth + balance, (rank, dedup, chunks, both)
 
 
 def test_collectives_per_layer_forward_and_backward(tmp_path):

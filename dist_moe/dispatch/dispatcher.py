@@ -37,6 +37,7 @@ from dist_moe.dispatch.all_to_all import Chunk, plan_hops
 from dist_moe.dispatch.combine import apply_experts_in_order, take_rows
 from dist_moe.dispatch.groups import WeakGroup, free_import_time_defaults
 from dist_moe.dispatch.pipeline import PipelineRun, chunk_bounds, run_pipeline
+from dist_moe.dispatch.stages import stage
 from dist_moe.experts import Experts, apply_experts
 from placement import Placement, Topology, Traffic
 from placement.plan import DispatchPlan, Exchange, check_dedup
@@ -92,10 +93,11 @@ class LocalDispatcher:
             place, expert, gate = kept_pairs(expert_idx, gates)
             token = place // k
         slot = self.placement.slot_table(h.device)[expert]
-        if self.fixed_order:  # a token's k outputs summed in its routing's slot order (place t * k + j)
-            y = apply_experts_in_order(experts, h, token, slot, gate, k, row_tags, places=place)
-        else:  # index_add: with atomics on a GPU
-            y = apply_experts(experts, h, token, slot, gate, row_tags)
+        with stage("experts"):
+            if self.fixed_order:  # a token's k outputs summed in its routing's slot order (place t * k + j)
+                y = apply_experts_in_order(experts, h, token, slot, gate, k, row_tags, places=place)
+            else:  # index_add: with atomics on a GPU
+                y = apply_experts(experts, h, token, slot, gate, row_tags)
         y = y.to(h.dtype)  # accumulated in fp32
         return y if side is None else (y, side(h))
 
@@ -114,7 +116,7 @@ def make_dispatcher(group, placement: Placement, topology: Topology, dedup: str 
     world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
     if world == 1:
         return LocalDispatcher(placement, fixed_order)
-    if dedup == "node" and world != dist.get_world_size():
+    if topology.effective_dedup(check_dedup(dedup)) == "node" and world != dist.get_world_size():
         # node groups are made collectively over the world's ranks: an EP group of part of it cannot make them
         raise ValueError(f"dedup='node' needs the expert-parallel group to be the whole world ({world} of "
                          f"{dist.get_world_size()} ranks); use dedup='rank'")
@@ -172,12 +174,14 @@ class ExpertParallelDispatcher:
         if topology.world_size != self.world:
             raise ValueError(f"topology {topology.describe()} has {topology.world_size} ranks, the group {self.world}")
         placement.check(placement.num_experts, self.world)
-        self.placement, self.topology, self.dedup = placement, topology, check_dedup(dedup)
+        # the mode it runs: node dedup on one node (or one rank per node) is rank dedup, no second stage
+        self.dedup = topology.effective_dedup(check_dedup(dedup))
+        self.placement, self.topology = placement, topology
         self.rank_of = placement.rank_table(torch.device("cpu"))
         self.slot_of = placement.slot_table(torch.device("cpu"))
         self.num_local = placement.num_experts // self.world
         self.g = topology.ranks_per_node
-        self.node_group = node_subgroup(group, topology, timeout) if dedup == "node" else None
+        self.node_group = node_subgroup(group, topology, timeout) if self.dedup == "node" else None
         self.calls = 0
         self.reset_traffic()
 
@@ -233,16 +237,17 @@ class ExpertParallelDispatcher:
         parts = [(m.unsqueeze(1) if m.dim() == 1 else m).long() for m in (copy_meta, row_tags) if m is not None]
         meta = torch.cat(parts, 1) if parts else h.new_zeros((t, 0), dtype=torch.long)
         pair_expert, pair_gate = expert_idx.reshape(-1), gates.reshape(-1)
-        first = []
-        for a, b in chunk_bounds(t, chunks):
-            plan = DispatchPlan.build(expert_idx[a:b], self.placement, self.topology, self.dedup, self.rank,
-                                      local=True)
-            first.append(Chunk(plan.stages[0], plan.pair_token + a, pair_expert[a * k:b * k],
-                               pair_gate[a * k:b * k], meta, a * k))
         row_bytes = h.shape[1] * h.element_size()
-        first = plan_hops(self.group, first, slot_of, self.num_local, tag, problem)
-        self._record(first, 0, row_bytes, 8 * meta.shape[1])
-        second = self._second_stage(first, tag, row_bytes) if self.dedup == "node" else None
+        with stage("plan"):  # the split sizes' exchange (its one host read) and the routing metadata's
+            first = []
+            for a, b in chunk_bounds(t, chunks):
+                plan = DispatchPlan.build(expert_idx[a:b], self.placement, self.topology, self.dedup, self.rank,
+                                          local=True)
+                first.append(Chunk(plan.stages[0], plan.pair_token + a, pair_expert[a * k:b * k],
+                                   pair_gate[a * k:b * k], meta, a * k))
+            first = plan_hops(self.group, first, slot_of, self.num_local, tag, problem)
+            self._record(first, 0, row_bytes, 8 * meta.shape[1])
+            second = self._second_stage(first, tag, row_bytes) if self.dedup == "node" else None
         params = [p for p in experts.template().values() if p.requires_grad]
         side_params = [] if side is None else [p for p in side.parameters() if p.requires_grad]
         run = PipelineRun(first, second, experts, slot_of, row_tags is not None, side, params, side_params, k,

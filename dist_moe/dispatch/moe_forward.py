@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from dist_moe.dispatch.agree import agree, agreed_routing, input_problem
 from dist_moe.dispatch.contract import Dispatcher, ExpertsContract
+from dist_moe.dispatch.stages import stage
 
 
 @dataclass
@@ -59,10 +60,14 @@ def route_and_dispatch(tokens: Tokens, router, route: Callable[[Tokens], object]
         return dispatcher(tokens.h, routing.expert_idx, routing.gates, experts, copy_meta=copy_meta,
                           row_tags=row_tags, tag=tokens.tag, problem=tokens.problem, chunks=chunks, side=side)
 
+    def routed(t: Tokens):
+        with stage("route"):
+            return route(t)
+
     if not dispatcher.exchanges and agree_group is None:
-        routing = route(tokens)
+        routing = routed(tokens)
         return routing, dispatch(routing)
-    return route_agreed(tokens, router, route, agree_group, what, then=dispatch)
+    return route_agreed(tokens, router, routed, agree_group, what, then=dispatch)
 
 
 def route_agreed(tokens: Tokens, router, route: Callable[[Tokens], object], agree_group, what: str, then=None):

@@ -25,6 +25,7 @@ from torch.autograd.function import once_differentiable
 
 from dist_moe.dispatch.all_to_all import Hop, pairs_back
 from dist_moe.dispatch.combine import apply_experts_in_order, row_places, sum_rows
+from dist_moe.dispatch.stages import stage
 from dist_moe.experts import Experts, apply_experts, compute_dtype
 
 # Every chunk is one more exchange per stage and direction, each with its latency: far below this
@@ -72,18 +73,22 @@ class PipelineRun:
         dtype = h.dtype
         self.weights = self._weights(h)
         sent = [hop.out(h[hop.copy_row]) for hop in self.first]
-        side = self._side(h)
+        with stage("shared_expert"):
+            side = self._side(h)
         back = []
         for hop, pending in zip(self.first, sent):
-            x = pending.wait()
+            x = _wait(pending, "dispatch_wait")
             if self.second is None:
                 y = self._experts(x, hop)
             else:
                 inner = self.second[len(back)]
-                y2 = self._experts(inner.out(x[inner.copy_row]).wait(), inner)
-                y = self._sum_rows([inner.back(y2.to(dtype)).wait()], [inner.copy_row], x.shape[0])
+                y2 = self._experts(_wait(inner.out(x[inner.copy_row]), "dispatch_wait_inner"), inner)
+                y = self._sum_rows([_wait(inner.back(y2.to(dtype)), "combine_wait_inner")], [inner.copy_row],
+                                   x.shape[0])
             back.append(hop.back(y.to(dtype)))
-        out = self._sum_rows([pending.wait() for pending in back], [hop.copy_row for hop in self.first], h.shape[0])
+        got = [_wait(pending, "combine_wait") for pending in back]
+        with stage("combine"):
+            out = self._sum_rows(got, [hop.copy_row for hop in self.first], h.shape[0])
         return out.to(dtype), side
 
     def _sum_rows(self, values: list[Tensor], rows: list[Tensor], num_rows: int) -> Tensor:
@@ -114,7 +119,7 @@ class PipelineRun:
         gate = hop.pair_gate
         if self.train:
             x, gate = x.detach().requires_grad_(), gate.detach().requires_grad_()
-        with torch.set_grad_enabled(self.train):
+        with torch.set_grad_enabled(self.train), stage("experts"):
             slot = self.slot_of[hop.pair_expert]
             if self.fixed_order:  # a copy takes at most top_k pairs
                 y = apply_experts_in_order(self.experts, x, hop.pair_copy, slot, gate, self.top_k, tags,
@@ -146,27 +151,32 @@ class PipelineRun:
         param_grads = [torch.zeros_like(p) for p in self.params]  # fp32, as the parameters
         wrt = self.leaves or self.params  # what each chunk's graph holds: the cast copies, or the parameters
         grad_h = torch.zeros(h_shape, dtype=torch.float32, device=grad_out.device)
-        side_grads = self._side_backward(side_saved, grad_side, grad_h)
+        with stage("backward.shared_expert"):
+            side_grads = self._side_backward(side_saved, grad_side, grad_h)
         sent_rows, gate_grads = [], []
         for hop, pending in zip(self.first, returned):
-            gy = pending.wait()
+            gy = _wait(pending, "backward.combine_wait")
             if self.second is None:
                 gx, gg = _expert_grads(next(inner), gy, wrt, param_grads)
             else:
                 hop2 = self.second[len(sent_rows)]
-                gy2 = hop2.out(gy[hop2.copy_row]).wait()
+                gy2 = _wait(hop2.out(gy[hop2.copy_row]), "backward.combine_wait_inner")
                 gx2, gg = _expert_grads(next(inner), gy2, wrt, param_grads)
-                gx = self._sum_rows([hop2.back(gx2.to(dtype)).wait()], [hop2.copy_row], gy.shape[0])
+                gx = self._sum_rows([_wait(hop2.back(gx2.to(dtype)), "backward.dispatch_wait_inner")],
+                                    [hop2.copy_row], gy.shape[0])
             sent_rows.append(hop.back(gx.to(dtype)))
             gate_grads.append(gg)
         # gate gradients are 4 bytes a pair: each stage returns every chunk's in one all-to-all
         if self.second is not None:
             gate_grads = [gg.new_zeros(hop.pair_gate.shape).index_put_((hop2.sent_pairs,), back) for hop, hop2, back
-                          in zip(self.first, self.second, pairs_back(self.second, gate_grads).wait())]
+                          in zip(self.first, self.second, _wait(pairs_back(self.second, gate_grads),
+                                                                "backward.gate_grads_wait"))]
         gates_back = pairs_back(self.first, gate_grads)
         grad_gates = torch.zeros(gates_numel, dtype=torch.float32, device=grad_out.device)
-        grad_h += self._sum_rows([rows.wait() for rows in sent_rows], [hop.copy_row for hop in self.first], h_shape[0])
-        for hop, back in zip(self.first, gates_back.wait()):
+        rows = [_wait(pending, "backward.dispatch_wait") for pending in sent_rows]
+        with stage("backward.combine"):
+            grad_h += self._sum_rows(rows, [hop.copy_row for hop in self.first], h_shape[0])
+        for hop, back in zip(self.first, _wait(gates_back, "backward.gate_grads_wait")):
             grad_gates.index_put_((hop.sent_pairs,), back)
         self.leaves = []
         return grad_h.to(dtype), grad_gates, param_grads, side_grads
@@ -183,11 +193,18 @@ class PipelineRun:
         return list(grads[1:])
 
 
+def _wait(pending, name: str):
+    """``pending.wait()`` as the named stage (an exchange's wait, or a merged one's)."""
+    with stage(name):
+        return pending.wait()
+
+
 def _expert_grads(saved, grad_y: Tensor, params: list[Tensor], param_grads: list[Tensor]):
     """One chunk's expert backward: gradients of its copies and gates; expert weights' added into
     ``param_grads`` (fp32, one buffer each, whatever dtype the chunk computed in)."""
     x, gate, y = saved
-    grads = torch.autograd.grad(y, [x, gate, *params], grad_y.float(), retain_graph=True, allow_unused=True)
+    with stage("backward.experts"):
+        grads = torch.autograd.grad(y, [x, gate, *params], grad_y.float(), retain_graph=True, allow_unused=True)
     for acc, g in zip(param_grads, grads[2:]):
         if g is not None:
             acc += g

@@ -44,7 +44,8 @@ SUPPORTED = {"deepspeed": ("deepspeed", "0.19."), "megatron": ("megatron-core", 
 def chooses_dist_moe(choice: str, parallel) -> bool:
     """An engine's ``parallel.<engine>_dispatcher``: dist_moe, or auto when the config's ``parallel``
     section asks for what only dist-moe's dispatcher does (node dedup, pipelined chunks)."""
-    return choice == "dist_moe" or (choice == "auto" and (parallel.dedup == "node" or parallel.pipeline_chunks > 1))
+    asked = parallel.pipeline_chunks not in (1, "auto")  # auto measures where dist-moe's dispatcher runs anyway
+    return choice == "dist_moe" or (choice == "auto" and (parallel.dedup == "node" or asked))
 
 
 class Engine:
@@ -106,7 +107,7 @@ class TorchEngine(Engine):
         return MoELayer(hidden, ffn, router, placement=placement, topology=rt.topology(),
                         group=rt.group if rt.world > 1 else None, dedup=rt.parallel.dedup,
                         timeout=datetime.timedelta(seconds=rt.timeout_s), capacity_factor=capacity_factor,
-                        expert_type=expert_type, pipeline_chunks=rt.parallel.pipeline_chunks,
+                        expert_type=expert_type, pipeline_chunks=rt.parallel.start_chunks,
                         deterministic=rt.deterministic)
 
 
@@ -128,7 +129,7 @@ class DeepSpeedEngine(Engine):
 
             return DeepSpeedDispatchedMoE(hidden, ffn, router, rt.world, placement, None, expert_type,
                                           topology=rt.topology(), dedup=rt.parallel.dedup,
-                                          pipeline_chunks=rt.parallel.pipeline_chunks,
+                                          pipeline_chunks=rt.parallel.start_chunks,
                                           timeout=datetime.timedelta(seconds=rt.timeout_s))
 
         return DeepSpeedHostedMoE(hidden, ffn, router, rt.world, placement, capacity_factor, expert_type,
@@ -159,7 +160,7 @@ class MegatronEngine(Engine):
         if self.dispatches(rt.parallel):  # Megatron's layer and experts, dist-moe's dispatcher
 
             return MegatronDispatchedMoE(hidden, ffn, router, rt.world, placement, expert_type, rt.device,
-                                         rt.topology(), rt.parallel.dedup, rt.parallel.pipeline_chunks,
+                                         rt.topology(), rt.parallel.dedup, rt.parallel.start_chunks,
                                          datetime.timedelta(seconds=rt.timeout_s))
 
         own = rt.parallel.megatron_dispatcher

@@ -65,8 +65,15 @@ class ParallelConfig:
                            lambda v: MIN_TIMEOUT_S <= v <= MAX_TIMEOUT_S)
     # auto: this process's GPU when one is visible, else the CPU; the backend follows
     device: str = one_of("auto", DEVICES)
-    # C > 1 cuts each exchange into C token chunks in flight while experts run
-    pipeline_chunks: int = key(1, f"an int in [1, {MAX_PIPELINE_CHUNKS}]", lambda v: 1 <= v <= MAX_PIPELINE_CHUNKS)
+    # C > 1 cuts each exchange into C token chunks in flight while experts run; auto: the first training steps
+    # measure C in chunk_tuning.CANDIDATES where a node boundary is crossed, and the run keeps the fastest
+    pipeline_chunks: int | str = key(1, f"an int in [1, {MAX_PIPELINE_CHUNKS}] or auto",
+                                     lambda v: v == "auto" if isinstance(v, str) else 1 <= v <= MAX_PIPELINE_CHUNKS)
+
+    @property
+    def start_chunks(self) -> int:
+        """The chunk count layers are built with (auto starts at 1 until measured)."""
+        return 1 if self.pipeline_chunks == "auto" else self.pipeline_chunks
 
 
 @dataclass
@@ -237,6 +244,9 @@ def _check_across(cfg: RunConfig) -> None:
         if cfg.train.precision != "fp32":  # its factorized observations and Gram math are fp32
             raise ValueError(f"train.gar trains in fp32 only: set train.precision: fp32 "
                              f"(got {cfg.train.precision!r})")
+    if cfg.train.deterministic and cfg.parallel.pipeline_chunks == "auto":
+        raise ValueError("parallel.pipeline_chunks=auto picks the chunk count by timing, which a rerun may not "
+                         "repeat: a deterministic run (train.deterministic: true) takes a number")
     _check_engine_dispatch(cfg)
 
 
@@ -256,7 +266,7 @@ def _check_engine_dispatch(cfg: RunConfig) -> None:
                              f"{parallel.dedup}, parallel.pipeline_chunks={parallel.pipeline_chunks}) "
                              f"runs dropless: set model.capacity_factor: null (got {cfg.model.capacity_factor})")
         return
-    if parallel.pipeline_chunks != 1:
+    if parallel.pipeline_chunks not in (1, "auto"):  # auto: nothing to pipeline through the engine's own
         raise ValueError(f"parallel.pipeline_chunks={parallel.pipeline_chunks} pipelines dist-moe's own "
                          f"dispatcher ({key_}: dist_moe or auto); {key_}: {choice} exchanges through the engine's own: "
                          "set it to 1")

@@ -32,6 +32,7 @@ from dist_moe.moe_view import moe_layers
 from dist_moe.routing.base import Scheduled
 from dist_moe.train import checkpoint
 from dist_moe.train.build import data_and_model
+from dist_moe.train.chunk_tuning import ChunkTuner
 from dist_moe.train.config import model_changes
 from dist_moe.train.evaluate import evaluate
 from dist_moe.train.metrics import host_layer_metrics, layers_metrics, routing_tensors
@@ -209,6 +210,10 @@ class _TrainingRun:
         self.waits = TrainingWaits()  # of those, waiting in the dispatcher's exchanges
         self.exchange_wait_s = 0.0  # their total, once training ends
         self.step_bytes = StepBytes(self.model, rt)  # what the training steps sent, nothing else
+        # parallel.pipeline_chunks auto: measured over the first steps where a node boundary is crossed
+        auto = cfg.parallel.pipeline_chunks == "auto"
+        self.tuner = ChunkTuner(self.model, auto and rt.world > 1 and rt.topology().num_nodes > 1, rt.device,
+                                rt.group if rt.world > 1 else None)
         # steps skipped for a non-finite loss or gradients: counted on the device, read when logged
         self.skipped, self.skipped_steps = torch.zeros((), device=rt.device), 0
         if resume_from is not None:
@@ -256,7 +261,13 @@ class _TrainingRun:
         cb = data.train_categories(rows)
         cb = None if cb is None else to_device(cb, rt.device)
         xb, bad = screened(xb)  # a NaN / Inf batch runs zeroed and the step is skipped on every rank
+        self.tuner.before_step()
         record = self.strategy(self.model, self.step_fn, xb, yb, cb, bad_input=bad, compute=rt.compute())
+        self.tuner.after_step()
+        if self.tuner.medians and not self.tuner.said:
+            self.tuner.said = True
+            if rt.is_main:
+                self.bar.write(self.tuner.summary())
         self.step_bytes.take()
         self.skipped = self.skipped + record["skipped"]  # on the device; read at log steps
         self.train_seconds += time.perf_counter() - step_start  # this rank's host time in steps
@@ -334,6 +345,7 @@ class _TrainingRun:
 
     def write_summary(self, extra: dict) -> dict:
         cfg, rt = self.cfg, self.rt
+        chunks = cfg.parallel.pipeline_chunks
         summary = json_safe({
             "name": cfg.name, "router": cfg.router.type, "engine": rt.engine.name, "world_size": rt.world,
             "topology": rt.topology().describe(),
@@ -342,6 +354,10 @@ class _TrainingRun:
             "skipped_steps": self.skipped_steps, "seconds": round(time.time() - self.start, 2),
             "train_seconds": round(self.train_seconds, 3),
             "exchange_wait_s": round(reduced({"w": self.exchange_wait_s}, torch.zeros(0), rt)[0]["w"], 3),
+            # auto: what the first steps measured (null if the run ended before) and the seconds per step
+            "pipeline_chunks": self.tuner.chosen if chunks == "auto" else chunks,
+            **({"pipeline_chunks_measured_s": {str(c): round(t, 4) for c, t in self.tuner.medians.items()}}
+               if self.tuner.medians else {}),
             **self.last_eval,
             "random_pair_tree_distance": _random_pair(self.layers[0].num_experts), "output_dir": str(self.out_dir),
             **extra,

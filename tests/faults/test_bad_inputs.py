@@ -89,7 +89,7 @@ def test_a_huge_value_is_echoed_cut(capsys):
     (["parallel.timeout_s=0.001"], ["'parallel.timeout_s' must be a number of seconds in [1, 604800]"]),
     (["parallel.dedup=node", "parallel.pipeline_chunks=100000000000000000000000000000"],
      ["'parallel.pipeline_chunks' must be an int in [1, 64]"]),
-    (["parallel.pipeline_chunks=65"], ["'parallel.pipeline_chunks' must be an int in [1, 64], got 65"]),
+    (["parallel.pipeline_chunks=65"], ["'parallel.pipeline_chunks' must be an int in [1, 64] or auto, got 65"]),
     (["router.subtree_limit=1", "router.type=switch"],
      ["override 'router.type=switch' drops router.subtree_limit", "'router.subtree_limit=1'"]),
     (["router.type=switch", "router.subtree_limit=1"], ["unknown config key 'router.subtree_limit' for type"]),

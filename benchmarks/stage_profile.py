@@ -1,0 +1,62 @@
+"""A layer's step split into its named stages (``dist_moe.dispatch.stages``), for the benchmarks.
+
+Host seconds per stage on the CPU (gloo), where host time is the time: route, plan (the split
+sizes' exchange and its host read, the metadata's exchange), each exchange's wait, experts,
+combine, and the backward's; what no stage covers is printed as "other" (issuing the async
+sends, the autograd engine, the router's backward). Means over the repeats, then over ranks,
+beside the slowest rank's.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from dist_moe.dispatch.stages import StageClock
+
+FORWARD = ("route", "plan", "shared_expert", "dispatch_wait", "dispatch_wait_inner", "experts", "combine_wait_inner",
+           "combine_wait", "combine")
+BACKWARD = tuple(f"backward.{s}" for s in ("shared_expert", "combine_wait", "combine_wait_inner", "experts",
+                                           "dispatch_wait_inner", "gate_grads_wait", "dispatch_wait", "combine"))
+
+
+def stage_profile(loss_fn, repeats: int = 5) -> dict:
+    """{name: (mean over ranks, slowest rank)} seconds per step of ``loss_fn().backward()``: "forward",
+    "backward" and every stage (one warm-up step first)."""
+    totals: dict = defaultdict(float)
+    for i in range(repeats + 1):
+        dist.barrier()
+        with StageClock() as clock:
+            start = time.perf_counter()
+            loss = loss_fn()
+            mid = time.perf_counter()
+            loss.backward()
+            end = time.perf_counter()
+        if i:
+            totals["forward"] += mid - start
+            totals["backward"] += end - mid
+            for name, seconds in clock.seconds.items():
+                totals[name] += seconds
+    names = ("forward", "backward", *FORWARD, *BACKWARD)
+    per_step = torch.tensor([totals[n] / repeats for n in names], dtype=torch.float64)
+    mean, slowest = per_step.clone(), per_step.clone()
+    dist.all_reduce(mean)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    mean /= dist.get_world_size()
+    return {n: (float(m), float(s)) for n, m, s in zip(names, mean, slowest)}
+
+
+def print_profile(title: str, profile: dict) -> None:
+    print(f"\nstage profile, {title}: ms per step, mean over ranks (slowest rank)")
+    for part, stages in (("forward", FORWARD), ("backward", BACKWARD)):
+        total = profile[part]
+        print(f"  {part:<34}{1e3 * total[0]:8.1f} ({1e3 * total[1]:.1f})")
+        covered = 0.0
+        for name in stages:
+            mean, slowest = profile[name]
+            if slowest > 0:
+                covered += mean
+                print(f"    {name:<32}{1e3 * mean:8.1f} ({1e3 * slowest:.1f})")
+        print(f"    {'other':<32}{1e3 * (total[0] - covered):8.1f}")
