@@ -43,7 +43,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ROUTERS, E, optimized_placement, train_router  # noqa: E402
-from benchmarks.stage_profile import print_profile, stage_profile  # noqa: E402
+from benchmarks.stage_profile import print_profiles, stage_profile  # noqa: E402
 from dist_moe import MoELayer
 from dist_moe.dispatch.calibrate import calibrate, replay_dispatch, slowest  # noqa: E402
 from dist_moe.dispatch.process_group import shutdown  # noqa: E402
@@ -181,8 +181,8 @@ def measure(ffn: int) -> None:
         best = max(rows, key=lambda r: max(r[9], r[10]) / r[7])
         print(f"best arm by efficiency: {best[0]} {best[1]} {best[2]} C={best[3]}: "
               f"{max(best[9], best[10]) / best[7]:.2f}")
-        for (name, pname, dedup, chunks), profile in profiles.items():
-            print_profile(f"{name}, {pname}, {dedup} dedup, C={chunks}", profile)
+        print_profiles({f"{name}, {pname}, {dedup} dedup, C={chunks}": profile
+                        for (name, pname, dedup, chunks), profile in profiles.items()})
 
 
 def _loss(layer, x):

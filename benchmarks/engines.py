@@ -38,7 +38,7 @@ import os
 
 import torch.distributed as dist
 
-from benchmarks.stage_profile import print_profile, stage_profile  # noqa: E402
+from benchmarks.stage_profile import print_profiles, stage_profile  # noqa: E402
 from dist_moe import MoELayer
 from dist_moe.dispatch.calibrate import calibrate
 from dist_moe.dispatch.contract import CountsBytes  # noqa: E402
@@ -197,9 +197,9 @@ def worker(rank, world, args, out_path):
         dist.all_reduce(matrix)
         link = 4 * cost.link_seconds(Traffic(matrix, topo))  # dispatch and combine, forward and backward
         totals[name] = (statistics.median(times[name]), *(mem / world).tolist(), sent[name][1] is not None, link)
-    # where the time of the fastest dist-moe host and of the engines' BRANCH-limited hosts goes
+    # where the time of the fastest dist-moe host and of the engines' hosts through dist-moe's dispatcher goes
     fastest = min((n for n in hosts if n.startswith("dist-moe")), key=lambda n: totals[n][0])
-    profiled = [fastest] + [n for n in hosts if "+dm BRANCH" in n]
+    profiled = [fastest] + [n for n in hosts if "+dm" in n]
     totals["profiles"] = {n: stage_profile(lambda n=n: step(n, hosts[n]), 3) for n in profiled}
     megatron_patches.release_parallel_state()  # destroy_model_parallel, and the groups 0.16.1 forgets
     if rank == 0:
@@ -237,8 +237,7 @@ def report(world: int, totals: dict, args) -> None:
     for name in (n for n in totals if n.startswith("DeepSpeed+dm")):
         print(f"{name} / DeepSpeed MOELayer (switch) = {totals[name][0] / ds:.2f}x"
               + (goal if "BRANCH" in name else ""))
-    for name, profile in profiles.items():
-        print_profile(name, profile)
+    print_profiles(profiles)
 
 
 def main() -> None:

@@ -48,15 +48,19 @@ def stage_profile(loss_fn, repeats: int = 5) -> dict:
     return {n: (float(m), float(s)) for n, m, s in zip(names, mean, slowest)}
 
 
-def print_profile(title: str, profile: dict) -> None:
-    print(f"\nstage profile, {title}: ms per step, mean over ranks (slowest rank)")
+def print_profiles(profiles: dict, width: int = 12) -> None:
+    """One table: a row per stage that ran, a column per profiled arm (``{label: stage_profile(...)}``), ms
+    per step as the mean over ranks; "other" is what no stage of its part covers."""
+    labels = list(profiles)
+    print("\nstage profile, ms per step (mean over ranks; the slowest rank's forward and backward in brackets):")
+    for i, label in enumerate(labels):
+        print(f"  [{i}] {label}")
+    print(f"  {'stage':<34}" + "".join(f"{f'[{i}]':>{width}}" for i in range(len(labels))))
     for part, stages in (("forward", FORWARD), ("backward", BACKWARD)):
-        total = profile[part]
-        print(f"  {part:<34}{1e3 * total[0]:8.1f} ({1e3 * total[1]:.1f})")
-        covered = 0.0
-        for name in stages:
-            mean, slowest = profile[name]
-            if slowest > 0:
-                covered += mean
-                print(f"    {name:<32}{1e3 * mean:8.1f} ({1e3 * slowest:.1f})")
-        print(f"    {'other':<32}{1e3 * (total[0] - covered):8.1f}")
+        totals = [profiles[label][part] for label in labels]
+        print(f"  {part:<34}" + "".join(f"{f'{1e3 * m:.1f} ({1e3 * s:.0f})':>{width}}" for m, s in totals))
+        ran = [n for n in stages if any(profiles[label][n][1] > 0 for label in labels)]
+        for name in ran:
+            print(f"    {name:<32}" + "".join(f"{1e3 * profiles[label][name][0]:>{width}.1f}" for label in labels))
+        other = [profiles[label][part][0] - sum(profiles[label][n][0] for n in ran) for label in labels]
+        print(f"    {'other':<32}" + "".join(f"{1e3 * o:>{width}.1f}" for o in other))

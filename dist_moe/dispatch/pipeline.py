@@ -3,7 +3,8 @@
 Every chunk's first-stage payload is sent at once (async all-to-alls); the shared expert runs
 while they are in flight; then for each chunk in turn: wait for its copies, (node dedup: forward
 them inside the node, where the next chunks' first stage is still crossing the slow link), run
-the experts, and start its combine without waiting for it. Backward runs the same way in
+the experts, and start its combine without waiting for it (node dedup: the results of a chunk
+come back from inside the node while the gateway computes the next chunk). Backward runs the same way in
 reverse: every chunk's output gradients leave at once, the shared expert's backward runs under
 them, and each chunk's expert backward overlaps the later chunks' transfers; the gate gradients
 (4 bytes a pair) go back once per stage for all chunks (``all_to_all.pairs_back``).
@@ -23,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from dist_moe.dispatch.all_to_all import Hop, pairs_back
+from dist_moe.dispatch.all_to_all import Hop, Pending, pairs_back
 from dist_moe.dispatch.combine import apply_experts_in_order, row_places, sum_rows
 from dist_moe.dispatch.stages import stage
 from dist_moe.experts import Experts, apply_experts, compute_dtype
@@ -75,21 +76,42 @@ class PipelineRun:
         sent = [hop.out(h[hop.copy_row]) for hop in self.first]
         with stage("shared_expert"):
             side = self._side(h)
-        back = []
-        for hop, pending in zip(self.first, sent):
-            x = _wait(pending, "dispatch_wait")
-            if self.second is None:
-                y = self._experts(x, hop)
-            else:
-                inner = self.second[len(back)]
-                y2 = self._experts(_wait(inner.out(x[inner.copy_row]), "dispatch_wait_inner"), inner)
-                y = self._sum_rows([_wait(inner.back(y2.to(dtype)), "combine_wait_inner")], [inner.copy_row],
-                                   x.shape[0])
-            back.append(hop.back(y.to(dtype)))
+        back = self._each_chunk(sent, lambda hop, x: self._experts(x, hop), dtype,
+                                ("dispatch_wait", "dispatch_wait_inner", "combine_wait_inner"))
         got = [_wait(pending, "combine_wait") for pending in back]
         with stage("combine"):
             out = self._sum_rows(got, [hop.copy_row for hop in self.first], h.shape[0])
         return out.to(dtype), side
+
+    def _each_chunk(self, arrived: list, compute, dtype, waits: tuple) -> list:
+        """Every chunk in turn: wait for its rows (``arrived``), run ``compute(hop, rows)`` on them (with
+        node dedup, on the rows forwarded inside the node, whose results come back to this gateway),
+        and start the fp32 result back the way the rows came; returns those sends. With node dedup a
+        chunk's results from inside the node are waited for one chunk later, after this gateway has
+        computed the next chunk, so the two gateways of a node do not wait on each other's experts for
+        every chunk. ``waits`` name the waits: rows, rows inside the node, results inside the node."""
+        outer, inner_rows, inner_results = waits
+        out, held = [], None
+        for i, (hop, pending) in enumerate(zip(self.first, arrived)):
+            rows = _wait(pending, outer)
+            if self.second is None:
+                out.append(hop.back(compute(hop, rows).to(dtype)))
+                continue
+            inner = self.second[i]
+            y = compute(inner, _wait(inner.out(rows[inner.copy_row]), inner_rows))
+            now = (i, inner.back(y.to(dtype)), rows.shape[0])
+            if held is not None:
+                out.append(self._through_node(held, inner_results, dtype))
+            held = now
+        if held is not None:
+            out.append(self._through_node(held, inner_results, dtype))
+        return out
+
+    def _through_node(self, held: tuple, wait: str, dtype) -> Pending:
+        """One chunk's results from inside the node, summed per received copy and started back."""
+        i, pending, rows = held
+        y = self._sum_rows([_wait(pending, wait)], [self.second[i].copy_row], rows)
+        return self.first[i].back(y.to(dtype))
 
     def _sum_rows(self, values: list[Tensor], rows: list[Tensor], num_rows: int) -> Tensor:
         """fp32 [num_rows, width]: each row the sum of the ``values`` rows sent for it (``rows``: which)."""
@@ -153,22 +175,18 @@ class PipelineRun:
         grad_h = torch.zeros(h_shape, dtype=torch.float32, device=grad_out.device)
         with stage("backward.shared_expert"):
             side_grads = self._side_backward(side_saved, grad_side, grad_h)
-        sent_rows, gate_grads = [], []
-        for hop, pending in zip(self.first, returned):
-            gy = _wait(pending, "backward.combine_wait")
-            if self.second is None:
-                gx, gg = _expert_grads(next(inner), gy, wrt, param_grads)
-            else:
-                hop2 = self.second[len(sent_rows)]
-                gy2 = _wait(hop2.out(gy[hop2.copy_row]), "backward.combine_wait_inner")
-                gx2, gg = _expert_grads(next(inner), gy2, wrt, param_grads)
-                gx = self._sum_rows([_wait(hop2.back(gx2.to(dtype)), "backward.dispatch_wait_inner")],
-                                    [hop2.copy_row], gy.shape[0])
-            sent_rows.append(hop.back(gx.to(dtype)))
-            gate_grads.append(gg)
+        gate_grads = []
+
+        def chunk_backward(hop, gy):
+            gx, gg = _expert_grads(next(inner), gy, wrt, param_grads)
+            gate_grads.append(gg)  # in chunk order
+            return gx
+
+        sent_rows = self._each_chunk(returned, chunk_backward, dtype, ("backward.combine_wait",
+                                     "backward.combine_wait_inner", "backward.dispatch_wait_inner"))
         # gate gradients are 4 bytes a pair: each stage returns every chunk's in one all-to-all
         if self.second is not None:
-            gate_grads = [gg.new_zeros(hop.pair_gate.shape).index_put_((hop2.sent_pairs,), back) for hop, hop2, back
+            gate_grads = [back.new_zeros(hop.pair_gate.shape).index_put_((hop2.sent_pairs,), back) for hop, hop2, back
                           in zip(self.first, self.second, _wait(pairs_back(self.second, gate_grads),
                                                                 "backward.gate_grads_wait"))]
         gates_back = pairs_back(self.first, gate_grads)
