@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from dist_moe.dispatch.stages import StageClock
 
-FORWARD = ("route", "plan", "shared_expert", "dispatch_wait", "dispatch_wait_inner", "experts", "combine_wait_inner",
-           "combine_wait", "combine")
+FORWARD = ("route", "plan", "plan_inner", "shared_expert", "dispatch_wait", "dispatch_wait_inner", "experts",
+           "combine_wait_inner", "combine_wait", "combine")
 BACKWARD = tuple(f"backward.{s}" for s in ("shared_expert", "combine_wait", "combine_wait_inner", "experts",
                                            "dispatch_wait_inner", "gate_grads_wait", "dispatch_wait", "combine"))
 

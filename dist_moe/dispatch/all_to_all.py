@@ -6,7 +6,8 @@ grouped into copies by destination. Its plan phase moves only metadata. One smal
 carries every chunk's split sizes, the per-expert pair counts the destination's experts need and
 the agreement header (``agree.py``), and comes back to the host once: the exchange's one host
 read, whatever the number of chunks. Then one more all-to-all carries every chunk's routing
-metadata (``start_merged``: per destination, chunk after chunk), each chunk's packed into int64:
+metadata (``start_merged``: per destination, chunk after chunk; the payload leaves without
+waiting for it, and the destination waits where it first reads a received pair: ``Metadata``), each chunk's packed into int64:
 per destination its copies' integer tags (categories, row tags; ``Mc`` columns) and then its
 pairs, two int64 each, the local copy index, and the expert id in the high 32 bits beside the
 gate's float32 bits. The backward returns a stage's gate gradients the same way, every chunk's
@@ -195,23 +196,42 @@ class Chunk:
     first_pair: int = 0
 
 
-@dataclass
 class Hop:
-    """One chunk of one exchange after its plan phase: what this rank sends and what it received."""
+    """One chunk of one exchange after its plan phase: what this rank sends and what it received.
+    Split sizes and what the sender indexes with are known at once; the received pairs and tags
+    (``pair_copy``, ``pair_expert``, ``pair_gate``, ``copy_meta``) arrive with the exchange's
+    metadata, waited for at their first use: the payload can leave before it has arrived."""
 
-    send_c: list  # copies to each peer
-    recv_c: list  # copies from each peer
-    send_p: list  # pairs to each peer
-    recv_p: list  # pairs from each peer
-    copy_row: Tensor  # [n_c] the sender's row of each sent copy, in peer order
-    sent_pairs: Tensor  # [n_p] the sender's index of each sent pair, in the order they travel
-    pair_copy: Tensor  # [Q] the received copy of each received pair
-    pair_expert: Tensor  # [Q] global expert id
-    pair_gate: Tensor  # [Q] float32
-    copy_meta: Tensor  # [R, Mc] the received copies' integer tags
-    expert_counts: list  # received pairs per local expert
-    counts: Tensor  # [4, W] on the device: copies sent, received, pairs sent, received (Sizes.on_device)
-    _group: object
+    def __init__(self, sizes: "Sizes", copy_row: Tensor, sent_pairs: Tensor, expert_counts: list, group,
+                 metadata: "Metadata", index: int):
+        self.send_c, self.recv_c = sizes.send_c, sizes.recv_c  # copies to / from each peer
+        self.send_p, self.recv_p = sizes.send_p, sizes.recv_p  # pairs to / from each peer
+        self.copy_row = copy_row  # [n_c] the sender's row of each sent copy, in peer order
+        self.sent_pairs = sent_pairs  # [n_p] the sender's index of each sent pair, in the order they travel
+        self.expert_counts = expert_counts  # received pairs per local expert
+        self.counts = sizes.on_device  # [4, W]: copies sent, received, pairs sent, received
+        self._group = weak(group)
+        self._metadata, self._index = metadata, index
+
+    @property
+    def pair_copy(self) -> Tensor:
+        """[Q] the received copy of each received pair."""
+        return self._metadata.chunk(self._index)[0]
+
+    @property
+    def pair_expert(self) -> Tensor:
+        """[Q] global expert id of each received pair."""
+        return self._metadata.chunk(self._index)[1]
+
+    @property
+    def pair_gate(self) -> Tensor:
+        """[Q] float32 gate of each received pair."""
+        return self._metadata.chunk(self._index)[2]
+
+    @property
+    def copy_meta(self) -> Tensor:
+        """[R, Mc] the received copies' integer tags."""
+        return self._metadata.chunk(self._index)[3]
 
     def out(self, rows: Tensor) -> Pending:
         """[n_c, ...] rows aligned with the sent copies -> [R, ...] at the receivers."""
@@ -220,6 +240,21 @@ class Hop:
     def back(self, rows: Tensor) -> Pending:
         """[R, ...] rows aligned with the received copies -> [n_c, ...] at their senders."""
         return start_a2a(rows, self.recv_c, self.send_c, strong(self._group, "an exchange's way back"))
+
+
+class Metadata:
+    """Every chunk's received routing metadata of one exchange, from one all-to-all in flight, unpacked
+    for all chunks at the first use of any."""
+
+    def __init__(self, pending: "Merged", parts: list):
+        self._pending, self._parts, self._got = pending, parts, None  # parts: per chunk (sizes, Mc)
+
+    def chunk(self, i: int) -> tuple:
+        if self._got is None:
+            got = self._pending.wait()
+            self._got = [_unpacked(g, sizes, mc) for g, (sizes, mc) in zip(got, self._parts)]
+            self._pending = None
+        return self._got[i]
 
 
 def _counts(chunk: Chunk, expert_slot: Tensor, num_local: int) -> Tensor:
@@ -262,10 +297,11 @@ def plan_hops(group, chunks: list[Chunk], expert_slot: Tensor, num_local: int, t
         kept.append(rest)
         counts.append(_meta_counts(sizes, chunk.row_meta.shape[1]))
     send, send_lists, recv, recv_lists = zip(*counts)
-    # every chunk's metadata in one all-to-all: a chunk's payload needs none of it before the others'
-    got = start_merged(buffers, torch.stack(send), list(send_lists), torch.stack(recv), list(recv_lists),
-                       group).wait()
-    return [_received(group, g, *rest, n) for g, rest, n in zip(got, kept, expert_counts)]
+    # every chunk's metadata in one all-to-all, waited for where it is first used (the payload needs none)
+    metadata = Metadata(start_merged(buffers, torch.stack(send), list(send_lists), torch.stack(recv),
+                                     list(recv_lists), group), [(rest[0], rest[3]) for rest in kept])
+    return [Hop(sizes, copy_row, sent_pairs, n, group, metadata, i)
+            for i, ((sizes, copy_row, sent_pairs, _), n) in enumerate(zip(kept, expert_counts))]
 
 
 def _metadata(chunk: Chunk, sizes: Sizes):
@@ -338,7 +374,8 @@ def pairs_back(hops: list[Hop], values: list[Tensor]) -> Merged:
                         torch.stack([hop.counts[2] for hop in hops]), [hop.send_p for hop in hops], group)
 
 
-def _received(group, got_meta: Tensor, sizes: Sizes, copy_row, sent_pairs, mc, expert_counts) -> Hop:
+def _unpacked(got_meta: Tensor, sizes: Sizes, mc: int) -> tuple:
+    """One chunk's received metadata buffer -> (pair_copy, pair_expert, pair_gate, copy_meta)."""
     n_c, n_p = sum(sizes.recv_c), sum(sizes.recv_p)
     _, recv_c, _, recv_p = sizes.on_device
     rpos_c, rpos_p = _blocks(recv_c, mc, recv_p, _PAIR_COLUMNS, n_c, n_p)
@@ -346,6 +383,5 @@ def _received(group, got_meta: Tensor, sizes: Sizes, copy_row, sent_pairs, mc, e
     # pair copy ids are local to their sender's block: shift by that block's offset here
     sender, _ = _spread(recv_p, n_p)
     block_start = recv_c.cumsum(0) - recv_c
-    return Hop(sizes.send_c, sizes.recv_c, sizes.send_p, sizes.recv_p, copy_row, sent_pairs,
-               got_pairs[:, 0] + block_start[sender], got_pairs[:, 1] >> 32, _gate_value(got_pairs[:, 1]),
-               got_meta[rpos_c].reshape(n_c, mc), expert_counts, sizes.on_device, weak(group))
+    return (got_pairs[:, 0] + block_start[sender], got_pairs[:, 1] >> 32, _gate_value(got_pairs[:, 1]),
+            got_meta[rpos_c].reshape(n_c, mc))

@@ -247,7 +247,8 @@ class ExpertParallelDispatcher:
                                    pair_gate[a * k:b * k], meta, a * k))
             first = plan_hops(self.group, first, slot_of, self.num_local, tag, problem)
             self._record(first, 0, row_bytes, 8 * meta.shape[1])
-            second = self._second_stage(first, tag, row_bytes) if self.dedup == "node" else None
+        # node dedup's stage 2 is planned from the pairs stage 1 delivers: while its payload crosses
+        second = (lambda: self._second_stage(first, tag, row_bytes)) if self.dedup == "node" else None
         params = [p for p in experts.template().values() if p.requires_grad]
         side_params = [] if side is None else [p for p in side.parameters() if p.requires_grad]
         run = PipelineRun(first, second, experts, slot_of, row_tags is not None, side, params, side_params, k,
@@ -259,7 +260,7 @@ class ExpertParallelDispatcher:
         """Node dedup's stage 2 on the gateway: one copy per destination rank inside this node."""
         node_base = self.topology.node_of(self.rank) * self.g
         chunks = [Chunk(Exchange.group(hop.pair_copy, self.rank_of[hop.pair_expert] - node_base, self.g,
-                                       hop.copy_meta.shape[0]), hop.pair_copy, hop.pair_expert, hop.pair_gate,
+                                       sum(hop.recv_c)), hop.pair_copy, hop.pair_expert, hop.pair_gate,
                         hop.copy_meta) for hop in first]
         second = plan_hops(self.node_group, chunks, self.slot_of, self.num_local, tag)
         self._record(second, node_base, row_bytes, 8 * first[0].copy_meta.shape[1])

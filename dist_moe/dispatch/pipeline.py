@@ -57,10 +57,11 @@ def chunk_bounds(tokens: int, chunks: int) -> list[tuple[int, int]]:
 class PipelineRun:
     """One forward's hops and the per-chunk graphs its backward needs."""
 
-    def __init__(self, first: list[Hop], second: list[Hop] | None, experts: Experts, slot_of: Tensor,
+    def __init__(self, first: list[Hop], second, experts: Experts, slot_of: Tensor,
                  tagged: bool, side: nn.Module | None, params: list[Tensor], side_params: list[Tensor],
                  top_k: int = 1, fixed_order: bool = False):
-        """``fixed_order``: every sum of rows (a copy's pairs, a token's copies, their gradients) in a
+        """``second``: node dedup's stage-2 hops, or what plans them (called once stage 1's payload has
+        left), or None. ``fixed_order``: every sum of rows (a copy's pairs, a token's copies, their gradients) in a
         fixed order (``combine.py``), each row taking at most ``top_k``, instead of with index_add."""
         self.first, self.second = first, second
         self.top_k, self.fixed_order = top_k, fixed_order
@@ -74,6 +75,9 @@ class PipelineRun:
         dtype = h.dtype
         self.weights = self._weights(h)
         sent = [hop.out(h[hop.copy_row]) for hop in self.first]
+        if callable(self.second):  # node dedup's stage 2, planned while stage 1's payload is in flight
+            with stage("plan_inner"):
+                self.second = self.second()
         with stage("shared_expert"):
             side = self._side(h)
         back = self._each_chunk(sent, lambda hop, x: self._experts(x, hop), dtype,

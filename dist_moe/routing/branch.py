@@ -18,11 +18,22 @@ from torch import Tensor
 
 from dist_moe.routing.base import Router, Routing, expert_load, pick, select_top_k, zero_aux
 from dist_moe.routing.node_map import NodeMap
-from placement.subtree import balance_step, check_limits, level_depths, limited_top_k
+from placement.subtree import (
+    BALANCE_RULES,
+    DEFAULT_RATES,
+    balance_slope,
+    balance_step,
+    check_limits,
+    level_depths,
+    limited_top_k,
+    tree_probs,
+)
 
 BALANCES = ("none", "bias")
 # chosen by measurement (benchmarks/README.md "Balanced subtree limit"): what a limit balances with
 DEFAULT_BALANCE = "bias"
+# chosen by measurement (benchmarks/README.md "Balance on data the router never saw"): how the bias moves
+DEFAULT_BALANCE_RULE = "newton"
 
 
 class BranchRouter(Router):
@@ -38,7 +49,9 @@ class BranchRouter(Router):
         subtree_limit: int | dict | None = None,
         subtree_depth: int | None = None,
         subtree_balance: str | None = None,
-        balance_rate: float = 1e-2,
+        balance_rate: float | None = None,
+        balance_rule: str | None = None,
+        balance_eval: bool = True,
         stats_group=None,
     ):
         """``subtree_limit``: at most M subtrees of depth ``subtree_depth`` per token (``placement/subtree.py``);
@@ -50,10 +63,19 @@ class BranchRouter(Router):
         BRANCH paper, not its equation**. The paper's anchors balance the *soft* masses, but the limit
         takes *hard* decisions, which they leave unbalanced. ``"bias"`` equalises the hard selections:
         a selection bias per tree node (``balance_bias``) enters the ranking of subtrees at every
-        limited depth and of leaves inside them, never the gates, and moves each training forward by
-        ``balance_rate`` (relative to the mean path mass at its depth) toward equal slot counts, from
-        hard loads summed over the stats group: DeepSeek-V3's auxiliary-loss-free bias, on the tree's
-        units. ``"none"``: the limit as in ``placement.subtree``, with no state of its own."""
+        limited depth and of leaves inside them, never the gates, and moves each training forward
+        toward equal slot counts, from hard loads summed over the stats group: DeepSeek-V3's
+        auxiliary-loss-free bias, on the tree's units. ``balance_rule`` (default
+        ``DEFAULT_BALANCE_RULE``; ``placement.subtree.balance_step``) is how far it moves: ``"newton"``
+        the fraction ``balance_rate`` of the step that would balance the batch, from the load's slope
+        in the bias measured on the batch; ``"sign"`` ``balance_rate`` relative to the mean path mass
+        at its depth, whatever the shortfall (DeepSeek-V3's rule). ``balance_rate`` defaults to the
+        rule's ``DEFAULT_RATES``. Training routes against each batch's statistic, evaluation against
+        the EMA anchors (eq. 7), whose masses differ wherever the node scores still move; so with
+        ``balance_eval`` (default) evaluation selects with a second bias (``eval_balance.balance_bias``),
+        moved each training forward by the same rule from the selections the EMA anchors would make
+        of the batch. The anchors, masses and gates stay the paper's.
+        ``"none"``: the limit as in ``placement.subtree``, with no state of its own."""
         super().__init__(num_experts, top_k, stats_group)
         num_experts = self.num_experts
         if num_experts < 2 or num_experts & (num_experts - 1):
@@ -76,17 +98,22 @@ class BranchRouter(Router):
         if isinstance(subtree_limit, int) and subtree_depth is not None:
             self.subtree_levels = check_limits([(subtree_depth, subtree_limit)], num_experts, self.top_k)
         self.subtree_balance = _check_balance(subtree_balance, self.subtree_limit)
-        if isinstance(balance_rate, bool) or not isinstance(balance_rate, numbers.Real) or \
-                not math.isfinite(balance_rate) or balance_rate <= 0:
-            raise ValueError(f"router key 'balance_rate' must be a number > 0, got {balance_rate!r}")
-        self.balance_rate = float(balance_rate)
+        self.balance_rule = _check_rule(balance_rule)
+        self.balance_rate = _check_rate(DEFAULT_RATES[self.balance_rule] if balance_rate is None else balance_rate)
+        if not isinstance(balance_eval, bool):
+            raise ValueError(f"router key 'balance_eval' must be true or false, got {balance_eval!r}")
+        self.balance_eval = balance_eval
         if self.subtree_balance == "bias":  # every node below the root, breadth first (placement.subtree.node_bias)
             self.register_buffer("balance_bias", torch.zeros(2 * num_experts - 2))
+            if balance_eval:
+                self.eval_balance = _EvalBias(2 * num_experts - 2)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # a checkpoint from before the balance (checkpoint.ADDED_SINCE) starts it at zero, here too
         if self.subtree_balance == "bias" and prefix + "balance_bias" not in state_dict:
             state_dict[prefix + "balance_bias"] = torch.zeros_like(self.balance_bias)
+        if not hasattr(self, "eval_balance"):  # evaluation's bias follows training's: a router without it drops it
+            state_dict.pop(prefix + "eval_balance.balance_bias", None)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _limits(self) -> bool:
@@ -150,7 +177,7 @@ class BranchRouter(Router):
         if live and self.updates_state:
             self._update_anchors(torch.cat(batch_stats).detach(), torch.cat(arrival))
 
-        bias = self.balance_bias if self.subtree_balance == "bias" and self._limits() else None
+        bias = self._selection_bias()
         if self.subtree_levels is None:
             vals, idx = select_top_k(probs, self.top_k)
         else:  # at most M subtrees per token, ranked by path mass; the eta rule over the kept selection
@@ -161,9 +188,38 @@ class BranchRouter(Router):
         if self.eta:
             gates = vals / vals.sum(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)  # eq. 21
         stats = {"load": expert_load(idx, self.num_experts, valid=keep)}
-        if bias is not None and self.updates_state:  # hard loads of every replica: the biases stay equal
-            balance_step(bias, self.reduce_stats(stats["load"].float()), self.subtree_levels, self.balance_rate)
+        if bias is not None and self.updates_state:
+            self._balance(f, probs, stats["load"], keep)
         return Routing(probs=probs, expert_idx=idx, gates=gates, aux_loss=zero_aux(x.device), stats=stats)
+
+    def _selection_bias(self) -> Tensor | None:
+        """The bias the limit selects with: training's, or in evaluation (EMA anchors) evaluation's."""
+        if self.subtree_balance != "bias" or not self._limits():
+            return None
+        return self.eval_balance.balance_bias if self.balance_eval and not self.training else self.balance_bias
+
+    @torch.no_grad()
+    def _balance(self, f: Tensor, probs: Tensor, load: Tensor, keep: Tensor | None) -> None:
+        """One balance step from the hard loads (and for ``newton`` their slopes in the bias) of every
+        replica, so the biases stay equal: training's bias from this batch's selections, evaluation's
+        from those the EMA anchors would make of it."""
+        biases, parts = [self.balance_bias], [load.float(), *self._slope(probs, self.balance_bias, keep)]
+        if self.balance_eval:
+            bias = self.eval_balance.balance_bias
+            probs = tree_probs(f.detach(), self.anchors)
+            _, idx = limited_top_k(probs, self.top_k, self.subtree_levels, bias)
+            biases.append(bias)
+            parts += [expert_load(idx, self.num_experts, valid=keep), *self._slope(probs, bias, keep)]
+        parts = self.reduce_stats(torch.cat(parts))  # one collective for all
+        per = self.num_experts + (self.balance_bias.numel() if self.balance_rule == "newton" else 0)
+        for bias, part in zip(biases, parts.split(per)):
+            total, slope = part[: self.num_experts], part[self.num_experts :]
+            balance_step(bias, total, self.subtree_levels, self.balance_rate, self.balance_rule, slope)
+
+    def _slope(self, probs: Tensor, bias: Tensor, keep: Tensor | None) -> list[Tensor]:
+        if self.balance_rule != "newton":
+            return []
+        return [balance_slope(probs, self.top_k, self.subtree_levels, bias, keep)]
 
     @torch.no_grad()
     def _update_anchors(self, stat: Tensor, mass: Tensor) -> None:
@@ -216,6 +272,34 @@ def _check_balance(balance, limit) -> str:
     if balance != "none" and limit is None:
         raise ValueError(f"router key 'subtree_balance'={balance!r} balances a subtree limit: give subtree_limit")
     return balance
+
+
+def _check_rule(rule) -> str:
+    if rule is None:
+        return DEFAULT_BALANCE_RULE
+    if rule not in BALANCE_RULES:
+        raise ValueError(f"router key 'balance_rule' must be one of {', '.join(BALANCE_RULES)}, got {rule!r}")
+    return rule
+
+
+def _check_rate(rate) -> float:
+    if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not math.isfinite(rate) or rate <= 0:
+        raise ValueError(f"router key 'balance_rate' must be a number > 0, got {rate!r}")
+    return float(rate)
+
+
+class _EvalBias(torch.nn.Module):
+    """Evaluation's selection bias, a child so that its state key ends in ``balance_bias``: a checkpoint
+    saved before it loads it as zeros (``checkpoint.ADDED_SINCE``), which selects as it evaluated then."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.register_buffer("balance_bias", torch.zeros(size))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if prefix + "balance_bias" not in state_dict:
+            state_dict[prefix + "balance_bias"] = torch.zeros_like(self.balance_bias)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 def _node_level(levels: tuple) -> str:
