@@ -10,9 +10,10 @@ token    each valid token; g_t = its local contribution to its example's
 
 ``loss_fn`` returns a group's mean example loss, so an example's own loss is the
 group loss times the group's example count. Group observations in materialized
-mode are read off the accumulated gradients (a group's backward writes its expert
-gradients alone, the running sum is added back after); every other combination
-is built from block factors (``dist_moe.gar.factors``).
+mode are read off each group's expert gradients as its backward delivers them (a
+hook per expert parameter sums them over experts before autograd adds them into the
+running sum); every other combination is built from block factors
+(``dist_moe.gar.factors``).
 
 Under expert parallelism every rank takes the same number of groups and the m-th
 group of every rank is one unit (or holds the units of that forward): g sums the
@@ -220,8 +221,11 @@ def collect_observations(model, groups, loss_fn, weights, mode="materialized", s
     rows = [{name: [] for name in t} for t in template]  # factor rows per layer and slot
     inputs = [[] for _ in layers]
     task_loss = 0.0
+    if reads_grads:
+        device = next(p for params in template[0].values() for p in params).device
+        G = [torch.zeros(len(groups), sum(site.slot_numel()), device=device) for site in layers]
     for m, (batch, w, share) in enumerate(zip(groups, weights, shares)):
-        stashes = [_stash_grads(_flat(t)) for t in template] if reads_grads else None
+        hooks = [h for li, site in enumerate(layers) for h in _read_template(site, G[li][m])] if reads_grads else []
         for site in layers:
             if not reads_grads:
                 site.experts.capture = FactorCapture(None if unit == "group" else _source_tagger(rank, unit))
@@ -229,6 +233,8 @@ def collect_observations(model, groups, loss_fn, weights, mode="materialized", s
             loss = loss_fn(model, batch)
             (share * loss).backward()
         finally:
+            for hook in hooks:
+                hook.remove()
             captures = [site.experts.capture if site.experts is not None else None for site in layers]
             for site in layers:
                 if site.experts is not None:
@@ -238,10 +244,7 @@ def collect_observations(model, groups, loss_fn, weights, mode="materialized", s
             h, extras, layout = site.last_inputs()
             inputs[li].append((h, dict(extras), layout))
             if reads_grads:
-                if G[li] is None:
-                    G[li] = torch.empty(len(groups), sum(site.slot_numel()), device=h.device)
-                _read_template(site, G[li][m], w)
-                _restore_grads(_flat(template[li]), stashes[li])
+                G[li][m].div_(w)
             else:
                 # a unit's own loss is the group's mean loss times its example count
                 count = totals[m] if totals is not None else layout[0][0] if layout[0] else 1
@@ -258,43 +261,25 @@ def collect_observations(model, groups, loss_fn, weights, mode="materialized", s
     return obs
 
 
-def _stash_grads(params: list) -> list:
-    """Take the accumulated gradients out (so the next backward writes one group's alone)."""
-    stash = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    return stash
-
-
-def _restore_grads(params: list, stash: list) -> None:
-    """Add the group's fresh gradients into the stashed running sums, in place, and free them
-    (the allocation pattern of ordinary accumulation: fresh buffers do not pile up)."""
-    for p, g in zip(params, stash):
-        if g is not None:
-            if p.grad is not None:
-                g.add_(p.grad)
-            p.grad = g
-
-
-def _flat(template: dict) -> list:
-    return [p for params in template.values() for p in params]
-
-
-def _read_template(site: MoEView, row: Tensor, w: float) -> None:
-    """row <- (sum over experts of each slot's fresh gradient) / w, written in place."""
-    start = 0
+def _read_template(site: MoEView, row: Tensor) -> list:
+    """Hooks that add each slot's fresh gradient, summed over experts, into ``row`` (zeros) as the
+    backward delivers it, before autograd adds it into the running sum: one pass over each expert
+    gradient per group, and the accumulation itself stays the plain one. Returns the hooks' handles."""
+    handles, start = [], 0
     for params, n in zip(site.template.values(), site.slot_numel()):
         shape = params[0].shape[1:] if site.stacked else params[0].shape
         out = row[start : start + n].view(shape)
-        grads = [p.grad for p in params if p.grad is not None]
-        if site.stacked and len(grads) == 1:
-            torch.sum(grads[0], 0, out=out)
-        else:
-            out.zero_()
-            for g in grads:
-                out.add_(g.sum(0) if site.stacked else g)
+        for p in params:
+            handles.append(p.register_hook(_adder(out, site.stacked)))
         start += n
-    row.div_(w)
+    return handles
+
+
+def _adder(out: Tensor, stacked: bool):
+    def add(grad: Tensor) -> None:
+        out.add_(grad.sum(0) if stacked else grad)
+
+    return add
 
 
 def _keep_rows(rows: dict, capture, scale: float, m: int) -> None:
