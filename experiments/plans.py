@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DATASETS = {"magic": "HIGGS-like (binary)", "letter": "multi-class (26)", "satimage": "multi-class (6)"}
+SIGN_BALANCE = ["router.balance_rule=sign", "router.balance_eval=false"]
 ROUTER_ARMS = {  # arm: router overrides
     "branch_linear": ["router.type=branch", "router.node_map=linear"],
     "branch_mlp4": ["router.type=branch", "router.node_map=mlp", "router.mlp_hidden=4"],
@@ -18,15 +19,16 @@ ROUTER_ARMS = {  # arm: router overrides
     "hash": ["router.type=hash"],
     # told the node boundary: BRANCH's subtree limit (its top-level decision is the node, under
     # tree-prefix placement) and DeepSeek-V3's node-limited routing, M=1. `_limit1` is the limit
-    # unbalanced (its results predate subtree_balance); `_bal` the default balance (issue 26)
+    # unbalanced (its results predate subtree_balance); `_bal` the sign-rule balance its results
+    # ran (the default rule since is newton, with evaluation's own bias: benchmarks/balance.py)
     "branch_linear_limit1": ["router.type=branch", "router.node_map=linear", "router.subtree_limit=1",
                              "router.subtree_balance=none"],
     "branch_mlp4_limit1": ["router.type=branch", "router.node_map=mlp", "router.mlp_hidden=4",
                            "router.subtree_limit=1", "router.subtree_balance=none"],
     "branch_linear_limit1_bal": ["router.type=branch", "router.node_map=linear", "router.subtree_limit=1",
-                                 "router.subtree_balance=bias"],
+                                 "router.subtree_balance=bias", *SIGN_BALANCE],
     "branch_mlp4_limit1_bal": ["router.type=branch", "router.node_map=mlp", "router.mlp_hidden=4",
-                               "router.subtree_limit=1", "router.subtree_balance=bias"],
+                               "router.subtree_limit=1", "router.subtree_balance=bias", *SIGN_BALANCE],
     "deepseek_v3_node1": ["router.type=deepseek_v3", "router.node_limit=1"],
 }
 

@@ -92,18 +92,91 @@ def limited_top_k(probs: Tensor, top_k: int, limits: list[tuple[int, int]],
     return probs.gather(1, idx), idx
 
 
-def balance_step(bias: Tensor, load: Tensor, limits: list[tuple[int, int]], rate: float) -> None:
-    """Move ``bias`` (in place) toward equal hard load: at every limited depth each subtree's bias by
-    ``rate`` / 2^d (the mean path mass there) toward its depth's mean slot count, and every leaf's by
-    ``rate`` / E toward the mean expert load; the sign rule of DeepSeek-V3's auxiliary-loss-free
-    balancing, on the tree's units. ``load`` [E]: selected (token, expert) slots per expert, summed
-    over the replicas that must stay equal."""
+BALANCE_RULES = ("sign", "newton")
+# each rule's balance_rate: sign's chosen on seed 0 (benchmarks/README.md "Balanced subtree limit"),
+# newton's on seed 0 of the cells in "Balance on data the router never saw" (0.3: noisier at balance)
+DEFAULT_RATES = {"sign": 1e-2, "newton": 0.1}
+# newton's window, relative to the mean path mass at a depth: where it counts the tokens about to move,
+# and the most a bias moves in one step (beyond it the batch says nothing about the load)
+WINDOW = 0.1
+
+
+def balance_step(bias: Tensor, load: Tensor, limits: list[tuple[int, int]], rate: float, rule: str = "sign",
+                 slope: Tensor | None = None) -> None:
+    """Move ``bias`` (in place) toward equal hard load, at every limited depth and at the leaves.
+
+    ``sign``: each unit's bias by ``rate`` / 2^d (the mean path mass at depth d) toward its depth's
+    mean load, whatever the shortfall: DeepSeek-V3's auxiliary-loss-free rule, on the tree's units.
+    ``newton``: by ``rate`` times the shortfall in slots (mean - load) over ``slope``
+    (``balance_slope``: the slots the unit gains per unit of its bias, measured on the same batch),
+    at most ``WINDOW`` / 2^d: the fraction ``rate`` of the step that would balance the batch,
+    whatever the data and node map make of a bias (peaked path masses move many tokens per unit of
+    bias, spread ones few), so it neither lags a distribution that moves nor rings at balance.
+    ``load`` [E]: selected (token, expert) slots per expert; ``load`` and ``slope`` summed over the
+    replicas that must stay equal."""
     e = load.shape[0]
     load = load.to(bias.dtype)
     for depth in sorted({d for d, _ in limits} | {e.bit_length() - 1}):
         n = 1 << depth
         units = load.reshape(n, e // n).sum(-1)
-        node_bias(bias, depth).add_(rate / n * torch.sign(units.mean() - units))
+        short = units.mean() - units
+        if rule == "sign":
+            node_bias(bias, depth).add_(rate / n * torch.sign(short))
+        else:  # no tokens near the cut (slope 0): the window's step toward balance
+            h = WINDOW / n
+            step = torch.where(short == 0, 0.0, rate * short / node_bias(slope, depth).to(bias.dtype))
+            node_bias(bias, depth).add_(step.nan_to_num(posinf=h, neginf=-h).clamp(-h, h))
+
+
+def balance_slope(probs: Tensor, top_k: int, limits: list[tuple[int, int]], bias: Tensor,
+                  valid: Tensor | None = None) -> Tensor:
+    """[2E - 2]: for every unit ``balance_step`` moves (the subtrees at each limited depth, the leaves),
+    the slots its selection gains per unit of its own bias on this batch: the tokens within a window
+    (``WINDOW`` / 2^d) of taking it in or leaving it out, over the window's width, times the slots
+    one (token, subtree) pair carries (K / M). Zero elsewhere. ``valid`` [T] bool leaves rows out."""
+    t, e = probs.shape
+    probs = probs.detach()
+    slope = torch.zeros_like(bias)
+    for i, (depth, m) in enumerate(limits):
+        n = 1 << depth
+        inside = subtree_mask(probs, limits[:i], bias).reshape(t, n, e // n).any(-1)
+        score = torch.where(inside, probs.reshape(t, n, e // n).sum(-1) + node_bias(bias, depth), float("-inf"))
+        chosen = subtree_mask(probs, limits[: i + 1], bias).reshape(t, n, e // n).any(-1)
+        node_bias(slope, depth).copy_(_near_the_cut(score, chosen, m, WINDOW / n, valid) * top_k / m)
+    allowed = subtree_mask(probs, limits, bias)
+    score = torch.where(allowed, probs + node_bias(bias, e.bit_length() - 1), float("-inf"))
+    top = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :top_k]
+    chosen = torch.zeros_like(allowed).scatter(1, top, True)
+    node_bias(slope, e.bit_length() - 1).copy_(_near_the_cut(score, chosen, top_k, WINDOW / e, valid))
+    return slope
+
+
+def _near_the_cut(score: Tensor, chosen: Tensor, m: int, h: float, valid: Tensor | None) -> Tensor:
+    """[n]: tokens whose choice of each unit flips within a bias change of h (a kept unit within h of
+    the best one left out, one left out within h of the M-th kept), over 2h: the slope of the unit's
+    count in its own bias. A token with no unit left out (M >= its candidates) cannot flip."""
+    ranked = torch.sort(score, dim=1, descending=True).values
+    if ranked.shape[1] <= m:
+        return score.new_zeros(score.shape[1])
+    last_in, first_out = ranked[:, m - 1 : m], ranked[:, m : m + 1]
+    leave = chosen & (score - first_out < h)
+    join = ~chosen & torch.isfinite(score) & (last_in - score < h)
+    near = leave | join
+    if valid is not None:
+        near = near & valid.reshape(-1, 1)
+    return near.sum(0).to(score.dtype) / (2 * h)
+
+
+def tree_probs(scores: Tensor, anchors: Tensor) -> Tensor:
+    """[T, E] leaf masses of node scores ``scores`` [T, E-1] under fixed ``anchors`` [E-1] (BRANCH's
+    eq. 8-12 as evaluation routes, both breadth first): what a router in evaluation would select
+    from, for a bias that balances evaluation's routing (``BranchRouter``)."""
+    masks = scores.new_ones(scores.shape[0], 1)
+    for d in range((scores.shape[1] + 1).bit_length() - 1):
+        lo, hi = (1 << d) - 1, (1 << (d + 1)) - 1
+        p = torch.sigmoid(scores[:, lo:hi] - anchors[lo:hi])
+        masks = torch.stack((masks * (1 - p), masks * p), dim=2).reshape(scores.shape[0], 2 << d)
+    return masks
 
 
 def level_depths(levels: dict, topology_levels: tuple, sizes: tuple, num_experts: int) -> list[tuple[int, int]]:

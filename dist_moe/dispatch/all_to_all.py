@@ -7,12 +7,13 @@ carries every chunk's split sizes, the per-expert pair counts the destination's 
 the agreement header (``agree.py``), and comes back to the host once: the exchange's one host
 read, whatever the number of chunks. Then one more all-to-all carries every chunk's routing
 metadata (``start_merged``: per destination, chunk after chunk; the payload leaves without
-waiting for it, and the destination waits where it first reads a received pair: ``Metadata``), each chunk's packed into int64:
-per destination its copies' integer tags (categories, row tags; ``Mc`` columns) and then its
-pairs, two int64 each, the local copy index, and the expert id in the high 32 bits beside the
-gate's float32 bits. The backward returns a stage's gate gradients the same way, every chunk's
-in one all-to-all (``pairs_back``). So an exchange costs 2 + 2C all-to-alls forward and 2C + 1
-backward for C chunks (it was 1 + 3C and 3C), whatever the dedup mode's stages repeat.
+waiting for it, and the destination waits where it first reads a received pair: ``Metadata``),
+each chunk's packed into int64: per destination its copies' integer tags (categories, row
+tags; ``Mc`` columns) and then its pairs, two int64 each, the local copy index, and the expert
+id in the high 32 bits beside the gate's float32 bits. The backward returns a stage's gate
+gradients the same way, every chunk's in one all-to-all (``pairs_back``). So an exchange costs
+2 + 2C all-to-alls forward and 2C + 1 backward for C chunks, whatever the dedup mode's stages
+repeat.
 
 Host integers serve only the collective API's split sizes. Everything the exchange indexes with
 (offsets, block positions, peer ids, the received pairs' copies) is derived on the payload's

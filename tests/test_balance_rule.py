@@ -1,0 +1,108 @@
+"""The balanced subtree limit's rule: newton steps, their measured slopes, and evaluation's bias."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_moe.routing import build_router
+from placement.subtree import WINDOW, balance_slope, balance_step, limited_top_k, node_bias
+
+
+def _router(**kw):
+    return build_router({"type": "branch", "hidden_size": 8, "num_experts": 16, "top_k": 4, "subtree_limit": 1,
+                         "subtree_depth": 1, **kw})
+
+
+def test_newton_step_is_the_rate_times_the_shortfall_over_the_slope_within_the_window():
+    bias = torch.zeros(2 * 8 - 2)
+    load = torch.tensor([6.0, 2, 2, 2, 0, 1, 1, 2])  # nodes 12 and 4: mean 8
+    slope = torch.zeros(14)
+    node_bias(slope, 1).copy_(torch.tensor([400.0, 40.0]))
+    node_bias(slope, 3).copy_(torch.tensor([200.0, 50, 0, 50, 200, 0, 50, 50]))
+    balance_step(bias, load, [(1, 1)], rate=0.5, rule="newton", slope=slope)
+    # depth 1: 0.5 * (8 - 12) / 400 = -0.005; 0.5 * 4 / 40 = 0.05, the window's edge (0.1 / 2)
+    assert torch.allclose(node_bias(bias, 1), torch.tensor([-0.005, 0.05]))
+    # leaves (mean 2, window 0.1 / 8): 0.5 * -4 / 200; at the mean, slope 0 or not: 0; 0.5 * 2 / 200;
+    # shortfall 1 with slope 0: the window's step; 0.5 * 1 / 50
+    want = torch.tensor([-0.01, 0.0, 0.0, 0.0, 0.005, 0.0125, 0.01, 0.0])
+    assert torch.allclose(node_bias(bias, 3), want)
+    assert torch.equal(node_bias(bias, 2), torch.zeros(4))  # depth 2 is not limited: untouched
+
+
+def test_newton_step_is_clipped_to_the_window_at_every_depth():
+    bias = torch.zeros(2 * 16 - 2)
+    load = torch.zeros(16)
+    load[:4] = 100.0  # everything on the first four leaves
+    balance_step(bias, load, [(1, 1), (2, 1)], rate=1.0, rule="newton", slope=torch.full((30,), 1e-3))
+    for depth in (1, 2, 4):
+        assert node_bias(bias, depth).abs().max() == pytest.approx(WINDOW / (1 << depth))
+
+
+def test_slope_counts_the_tokens_within_the_window_of_each_cut():
+    # E=4, top-1, one of two nodes; windows 0.05 (nodes) and 0.025 (leaves)
+    probs = torch.tensor([[0.27, 0.25, 0.28, 0.20],  # nodes 0.52 / 0.48: near the node cut; leaves 0.02 apart
+                          [0.50, 0.30, 0.10, 0.10],  # far from every cut
+                          [0.10, 0.10, 0.44, 0.36],  # far from every cut
+                          [0.05, 0.05, 0.46, 0.44],  # node 1 far; its leaves 0.02 apart
+                          [0.40, 0.37, 0.13, 0.10]])  # leaves 0.03 apart: outside the window
+    bias = torch.zeros(6)
+    slope = balance_slope(probs, 1, [(1, 1)], bias)
+    assert torch.allclose(node_bias(slope, 1), torch.tensor([1.0, 1.0]) / 0.1)  # one token each, over 2 x 0.05
+    assert torch.allclose(node_bias(slope, 2), torch.tensor([1.0, 1, 1, 1]) / 0.05)
+    valid = torch.tensor([True, True, True, False, True])  # padding counts nowhere
+    assert torch.allclose(node_bias(balance_slope(probs, 1, [(1, 1)], bias, valid), 2),
+                          torch.tensor([20.0, 20, 0, 0]))
+    node_bias(bias, 1).copy_(torch.tensor([0.1, -0.1]))  # the bias moves the cut: token 0 is 0.24 from it
+    assert torch.equal(node_bias(balance_slope(probs, 1, [(1, 1)], bias), 1), torch.zeros(2))
+    # two kept subtrees of four (masses .30 .26 | .24 .20, window 0.025) carry K / M slots each
+    wide = torch.tensor([[0.15, 0.15, 0.13, 0.13, 0.12, 0.12, 0.10, 0.10]])
+    wide = balance_slope(wide, 4, [(2, 2)], torch.zeros(14))
+    assert torch.allclose(node_bias(wide, 2), torch.tensor([0.0, 1, 1, 0]) / 0.05 * 2)
+
+
+def _skewed_loads(bias, g, e=16, k=4):
+    probs = torch.softmax(torch.randn(512, e, generator=g) + torch.linspace(1.5, 0.0, e), dim=1)
+    idx = limited_top_k(probs, k, [(1, 1)], bias)[1]
+    return probs, torch.bincount(idx.flatten(), minlength=e).float()
+
+
+def test_newton_balances_skewed_scores_in_a_few_steps():
+    g = torch.Generator().manual_seed(0)
+    bias = torch.zeros(30)
+    for _ in range(12):
+        probs, load = _skewed_loads(bias, g)
+        balance_step(bias, load, [(1, 1)], 0.5, "newton", balance_slope(probs, 4, [(1, 1)], bias))
+    node = sum(_skewed_loads(bias, g)[1] for _ in range(5)).reshape(2, -1).sum(1)
+    assert float(node.max() / node.mean()) < 1.05, node
+
+
+def test_router_defaults_keys_and_state():
+    r = _router()
+    assert (r.balance_rule, r.balance_rate, r.balance_eval) == ("newton", 0.1, True)
+    assert _router(balance_rule="sign").balance_rate == 0.01
+    for kw, msg in (({"balance_rule": "quantile"}, "'balance_rule' must be one of sign, newton, got 'quantile'"),
+                    ({"balance_eval": "yes"}, "'balance_eval' must be true or false, got 'yes'"),
+                    ({"balance_rate": -1}, "'balance_rate' must be a number > 0, got -1")):
+        with pytest.raises(ValueError, match=msg):
+            _router(**kw)
+    old = {k: v for k, v in r.state_dict().items() if not k.startswith("eval_balance")}
+    r.eval_balance.balance_bias.fill_(1.0)
+    r.load_state_dict(old)  # from before evaluation's bias: it starts at zero
+    assert not r.eval_balance.balance_bias.any()
+    none = _router(subtree_balance="none")
+    none.load_state_dict({k: v for k, v in r.state_dict().items() if "balance" not in k or "eval" in k})
+    assert "eval_balance.balance_bias" not in _router(balance_eval=False).state_dict()
+
+
+def test_evaluation_selects_with_its_own_bias_moved_from_the_ema_anchors_routing():
+    torch.manual_seed(0)
+    r = _router()
+    x = torch.randn(256, 8) * 3
+    r.train()(x)
+    assert r.balance_bias.any() and r.eval_balance.balance_bias.any()  # both moved by a training forward
+    node_bias(r.eval_balance.balance_bias, 1).copy_(torch.tensor([-5.0, 5.0]))  # evaluation: node 1 only
+    r.eval()
+    assert (r(x).expert_idx >= 8).all()
+    r.train()
+    with r.frozen_state():
+        assert (r(x).expert_idx < 8).any()  # training still selects with its own
