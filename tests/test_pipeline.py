@@ -115,8 +115,8 @@ def _collectives_worker(rank, world, out):
         # backward: each chunk's gradients out and back, every chunk's gate gradients at once
         assert fwd["all_to_all_single"] == stages * (2 + 2 * chunks), (rank, dedup, chunks, fwd)
         assert both["all_to_all_single"] - fwd["all_to_all_single"] == stages * (2 * chunks + 1), (rank, both)
-        # BRANCH: one sum per depth forward and its gradient's backward, one for the balance's loads
-        assert both["all_reduce"] == 2 * depth + balance, (rank, dedup, chunks, both)
+        # BRANCH: one sum per depth forward, one for every depth's gradient, one for the balance's loads
+        assert both["all_reduce"] == depth + 1 + balance, (rank, dedup, chunks, both)
 
 
 def test_collectives_per_layer_forward_and_backward(tmp_path):

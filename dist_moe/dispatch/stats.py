@@ -55,6 +55,28 @@ def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
     return reduce_copy(t, group)
 
 
+class _SummedElsewhere(torch.autograd.Function):
+    """``total`` in value; the gradient goes to ``local``, summed over the group."""
+
+    @staticmethod
+    def forward(ctx, local, total, group):
+        ctx.group = weak(group) if _active(group) else None
+        return total.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.group is None:
+            return grad, None, None
+        return reduce_copy(grad.contiguous(), strong(ctx.group, "a statistic's backward")), None, None
+
+
+def sum_gradient_over(local: torch.Tensor, total: torch.Tensor, group=None) -> torch.Tensor:
+    """A sum over ``group`` already taken (``total``, of this rank's ``local`` and the others'), made
+    differentiable in ``local`` as ``all_reduce_sum(local)`` is: its backward sums the gradient over
+    the group. Several sums taken one after the other then share one all-reduce in the backward."""
+    return _SummedElsewhere.apply(local, total, group)
+
+
 def group_size(group) -> int:
     """Ranks in ``group``; 1 without one."""
     return 1 if not _active(group) else dist.get_world_size(group)

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from dist_moe.routing.base import Router, Routing, expert_load, pick, select_top_k, zero_aux
 from dist_moe.routing.node_map import NodeMap
+from dist_moe.routing.tree_anchors import batch_anchors
 from placement.subtree import (
     BALANCE_RULES,
     DEFAULT_RATES,
@@ -151,31 +152,13 @@ class BranchRouter(Router):
         x = self.check_input(x, self.hidden_size)
         keep = self.check_valid(valid, x.shape[0])
         f = self.node_scores(x)
-        live = self.training
-        masks = x.new_ones(x.shape[0], 1)  # M^(0) = 1_B
-        batch_stats, arrival = [], []
-        for d in range(self.depth):
-            lo, hi = (1 << d) - 1, (1 << (d + 1)) - 1
-            fd = f[:, lo:hi]
-            if live:
-                # eq. 5-6: arrival weights are detached masks normalised over the
-                # (data-parallel) batch; the statistic stays differentiable in f.
-                w = masks.detach() if keep is None else masks.detach() * keep.unsqueeze(1)  # no padding
-                # both sums in one collective per depth (the depths themselves are sequential)
-                mass, weighted = self.reduce_stats(torch.cat([w.sum(0), (w * fd).sum(0)])).split(1 << d)
-                stat = weighted / mass.clamp_min(torch.finfo(torch.float32).tiny)
-                batch_stats.append(stat)
-                arrival.append(mass)
-                a = stat
-            else:
-                a = self.anchors[lo:hi]
-            p = torch.sigmoid(fd - a)  # eq. 8-9
-            # eq. 12: children 2j, 2j+1 interleaved -> breadth-first order at depth d+1
-            masks = torch.stack((masks * (1 - p), masks * p), dim=2).reshape(x.shape[0], 2 << d)
-        probs = masks  # leaf masks, rows sum to 1
-
-        if live and self.updates_state:
-            self._update_anchors(torch.cat(batch_stats).detach(), torch.cat(arrival))
+        if self.training:  # eq. 5-7: each depth's anchor is the batch statistic, summed over the replicas
+            a, mass = batch_anchors(f, self.depth, keep, self.stats_group)
+            if self.updates_state:
+                self._update_anchors(a.detach(), mass)
+        else:
+            a = self.anchors
+        probs = tree_probs(f, a)  # eq. 8-12: leaf masks, rows sum to 1
 
         bias = self._selection_bias()
         if self.subtree_levels is None:
