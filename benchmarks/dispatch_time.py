@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import ROUTERS, E, optimized_placement, train_router  # noqa: E402
 from benchmarks.stage_profile import print_profiles, stage_profile  # noqa: E402
 from dist_moe import MoELayer
-from dist_moe.dispatch.calibrate import calibrate, replay_dispatch, slowest  # noqa: E402
+from dist_moe.dispatch.calibrate import calibrate, replay, replay_dispatch, slowest  # noqa: E402
 from dist_moe.dispatch.process_group import shutdown  # noqa: E402
 from placement import Placement, Topology, Traffic  # noqa: E402
 
@@ -129,7 +129,8 @@ def measure(ffn: int) -> None:
             predicted = cost.estimate(traffic, dedup)
             layer_pred = cost.layer_seconds(traffic, dedup, compute, chunks)["layer_s"]
             node_bytes = float(matrix[cross].sum()) / len(tokens)
-            link = 4 * cost.link_seconds(traffic)  # dispatch and combine, forward and backward
+            # the arm's node-crossing bytes alone, as one raw exchange; 4: dispatch and combine, each way
+            link = 4 * slowest(lambda: replay(matrix, cross), REPEATS)
             rows.append((name, pname, dedup, chunks, node_bytes, a2a, predicted, layer_time, layer_pred, compute,
                          link))
             arms[(name, pname, dedup, chunks)] = (layer, x, shard)
@@ -176,8 +177,8 @@ def measure(ffn: int) -> None:
               f"baseline, {mine[7] / peer[7]:.2f}x the peer (DeepSeek-V3 node-limited + node dedup, best C: "
               f"{peer[1]}, C={peer[3]})")
         print("compute: the same router and experts with nothing exchanged, every rank at once; link: the arm's "
-              "bytes on the busiest inter-node link, 4 exchanges, at the fitted bandwidth; eff = max(compute, link) "
-              "/ fwd+bwd (goal >= 0.85 for the best arm)")
+              "node-crossing bytes sent as one raw all-to-all in this launch, times 4 (dispatch and combine, forward "
+              "and backward); eff = max(compute, link) / fwd+bwd (goal >= 0.85 for the best arm)")
         best = max(rows, key=lambda r: max(r[9], r[10]) / r[7])
         print(f"best arm by efficiency: {best[0]} {best[1]} {best[2]} C={best[3]}: "
               f"{max(best[9], best[10]) / best[7]:.2f}")

@@ -151,19 +151,6 @@ class CostModel:
         """Estimated all-to-all seconds for a ``placement.Traffic`` sent with ``dedup``."""
         return sum(self.stage_seconds(traffic, dedup))
 
-    def link_seconds(self, traffic) -> float:
-        """The bytes alone (no latency, no per-peer alpha): how long the busiest link of the slowest
-        level needs for one exchange of ``traffic``. A layer's forward + backward moves it four times
-        (dispatch and combine, each way), so its link bound is four times this."""
-        m, level_of = traffic.matrix.double(), traffic.topology.level_matrix()
-        out = 0.0
-        for i, c in enumerate(self.levels.values()):
-            crossing = m * (level_of == i)
-            if crossing.numel():
-                load = self.link_load(i, traffic.topology, crossing.sum(1), crossing.sum(0)).max()
-                out = max(out, float(load) / c.bandwidth_Bps)
-        return out
-
     def layer_seconds(self, traffic, dedup: str, compute_s: float, chunks: int = 1) -> dict:
         """Predicted forward + backward seconds of one MoE layer whose dispatch sends ``traffic``
         and whose own work (router, experts, gathers; no exchange) takes ``compute_s``."""

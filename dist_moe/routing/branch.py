@@ -221,7 +221,11 @@ class BranchRouter(Router):
 
     def extra_repr(self) -> str:
         limit = f", subtree_levels={self.subtree_levels}" if self.subtree_levels else ""
-        limit += f", subtree_balance={self.subtree_balance}" if self.subtree_limit is not None else ""
+        if self.subtree_limit is not None:
+            limit += f", subtree_balance={self.subtree_balance}"
+            if self.subtree_balance == "bias":
+                limit += (f", balance_rule={self.balance_rule}, balance_rate={self.balance_rate:g}, "
+                          f"balance_eval={self.balance_eval}")
         return (
             f"num_experts={self.num_experts}, top_k={self.top_k}, depth={self.depth}, "
             f"ema_decay={self.ema_decay}, eta={self.eta:g}{limit}"
