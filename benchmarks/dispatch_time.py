@@ -22,6 +22,12 @@ intra-node one:
    C = 1's; the layer's time is its own.
 Times are the median of repeats, each the slowest rank's. Every router runs with node dedup
 pipelined and not, so the peer (DeepSeek-V3 node-limited + node dedup) is in every table.
+3. The limit: each row's compute alone (1.'s, its router's), link (its node-crossing bytes sent as
+   one raw all-to-all, times 4: dispatch and combine, forward and backward), line (the same bytes at
+   the emulated link's shaped rate, ``benchmarks/link_bound.py``), bound = max(compute, line) and
+   efficiency = bound / fwd+bwd; then a per-stage profile (route, plan, each exchange's
+   wait, experts, combine, and the backward's, ``benchmarks/stage_profile.py``) of the peer's and
+   BRANCH-limited's best arms.
 
 Two regimes: today's expert ffn 64 (hidden / 8), and ``--ffn 128`` (hidden / 4, the fine-grained
 regime of modern MoE layers: small experts, top-4 of 16). The baseline's all-to-all share of its
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -43,6 +50,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ROUTERS, E, optimized_placement, train_router  # noqa: E402
+from benchmarks.link_bound import line_rate, line_seconds  # noqa: E402
 from benchmarks.stage_profile import print_profiles, stage_profile  # noqa: E402
 from dist_moe import MoELayer
 from dist_moe.dispatch.calibrate import calibrate, replay, replay_dispatch, slowest  # noqa: E402
@@ -89,6 +97,7 @@ def measure(ffn: int) -> None:
     trained = payload[0]
 
     cost = calibrate(topo)
+    rate = line_rate()
     level = topo.level_matrix()
     cross = level == 0
     rows, arms = [], {}
@@ -129,10 +138,12 @@ def measure(ffn: int) -> None:
             predicted = cost.estimate(traffic, dedup)
             layer_pred = cost.layer_seconds(traffic, dedup, compute, chunks)["layer_s"]
             node_bytes = float(matrix[cross].sum()) / len(tokens)
-            # the arm's node-crossing bytes alone, as one raw exchange; 4: dispatch and combine, each way
+            # the arm's node-crossing bytes alone, as one raw exchange, and at the line rate when the launcher
+            # shaped the link to a known one; 4: dispatch and combine, each way
             link = 4 * slowest(lambda: replay(matrix, cross), REPEATS)
+            line = line_seconds(matrix, topo, rate) if rate else link
             rows.append((name, pname, dedup, chunks, node_bytes, a2a, predicted, layer_time, layer_pred, compute,
-                         link))
+                         link, line))
             arms[(name, pname, dedup, chunks)] = (layer, x, shard)
 
     profiles = {}
@@ -153,18 +164,18 @@ def measure(ffn: int) -> None:
         base_a2a, base_layer = rows[0][5], rows[0][7]
         print(f"\n{'router':<30}{'placement':<12}{'dedup':<6}{'C':>2}{'node B/tok':>11}{'a2a ms':>9}{'ratio':>7}"
               f"{'model ms':>10}{'error':>8}{'fwd+bwd ms':>12}{'ratio':>7}{'model ms':>10}{'error':>8}"
-              f"{'compute ms':>12}{'link ms':>9}{'bound ms':>10}{'eff':>6}")
+              f"{'compute ms':>12}{'link ms':>9}{'line ms':>9}{'bound ms':>10}{'eff':>6}")
         a2a_errors, layer_errors = [], []
-        for name, pname, dedup, chunks, nb, a2a, pred, lt, lp, comp, link in rows:
+        for name, pname, dedup, chunks, nb, a2a, pred, lt, lp, comp, link, line in rows:
             err, lerr = (pred - a2a) / a2a, (lp - lt) / lt
             if chunks == 1:  # a pipelined row replays the same all-to-all
                 a2a_errors.append(abs(err))
             layer_errors.append(abs(lerr))
-            bound = max(comp, link)
+            bound = max(comp, line)
             print(f"{name:<30}{pname:<12}{dedup:<6}{chunks:>2}{nb:>11.0f}{1e3 * a2a:>9.1f}{a2a / base_a2a:>7.2f}"
                   f"{1e3 * pred:>10.1f}{100 * err:>7.0f}%{1e3 * lt:>12.1f}{lt / base_layer:>7.2f}"
-                  f"{1e3 * lp:>10.1f}{100 * lerr:>7.0f}%{1e3 * comp:>12.1f}{1e3 * link:>9.1f}{1e3 * bound:>10.1f}"
-                  f"{bound / lt:>6.2f}")
+                  f"{1e3 * lp:>10.1f}{100 * lerr:>7.0f}%{1e3 * comp:>12.1f}{1e3 * link:>9.1f}{1e3 * line:>9.1f}"
+                  f"{1e3 * bound:>10.1f}{bound / lt:>6.2f}")
         for what, errors in (("all-to-all", a2a_errors), ("layer fwd+bwd", layer_errors)):
             print(f"model error, {what}: median {100 * statistics.median(errors):.0f}%, max {100 * max(errors):.0f}% "
                   "(|predicted - measured| / measured)")
@@ -178,10 +189,12 @@ def measure(ffn: int) -> None:
               f"{peer[1]}, C={peer[3]})")
         print("compute: the same router and experts with nothing exchanged, every rank at once; link: the arm's "
               "node-crossing bytes sent as one raw all-to-all in this launch, times 4 (dispatch and combine, forward "
-              "and backward); eff = max(compute, link) / fwd+bwd (goal >= 0.85 for the best arm)")
-        best = max(rows, key=lambda r: max(r[9], r[10]) / r[7])
+              "and backward); line: the same bytes at the emulated link's shaped rate "
+              f"({os.environ.get('DIST_MOE_EMULATED_RATE', 'not emulated: the raw exchange')}), each node's busier "
+              "direction; bound = max(compute, line); eff = bound / fwd+bwd (goal >= 0.85 for the best arm)")
+        best = max(rows, key=lambda r: max(r[9], r[11]) / r[7])
         print(f"best arm by efficiency: {best[0]} {best[1]} {best[2]} C={best[3]}: "
-              f"{max(best[9], best[10]) / best[7]:.2f}")
+              f"{max(best[9], best[11]) / best[7]:.2f}")
         print_profiles({f"{name}, {pname}, {dedup} dedup, C={chunks}": profile
                         for (name, pname, dedup, chunks), profile in profiles.items()})
 

@@ -17,6 +17,11 @@ rank's tokens sent to every other rank (analytic; its splits are not per peer).
 
     .venv/bin/python benchmarks/engines.py [--steps 10] [--tokens 2048] [--hidden 256] [--ffn 512]
 
+Beside each host: its link time (its node-crossing bytes as one raw all-to-all, times 4), its
+bound max(compute alone, link), where compute alone is dist-moe's layer with every expert on one
+rank, nothing exchanged, every rank at once, and its efficiency bound / step; then a per-stage
+profile of the fastest dist-moe host and of every engine host through dist-moe's dispatcher.
+
 Under a launcher it runs once on the launched ranks, with the launcher's topology, e.g. across
 the emulated cluster's slow link:
 
@@ -38,6 +43,7 @@ import os
 
 import torch.distributed as dist
 
+from benchmarks.link_bound import line_rate, line_seconds  # noqa: E402
 from benchmarks.stage_profile import print_profiles, stage_profile  # noqa: E402
 from dist_moe import MoELayer
 from dist_moe.dispatch.calibrate import replay, slowest
@@ -195,8 +201,11 @@ def worker(rank, world, args, out_path):
         matrix = torch.zeros(world, world, dtype=torch.float64)
         matrix[rank] = peers[name]
         dist.all_reduce(matrix)
-        # its node-crossing bytes alone as one raw exchange; 4: dispatch and combine, forward and backward
-        link = 4 * slowest(lambda m=matrix.round().long(): replay(m, cross), 5)
+        # its node-crossing bytes alone as one raw exchange, or at the emulated link's line rate when it is
+        # known; 4: dispatch and combine, forward and backward
+        rate = line_rate()
+        link = (line_seconds(matrix, topo, rate) if rate
+                else 4 * slowest(lambda m=matrix.round().long(): replay(m, cross)))
         totals[name] = (statistics.median(times[name]), *(mem / world).tolist(), sent[name][1] is not None, link)
     # where the time of the fastest dist-moe host and of the engines' hosts through dist-moe's dispatcher goes
     fastest = min((n for n in hosts if n.startswith("dist-moe")), key=lambda n: totals[n][0])
@@ -223,8 +232,10 @@ def report(world: int, totals: dict, args) -> None:
         print(f"{name:<40}{1e3 * t:9.1f}{t / base[0]:18.2f}{mem / 2**20:10.2f}{mem / base[1]:14.2f}"
               f"{padded / 2**20:14.2f}{pay}{1e3 * link:9.1f}{1e3 * bound:10.1f}{bound / t:6.2f}")
     print(f"{COMPUTE_ALONE[:-1]}: dist-moe's layer with every expert on this rank, nothing exchanged, every rank "
-          "at once; link: each host's node-crossing bytes sent as one raw all-to-all in this launch, times 4 "
-          "(dispatch and combine, forward and backward); bound = max(compute alone of its router, link); "
+          "at once; link: each host's node-crossing bytes at the emulated link's shaped rate "
+          f"({os.environ.get('DIST_MOE_EMULATED_RATE')}), each node's busier direction, or where the link is not "
+          "emulated sent as one raw all-to-all in this launch, times 4 (dispatch and combine, forward and "
+          "backward); bound = max(compute alone of its router, link); "
           "eff = bound / step")
     ds, mg = totals["DeepSpeed MOELayer"][0], totals["Megatron alltoall"][0]
     print(f"dist-moe rank dedup / DeepSpeed = {base[0] / ds:.2f}x (target <= 0.8x); "

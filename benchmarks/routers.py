@@ -70,16 +70,24 @@ def main() -> None:
         # one of the two depth-1 subtrees (the node level of 2 nodes), then top-K inside it
         "branch limit 1 of 2": {"type": "branch", **base, "subtree_limit": 1, "subtree_depth": 1},
         "branch limit 2 of 8": {"type": "branch", **base, "subtree_limit": 2, "subtree_depth": 3},
+        # what the default balance costs: the sign rule alone, then without evaluation's own bias
+        "limit 1 of 2, sign": {"type": "branch", **base, "subtree_limit": 1, "subtree_depth": 1,
+                               "balance_rule": "sign", "balance_eval": False},
+        "limit 1 of 2, no eval": {"type": "branch", **base, "subtree_limit": 1, "subtree_depth": 1,
+                                  "balance_eval": False},
+        "deepseek_v3 node 1/2": {"type": "deepseek_v3", **base, "node_limit": 1},
         "specdrop (dense)": {"type": "specdrop", "num_experts": a.experts, "num_categories": a.experts,
                              "p_assigned": 0.7, "hidden_size": a.hidden},
     }
-    times = {name: timed(fwd_bwd(build_router(c).train(), x, cats), a.repeats) for name, c in cfgs.items()}
+    routers = {name: build_router(c).train() for name, c in cfgs.items()}
+    routers["deepseek_v3 node 1/2"].set_expert_groups(torch.arange(a.experts) // (a.experts // 2))  # 2 nodes
+    times = {name: timed(fwd_bwd(r, x, cats), a.repeats) for name, r in routers.items()}
     ref = times["switch"]
     print(f"T={a.tokens} H={a.hidden} E={a.experts} K={a.top_k}, {torch.get_num_threads()} threads, "
           f"best of {a.repeats}")
-    print(f"{'router':<20}{'ms':>9}{'vs switch':>11}")
+    print(f"{'router':<24}{'ms':>9}{'vs switch':>11}")
     for name, t in times.items():
-        print(f"{name:<20}{1e3 * t:>9.2f}{t / ref:>10.2f}x")
+        print(f"{name:<24}{1e3 * t:>9.2f}{t / ref:>10.2f}x")
     branch = build_router(cfgs["branch (linear)"]).train()
     batched = timed(lambda: branch.node_map(x).sum().backward(), a.repeats)
     looped = timed(node_loop(branch, x), a.repeats)

@@ -80,6 +80,7 @@ PY=$(project_tool python) || exit 2
 if [ "$LAUNCHER" = deepspeed ]; then DEEPSPEED=$(project_tool deepspeed) || exit 2; fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export DIST_MOE_EMULATED_NODES="$NODES"  # the nodes share this host's GPUs, if it has any: their ranks take the CPU
+export DIST_MOE_EMULATED_RATE="$RATE"  # the benchmarks' line-rate bound of the inter-node link
 # after a kill -9 the watcher runs this script's --remove-stale: this run's namespaces go too
 start_run bash "$DIST_MOE_HOME/launch/emulate_cluster.sh" --remove-stale
 if [ "$LAUNCHER" = deepspeed ]; then
