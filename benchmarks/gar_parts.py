@@ -46,16 +46,19 @@ def main() -> None:
         pred, aux = m(grp[0])
         return ((pred - grp[1]) ** 2).mean() + aux
 
-    reads = []  # the observation reads: the template sum of each group's fresh gradients, and adding it back
+    reads = []  # the observation reads: each group's fresh expert gradients summed over experts, in their hooks
+    adder = observe._adder
 
-    def timed(fn):
-        def run(*a):
+    def timed_adder(out, stacked):
+        add = adder(out, stacked)
+
+        def run(grad):
             start = time.perf_counter()
-            fn(*a)
+            add(grad)
             reads.append(time.perf_counter() - start)
         return run
 
-    observe._read_template, observe._restore_grads = timed(observe._read_template), timed(observe._restore_grads)
+    observe._adder = timed_adder
 
     def clip_and_step():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
