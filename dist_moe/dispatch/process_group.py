@@ -94,8 +94,10 @@ def shutdown(wait: bool = True) -> None:
 def collective_failure(error: BaseException, rank: int, world: int, timeout_s: float) -> CollectiveError | None:
     """A clear error for a failed collective (gloo/NCCL raise RuntimeError or DistError), else None."""
     text = str(error)
+    # gloo's words when an operation in flight outlives its timeout: "Application timeout caused pair closure"
     signs = ("Connection reset", "Connection closed", "Connection refused", "Timed out", "timed out",
-             "Broken pipe", "Socket", "socket", "NCCL", "gloo", "DistNetworkError", "No route to host")
+             "Broken pipe", "Socket", "socket", "NCCL", "gloo", "DistNetworkError", "No route to host",
+             "pair closure")
     if not isinstance(error, (getattr(dist, "DistError", RuntimeError), RuntimeError)) or not any(
             s in text or s in type(error).__name__ for s in signs):
         return None

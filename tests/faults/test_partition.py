@@ -79,3 +79,15 @@ def test_throttled_link_slows_training_but_loses_nothing(tmp_path):
     assert got["steps"] == ref["steps"] == 40 and got["skipped_steps"] == 0
     assert got["val_loss"] == ref["val_loss"] and got["val_acc"] == ref["val_acc"]  # the same run, only slower
     assert got["train_seconds"] > ref["train_seconds"]
+
+
+def test_gloo_pair_closure_is_a_collective_failure():
+    """A link cut while an exchange is in flight surfaces from gloo as a pair closed by its timeout (the
+    metadata's all-to-all is waited for after the payload leaves): every rank reports it as a failed
+    collective, not as an internal error."""
+    from dist_moe.dispatch.process_group import collective_failure
+
+    error = RuntimeError("Application timeout caused pair closure")  # as the CLI printed it
+    failure = collective_failure(error, 1, 2, 15.0)
+    assert failure is not None and str(failure).startswith("rank 1 of 2: a collective failed"), failure
+    assert collective_failure(RuntimeError("shape mismatch"), 1, 2, 15.0) is None
