@@ -113,6 +113,8 @@ def measure(ffn: int) -> None:
             runs.insert(1, (placements[0], "none", PIPELINED))
         local = MoELayer(D_MODEL, ffn, dict(ROUTERS[name]))  # every expert here: compute without exchanges
         local.router.load_state_dict(state, strict=False)
+        if getattr(local.router, "node_limit", None):  # one process is one node: limit to the cluster's nodes
+            local.router.set_expert_groups(groups)
         x_local = shard.clone().requires_grad_()
 
         def local_step():

@@ -44,32 +44,10 @@ def check_limits(limits, num_experts: int, top_k: int) -> list[tuple[int, int]]:
 
 def node_bias(bias: Tensor, depth: int) -> Tensor:
     """The slice of a per-node selection bias (``BranchRouter.balance_bias``: every tree node below the
-    root, breadth first, so depth d's 2^d nodes start at 2^d - 2 and the leaves are the last E)."""
+    root, breadth first, so depth d's 2^d nodes start at 2^d - 2 and the leaves are the last E), in the
+    last dimension."""
     n = 1 << depth
-    return bias[n - 2 : 2 * n - 2]
-
-
-def subtree_mask(probs: Tensor, limits: list[tuple[int, int]], bias: Tensor | None = None) -> Tensor:
-    """[T, E] bool: the leaves inside each token's kept subtrees (ranked by path mass, plus the
-    subtree's selection bias when ``bias`` is given; ties to the lower index), every limit applied
-    inside the subtrees the one before it kept."""
-    t, e = probs.shape
-    mass_all = probs.detach()
-    allowed = torch.ones(t, e, dtype=torch.bool, device=probs.device)
-    for depth, m in limits:
-        n = 1 << depth
-        inside = allowed.reshape(t, n, e // n).any(-1)
-        score = mass_all.reshape(t, n, e // n).sum(-1)
-        if bias is not None:
-            score = score + node_bias(bias, depth)
-        mass = torch.where(inside, score, float("-inf"))
-        if m < n:
-            keep = torch.sort(mass, dim=1, descending=True, stable=True).indices[:, :m]
-            chosen = torch.zeros(t, n, dtype=torch.bool, device=probs.device).scatter(1, keep, True) & inside
-        else:
-            chosen = inside
-        allowed = chosen[:, :, None].expand(t, n, e // n).reshape(t, e)
-    return allowed
+    return bias[..., n - 2 : 2 * n - 2]
 
 
 def limited_top_k(probs: Tensor, top_k: int, limits: list[tuple[int, int]],
@@ -79,17 +57,76 @@ def limited_top_k(probs: Tensor, top_k: int, limits: list[tuple[int, int]],
     kept path masses. ``bias`` (per tree node, ``node_bias``) enters the selection only, as
     DeepSeek-V3's expert bias does: subtrees are ranked by path mass + bias, leaves inside them by
     probability + bias, and the chosen leaves are reported in order of their own probability."""
-    allowed = subtree_mask(probs, limits, bias)
-    if bias is None:
-        order = torch.sort(torch.where(allowed, probs.detach(), -1.0), dim=1, descending=True, stable=True).indices
-        idx = order[:, :top_k]
-        return probs.gather(1, idx), idx
-    e = probs.shape[1]
-    score = torch.where(allowed, probs.detach() + node_bias(bias, e.bit_length() - 1), float("-inf"))
-    chosen = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :top_k]
-    by_prob = torch.sort(probs.detach().gather(1, chosen), dim=1, descending=True, stable=True).indices
-    idx = chosen.gather(1, by_prob)
+    idx, _ = limited_selection(probs, top_k, limits, bias)
     return probs.gather(1, idx), idx
+
+
+def balance_slope(probs: Tensor, top_k: int, limits: list[tuple[int, int]], bias: Tensor,
+                  valid: Tensor | None = None) -> Tensor:
+    """[2E - 2]: for every unit ``balance_step`` moves (the subtrees at each limited depth, the leaves),
+    the slots its selection gains per unit of its own bias on this batch: the tokens within a window
+    (``WINDOW`` / 2^d) of taking it in or leaving it out, over the window's width, times the slots
+    one (token, subtree) pair carries (K / M). Zero elsewhere. ``valid`` [T] bool leaves rows out."""
+    return limited_selection(probs, top_k, limits, bias, valid, slope=True)[1]
+
+
+def limited_selection(probs: Tensor, top_k: int, limits: list[tuple[int, int]], bias: Tensor | None = None,
+                      valid: Tensor | None = None, slope: bool = False) -> tuple[Tensor, Tensor | None]:
+    """(indices [T, K], in order of the leaves' own probability; with ``slope`` the bias slopes
+    ``balance_slope`` describes, else None): ``limited_top_k``'s selection and the balance's slopes
+    from one sort per limited depth and one of the kept leaves, the sorts the selection needs anyway.
+    ``probs`` [G, T, E] with ``bias`` [G, 2E - 2] makes G selections of T tokens at once, each with its
+    own bias (indices [G, T, K], slopes [G, 2E - 2]): the same kernels, whatever G."""
+    batched = probs.dim() == 3
+    p = probs.detach() if batched else probs.detach().unsqueeze(0)
+    b = None if bias is None else (bias if batched else bias.unsqueeze(0)).unsqueeze(1)  # [G, 1, 2E - 2]
+    g, t, e = p.shape
+    slopes = p.new_zeros(g, 2 * e - 2) if slope else None
+    # the last limited depth's kept subtrees: [G, T, n] bool, [G, T, units] ids
+    chosen, kept, units = None, None, 1
+    for depth, m in limits:
+        n = 1 << depth
+        score = p.reshape(g, t, n, e // n).sum(-1)
+        if b is not None:
+            score = score + node_bias(b, depth)
+        if chosen is not None:  # only inside the subtrees the level above kept
+            inside = chosen.repeat_interleave(n // chosen.shape[-1], dim=-1)
+            score = torch.where(inside, score, float("-inf"))
+        units = min(m, units * (n // (1 if chosen is None else chosen.shape[-1])))
+        if m < n:
+            ranked, order = torch.sort(score, dim=-1, descending=True, stable=True)
+            # ranked past the finite scores are subtrees outside; the first ``units`` are all inside
+            kept = order[..., :units]
+            chosen = torch.zeros_like(score, dtype=torch.bool).scatter(-1, kept, True)
+            if slopes is not None:
+                node_bias(slopes, depth).copy_(_near_the_cut(score, chosen, ranked, m, WINDOW / n, valid) * top_k / m)
+        else:  # limits nothing: every subtree inside stays
+            chosen = inside if chosen is not None else torch.ones_like(score, dtype=torch.bool)
+            kept = None
+    leaf = p if b is None else p + node_bias(b, e.bit_length() - 1)
+    if kept is not None:  # only the kept subtrees' leaves, in index order (so ties still go to the lower)
+        per = e // chosen.shape[-1]
+        kept = kept.sort(dim=-1).values if units > 1 else kept
+        ids = (kept[..., None] * per + torch.arange(per, device=p.device)).reshape(g, t, units * per)
+        score = leaf.gather(-1, ids)
+    else:
+        ids = torch.arange(e, device=p.device).expand(g, t, e)
+        score = leaf if chosen is None else torch.where(
+            chosen.repeat_interleave(e // chosen.shape[-1], dim=-1), leaf, float("-inf"))
+    ranked, order = torch.sort(score, dim=-1, descending=True, stable=True)
+    idx = ids.gather(-1, order[..., :top_k])
+    if slopes is not None:
+        near = _near_the_cut(score, torch.zeros_like(score, dtype=torch.bool).scatter(-1, order[..., :top_k], True),
+                             ranked, top_k, WINDOW / e, valid, per_token=True)
+        # a token's candidates are distinct leaves: laid out over the leaves, then summed over tokens
+        node_bias(slopes, e.bit_length() - 1).copy_(p.new_zeros(g, t, e).scatter(-1, ids, near).sum(-2)
+                                                    / (2 * WINDOW / e))
+    if b is not None:  # reported in order of the leaves' own probability
+        by_prob = torch.sort(p.gather(-1, idx), dim=-1, descending=True, stable=True).indices
+        idx = idx.gather(-1, by_prob)
+    if batched:
+        return idx, slopes
+    return idx[0], None if slopes is None else slopes[0]
 
 
 BALANCE_RULES = ("sign", "newton")
@@ -113,13 +150,13 @@ def balance_step(bias: Tensor, load: Tensor, limits: list[tuple[int, int]], rate
     whatever the data and node map make of a bias (peaked path masses move many tokens per unit of
     bias, spread ones few), so it neither lags a distribution that moves nor rings at balance.
     ``load`` [E]: selected (token, expert) slots per expert; ``load`` and ``slope`` summed over the
-    replicas that must stay equal."""
-    e = load.shape[0]
+    replicas that must stay equal. Leading dimensions ([G, E], [G, 2E - 2]) step G biases at once."""
+    e = load.shape[-1]
     load = load.to(bias.dtype)
     for depth in sorted({d for d, _ in limits} | {e.bit_length() - 1}):
         n = 1 << depth
-        units = load.reshape(n, e // n).sum(-1)
-        short = units.mean() - units
+        units = load.reshape(*load.shape[:-1], n, e // n).sum(-1)
+        short = units.mean(-1, keepdim=True) - units
         if rule == "sign":
             node_bias(bias, depth).add_(rate / n * torch.sign(short))
         else:  # no tokens near the cut (slope 0): the window's step toward balance
@@ -128,43 +165,24 @@ def balance_step(bias: Tensor, load: Tensor, limits: list[tuple[int, int]], rate
             node_bias(bias, depth).add_(step.nan_to_num(posinf=h, neginf=-h).clamp(-h, h))
 
 
-def balance_slope(probs: Tensor, top_k: int, limits: list[tuple[int, int]], bias: Tensor,
-                  valid: Tensor | None = None) -> Tensor:
-    """[2E - 2]: for every unit ``balance_step`` moves (the subtrees at each limited depth, the leaves),
-    the slots its selection gains per unit of its own bias on this batch: the tokens within a window
-    (``WINDOW`` / 2^d) of taking it in or leaving it out, over the window's width, times the slots
-    one (token, subtree) pair carries (K / M). Zero elsewhere. ``valid`` [T] bool leaves rows out."""
-    t, e = probs.shape
-    probs = probs.detach()
-    slope = torch.zeros_like(bias)
-    for i, (depth, m) in enumerate(limits):
-        n = 1 << depth
-        inside = subtree_mask(probs, limits[:i], bias).reshape(t, n, e // n).any(-1)
-        score = torch.where(inside, probs.reshape(t, n, e // n).sum(-1) + node_bias(bias, depth), float("-inf"))
-        chosen = subtree_mask(probs, limits[: i + 1], bias).reshape(t, n, e // n).any(-1)
-        node_bias(slope, depth).copy_(_near_the_cut(score, chosen, m, WINDOW / n, valid) * top_k / m)
-    allowed = subtree_mask(probs, limits, bias)
-    score = torch.where(allowed, probs + node_bias(bias, e.bit_length() - 1), float("-inf"))
-    top = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :top_k]
-    chosen = torch.zeros_like(allowed).scatter(1, top, True)
-    node_bias(slope, e.bit_length() - 1).copy_(_near_the_cut(score, chosen, top_k, WINDOW / e, valid))
-    return slope
-
-
-def _near_the_cut(score: Tensor, chosen: Tensor, m: int, h: float, valid: Tensor | None) -> Tensor:
-    """[n]: tokens whose choice of each unit flips within a bias change of h (a kept unit within h of
-    the best one left out, one left out within h of the M-th kept), over 2h: the slope of the unit's
-    count in its own bias. A token with no unit left out (M >= its candidates) cannot flip."""
-    ranked = torch.sort(score, dim=1, descending=True).values
-    if ranked.shape[1] <= m:
-        return score.new_zeros(score.shape[1])
-    last_in, first_out = ranked[:, m - 1 : m], ranked[:, m : m + 1]
+def _near_the_cut(score: Tensor, chosen: Tensor, ranked: Tensor, m: int, h: float, valid: Tensor | None,
+                  per_token: bool = False) -> Tensor:
+    """[..., n]: tokens whose choice of each unit flips within a bias change of h (a kept unit within h
+    of the best one left out, one left out within h of the M-th kept), over 2h: the slope of the
+    unit's count in its own bias (``per_token``: [..., T, n], 1.0 where a token is near, not yet
+    summed or scaled). ``score`` [..., T, n]; ``ranked``: it sorted, descending. A token with no unit
+    left out (M >= its candidates) cannot flip."""
+    if ranked.shape[-1] <= m:
+        return score.new_zeros(score.shape if per_token else score.shape[:-2] + score.shape[-1:])
+    last_in, first_out = ranked[..., m - 1 : m], ranked[..., m : m + 1]
     leave = chosen & (score - first_out < h)
     join = ~chosen & torch.isfinite(score) & (last_in - score < h)
     near = leave | join
     if valid is not None:
-        near = near & valid.reshape(-1, 1)
-    return near.sum(0).to(score.dtype) / (2 * h)
+        near = near & (valid.reshape(-1, 1) != 0)  # a float mask (the routers') or bool
+    if per_token:
+        return near.to(score.dtype)
+    return near.sum(-2).to(score.dtype) / (2 * h)
 
 
 def tree_probs(scores: Tensor, anchors: Tensor) -> Tensor:

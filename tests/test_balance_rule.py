@@ -106,3 +106,63 @@ def test_evaluation_selects_with_its_own_bias_moved_from_the_ema_anchors_routing
     r.train()
     with r.frozen_state():
         assert (r(x).expert_idx < 8).any()  # training still selects with its own
+
+
+def _one_token_at_a_time(probs, k, limits, bias, valid):
+    """The selection and its slopes as their docstrings state them, token by token in Python: subtrees
+    ranked by mass + bias inside the ones the level above kept, then leaves by probability + bias,
+    ties to the lower index, reported by probability; every unit within its window of a cut counted."""
+    t, e = probs.shape
+    rows, slope = [], torch.zeros(2 * e - 2, dtype=torch.float64)
+
+    def cut(units, score, m, h, first, weight, count):
+        ranked = sorted(units, key=lambda u: (-score[u], u))
+        if count and m < len(units):
+            last_in, first_out = score[ranked[m - 1]], score[ranked[m]]
+            for u in units:
+                if (score[u] - first_out < h) if u in ranked[:m] else (last_in - score[u] < h):
+                    slope[first + u] += weight / (2 * h)
+        return ranked[:m]
+
+    for i in range(t):
+        p, count = probs[i].tolist(), valid is None or bool(valid[i])
+        allowed = list(range(e))
+        for depth, m in limits:
+            n, size = 1 << depth, e >> depth
+            units = sorted({leaf // size for leaf in allowed})
+            score = {u: sum(p[u * size:(u + 1) * size]) + float(node_bias(bias, depth)[u]) for u in units}
+            kept = cut(units, score, m, WINDOW / n, n - 2, k / m, count)
+            allowed = [leaf for leaf in allowed if leaf // size in kept]
+        score = {leaf: p[leaf] + float(node_bias(bias, e.bit_length() - 1)[leaf]) for leaf in allowed}
+        chosen = cut(allowed, score, k, WINDOW / e, e - 2, 1.0, count)
+        rows.append(sorted(chosen, key=lambda leaf: -p[leaf]))  # stable: equal ones in the order chosen
+    return torch.tensor(rows), slope
+
+
+@pytest.mark.parametrize("e,k,limits", [(16, 4, [(1, 1)]), (16, 4, [(2, 2)]), (16, 2, [(1, 1), (2, 1)]),
+                                        (32, 4, [(1, 1), (3, 2)]), (16, 4, [(2, 4)]), (8, 3, [(1, 2), (2, 2)])])
+def test_one_pass_selects_and_measures_slopes_as_token_by_token(e, k, limits):
+    # dyadic probabilities and biases: float32 sums are exact, and ties are everywhere
+    g = torch.Generator().manual_seed(e * 10 + k)
+    probs = torch.randint(0, 8, (40, e), generator=g).float() / 64
+    bias = torch.randint(-2, 3, (2 * e - 2,), generator=g).float() / 64
+    valid = torch.rand(40, generator=g) > 0.25
+    want_idx, want_slope = _one_token_at_a_time(probs, k, limits, bias, valid)
+    vals, idx = limited_top_k(probs, k, limits, bias)
+    assert torch.equal(idx, want_idx) and torch.equal(vals, probs.gather(1, want_idx))
+    assert torch.allclose(balance_slope(probs, k, limits, bias, valid).double(), want_slope, rtol=1e-6)
+    assert limited_top_k(probs[:0], k, limits, bias)[1].shape == (0, k)  # an empty batch (a rank's padding)
+    assert not balance_slope(probs[:0], k, limits, bias).any()
+
+
+def test_padding_counts_in_no_balance_statistic():
+    """Rows marked padding (the float mask a router gets) move neither bias nor the anchors."""
+    torch.manual_seed(0)
+    padded, alone = _router(), _router()
+    alone.load_state_dict(padded.state_dict())
+    for _ in range(3):
+        x = torch.randn(96, 8) * 3
+        padded(torch.cat([x, torch.randn(32, 8) * 9]), valid=torch.arange(128) < 96)
+        alone(x)
+    for name, want in alone.state_dict().items():
+        assert torch.allclose(padded.state_dict()[name], want, atol=1e-6), name

@@ -22,11 +22,10 @@ from dist_moe.routing.tree_anchors import batch_anchors
 from placement.subtree import (
     BALANCE_RULES,
     DEFAULT_RATES,
-    balance_slope,
     balance_step,
     check_limits,
     level_depths,
-    limited_top_k,
+    limited_selection,
     tree_probs,
 )
 
@@ -163,16 +162,18 @@ class BranchRouter(Router):
         bias = self._selection_bias()
         if self.subtree_levels is None:
             vals, idx = select_top_k(probs, self.top_k)
+            load = expert_load(idx, self.num_experts, valid=keep)
+        elif bias is not None and self.updates_state:
+            idx, load = self._select_and_balance(f, probs, keep)
+            vals = pick(probs, idx)
         else:  # at most M subtrees per token, ranked by path mass; the eta rule over the kept selection
             # the values picked here: a gather's backward would scatter-add (with atomics on a GPU)
-            _, idx = limited_top_k(probs.detach(), self.top_k, self.subtree_levels, bias)
-            vals = pick(probs, idx)
+            idx, _ = limited_selection(probs, self.top_k, self.subtree_levels, bias)
+            vals, load = pick(probs, idx), expert_load(idx, self.num_experts, valid=keep)
         gates = vals
         if self.eta:
             gates = vals / vals.sum(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)  # eq. 21
-        stats = {"load": expert_load(idx, self.num_experts, valid=keep)}
-        if bias is not None and self.updates_state:
-            self._balance(f, probs, stats["load"], keep)
+        stats = {"load": load}
         return Routing(probs=probs, expert_idx=idx, gates=gates, aux_loss=zero_aux(x.device), stats=stats)
 
     def _selection_bias(self) -> Tensor | None:
@@ -182,27 +183,30 @@ class BranchRouter(Router):
         return self.eval_balance.balance_bias if self.balance_eval and not self.training else self.balance_bias
 
     @torch.no_grad()
-    def _balance(self, f: Tensor, probs: Tensor, load: Tensor, keep: Tensor | None) -> None:
-        """One balance step from the hard loads (and for ``newton`` their slopes in the bias) of every
-        replica, so the biases stay equal: training's bias from this batch's selections, evaluation's
-        from those the EMA anchors would make of it."""
-        biases, parts = [self.balance_bias], [load.float(), *self._slope(probs, self.balance_bias, keep)]
+    def _select_and_balance(self, f: Tensor, probs: Tensor, keep: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(training's selection [T, K], its load [E]) and one balance step from the hard loads (and for
+        ``newton`` their slopes in the bias) of every replica, so the biases stay equal: training's bias
+        from this batch's selections, evaluation's from those the EMA anchors would make of it. Both
+        selections (and their slopes) in one pass, the loads and slopes summed in one collective."""
+        newton, k, e = self.balance_rule == "newton", self.top_k, self.num_experts
+        biases, masses = [self.balance_bias], [probs]
         if self.balance_eval:
-            bias = self.eval_balance.balance_bias
-            probs = tree_probs(f.detach(), self.anchors)
-            _, idx = limited_top_k(probs, self.top_k, self.subtree_levels, bias)
-            biases.append(bias)
-            parts += [expert_load(idx, self.num_experts, valid=keep), *self._slope(probs, bias, keep)]
-        parts = self.reduce_stats(torch.cat(parts))  # one collective for all
-        per = self.num_experts + (self.balance_bias.numel() if self.balance_rule == "newton" else 0)
-        for bias, part in zip(biases, parts.split(per)):
-            total, slope = part[: self.num_experts], part[self.num_experts :]
-            balance_step(bias, total, self.subtree_levels, self.balance_rate, self.balance_rule, slope)
-
-    def _slope(self, probs: Tensor, bias: Tensor, keep: Tensor | None) -> list[Tensor]:
-        if self.balance_rule != "newton":
-            return []
-        return [balance_slope(probs, self.top_k, self.subtree_levels, bias, keep)]
+            biases.append(self.eval_balance.balance_bias)
+            masses.append(tree_probs(f.detach(), self.anchors))
+        g = len(biases)
+        idx, slope = limited_selection(torch.stack(masses), k, self.subtree_levels, torch.stack(biases), keep,
+                                       slope=newton)
+        # each selection's experts offset by E * its place: one count for all
+        offset = torch.arange(g, device=idx.device).repeat_interleave(k) * e
+        load = expert_load(idx.transpose(0, 1).reshape(-1, g * k) + offset, g * e, valid=keep).reshape(g, e)
+        parts = load if slope is None else torch.cat([load, slope], 1)
+        parts = self.reduce_stats(parts.reshape(-1)).reshape(g, -1)  # one collective for all
+        stepped = torch.stack(biases)
+        balance_step(stepped, parts[:, :e], self.subtree_levels, self.balance_rate, self.balance_rule,
+                     parts[:, e:] if newton else None)
+        for bias, new in zip(biases, stepped):
+            bias.copy_(new)
+        return idx[0], load[0]
 
     @torch.no_grad()
     def _update_anchors(self, stat: Tensor, mass: Tensor) -> None:
