@@ -1,1 +1,1 @@
-"""Engine adapters (DeepSpeed, Megatron-core); one module per engine."""
+"""Engine adapters (DeepSpeed, Megatron-core, transformers); one module per engine."""
