@@ -36,7 +36,7 @@ EXPERTS, TOP_K, HIDDEN, FFN, VOCAB = 16, 4, 256, 128, 256
 # (label, ep_implementation, dedup, chunks); the first is the reference
 ARMS = [("all_to_all", "counted_all_to_all", None, 1), ("dist_moe none C=1", "dist_moe", "none", 1),
         ("dist_moe rank C=1", "dist_moe", "rank", 1), ("dist_moe node C=1", "dist_moe", "node", 1),
-        ("dist_moe node C=4", "dist_moe", "node", 4)]
+        ("dist_moe node C=2", "dist_moe", "node", 2), ("dist_moe node C=4", "dist_moe", "node", 4)]
 
 
 def config(nodes: int):

@@ -67,3 +67,9 @@ def test_deepspeed_job_with_dist_moe_gate_and_dispatcher_trains_like_topkgate(la
     for theirs, *ours in [tuple(map(float, row)) for row in losses]:
         assert all(abs(theirs - v) < 1e-5 for v in ours), out
     assert f"load_checkpoint (dist_moe dispatcher, ZeRO {zero}): exact" in out, out
+
+
+def test_transformers_model_through_dist_moe_under_torchrun():
+    pytest.importorskip("accelerate", reason="transformers' distributed loading needs accelerate")
+    out = _torchrun(2, "examples/transformers_ep.py")
+    assert "step 2: loss" in out and "bytes in forward dispatch over 3 steps" in out

@@ -8,6 +8,7 @@ from dataclasses import replace
 import psutil
 
 from dist_moe.data.corpus import lm_split
+from dist_moe.data.local_text import is_local, local_split
 from dist_moe.data.tabular import tabular_split
 from dist_moe.data.text_tasks import text_split
 from dist_moe.experts import expert_parameters
@@ -56,13 +57,18 @@ def data_and_model(cfg, rt):
 def _data_and_model(cfg, rt):
     dcfg, mcfg, kind, seed = cfg.data, cfg.model, cfg.model.kind, cfg.seed
     wants = {k: v for k, v in DATA_OF_KIND.items() if v is not None}
-    if wants.get(kind) != (dcfg.name if dcfg.name in wants.values() else None):
-        raise ValueError(f"model.kind={kind!r} needs data.name={wants.get(kind, 'a keel dataset')}, "
-                         f"got {dcfg.name!r}")
+    local = kind == "lm" and is_local(dcfg.name)
+    if not local and wants.get(kind) != (dcfg.name if dcfg.name in wants.values() else None):
+        raise ValueError(f"model.kind={kind!r} needs data.name={wants.get(kind, 'a keel dataset')}"
+                         f"{' or a local text or token file' if kind == 'lm' else ''}, got {dcfg.name!r}")
     if kind == "lm":
         if mcfg.label_mask or not mcfg.d_model:
             raise ValueError("model.kind=lm needs model.d_model > 0 and model.label_mask: false")
-        data = lm_split(dcfg.seq_len, dcfg.per_domain, dcfg.val_fraction, seed, dcfg.categories)
+        if local:
+            data = local_split(dcfg.name, dcfg.seq_len, dcfg.val_fraction, seed, dcfg.categories, VOCAB,
+                               dcfg.token_dtype)
+        else:
+            data = lm_split(dcfg.seq_len, dcfg.per_domain, dcfg.val_fraction, seed, dcfg.categories)
         check_model_fits(cfg, rt.world)
         router = categorised_router(cfg, data)
         build = lambda i: rt.build_moe(mcfg.d_model, mcfg.ffn_hidden_size, router,  # noqa: E731

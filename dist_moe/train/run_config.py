@@ -80,7 +80,8 @@ class ParallelConfig:
 class DataConfig:
     # name "corpus": the multi-domain byte corpus (dist_moe/data/corpus.py) for model.kind lm, with seq_len and
     # per_domain sequences; "text_tasks": the multi-task text mixture for model.kind text (per_domain examples
-    # per task, seq_len MiniLM tokens each); otherwise a keel dataset (the loader names the valid ones)
+    # per task, seq_len MiniLM tokens each); a local text file, folder of text files or .npy / .bin token file
+    # (dist_moe/data/local_text.py) for model.kind lm; otherwise a keel dataset (the loader names the valid ones)
     name: str = "magic"
     val_fraction: float = key(0.2, "a number in (0, 1)", lambda v: 0 < v < 1)
     max_rows: int | None = key(None, "an int >= 10", lambda v: v >= 10)
@@ -89,6 +90,8 @@ class DataConfig:
     categories: str | None = None
     seq_len: int = key(64, "an int >= 2", lambda v: v >= 2)
     per_domain: int = _positive(2000)
+    # the token width of a .bin token file (nanoGPT writes uint16, Megatron's GPT-2-sized vocabularies uint32)
+    token_dtype: str = one_of("uint16", ("uint16", "uint32"))
 
 
 @dataclass

@@ -170,9 +170,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
-    cases = [("none", 1), ("rank", 1), ("node", 1), ("node", 3)]
-    if world == 2:  # one node: node dedup is rank dedup
-        cases = [("none", 1), ("rank", 3), ("node", 1)]
+    cases = [(dedup, chunks) for dedup in ("none", "rank", "node") for chunks in (1, 3)]
     for kind in MODELS:
         _case(rank, world, folder, topology_spec, kind, cases)
     dist.barrier()

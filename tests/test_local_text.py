@@ -1,0 +1,105 @@
+"""A user's own text for the LM (``data.name`` a local text file, folder or token file): what the model
+reads is the source cut into sequences, cached until the source changes, and every bad source is
+refused in one line before a run starts."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dist_moe.cli import main
+from dist_moe.data.local_text import load_sequences, local_split
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _data_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIST_MOE_DATA", str(tmp_path / "data"))
+
+
+def _rows(split) -> set:
+    """Every sequence of the split (inputs + the last target), as bytes."""
+    rows = torch.cat([torch.cat([split.x_train, split.y_train[:, -1:]], 1),
+                      torch.cat([split.x_val, split.y_val[:, -1:]], 1)])
+    return {bytes(r.tolist()) for r in rows.to(torch.uint8)}
+
+
+def test_a_text_file_is_its_bytes_cut_into_sequences(tmp_path):
+    text = "".join(f"line {i}: the quick brown fox\n" for i in range(40)).encode()
+    (tmp_path / "a.txt").write_bytes(text)
+    split = local_split(str(tmp_path / "a.txt"), 15, 0.25, 0, None)
+    n = len(text) // 16
+    assert _rows(split) == {text[i * 16:(i + 1) * 16] for i in range(n)}
+    assert len(split.x_val) == round(n * 0.25) and len(split.x_train) == n - len(split.x_val)
+    assert torch.equal(split.x_train[:, 1:], split.y_train[:, :-1])  # targets: the next bytes
+    assert split.category_names is None and split.num_classes == 256
+
+
+def test_a_folder_joins_its_files_in_path_order_leaving_hidden_ones_out(tmp_path):
+    folder = tmp_path / "docs"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "b.txt").write_bytes(b"B" * 40)
+    (folder / "sub" / "a.md").write_bytes(b"A" * 40)  # sorted by path: b.txt < sub/a.md
+    (folder / ".hidden").write_bytes(b"H" * 400)
+    got = load_sequences(folder, 9)
+    assert got.tobytes() == np.frombuffer(b"B" * 40 + b"\n" + b"A" * 40, np.uint8).astype(np.uint16)[:80].tobytes()
+
+
+@pytest.mark.parametrize("dtype,write", [("uint16", "bin"), ("uint32", "bin"), ("uint16", "npy")])
+def test_token_files_are_read_as_their_flat_layout(tmp_path, dtype, write):
+    ids = np.arange(100, dtype=dtype) % 250
+    path = tmp_path / f"tokens.{write}"
+    if write == "bin":
+        ids.tofile(path)
+    else:
+        np.save(path, ids.astype(np.int64))
+    got = load_sequences(path, 9, dtype)
+    assert np.array_equal(got.reshape(-1), ids)
+    split = local_split(str(path), 9, 0.2, 0, None, token_dtype=dtype)
+    assert len(split.x_train) + len(split.x_val) == 10
+
+
+def test_the_cache_is_read_again_only_when_the_source_changes(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_bytes(b"x" * 100)
+    first = load_sequences(path, 9)
+    caches = list((tmp_path / "data").glob("local_*.npz"))
+    assert len(caches) == 1
+    np.savez(caches[0], tokens=first[:3])  # the cache is what is read while the source is unchanged
+    assert len(load_sequences(path, 9)) == 3
+    path.write_bytes(b"y" * 200)  # a changed source is read again, into a cache of its own
+    assert load_sequences(path, 9)[0, 0] == ord("y") and len(list((tmp_path / "data").glob("local_*.npz"))) == 2
+
+
+@pytest.mark.parametrize("source,args,message", [
+    ("missing.txt", [], "no such file or folder"),
+    ("big.npy", [], "holds token id 259; the model reads ids below 256"),  # the largest id of the sequences read
+    ("odd.bin", [], "not a whole number of uint16 tokens"),
+    ("empty", [], "is a folder without files"),
+    ("short.txt", [], "fewer than 3 sequences of data.seq_len + 1 = 65"),
+    ("short.txt", ["data.categories=domains"], "data.categories must be null for a local source"),
+    ("short.txt", ["data.token_dtype=int8"], "data.token_dtype"),
+])
+def test_bad_sources_are_refused_in_one_line(tmp_path, capsys, source, args, message):
+    np.save(tmp_path / "big.npy", np.arange(300))
+    (tmp_path / "odd.bin").write_bytes(b"abc")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "short.txt").write_bytes(b"too short")
+    rc = main(["train", "--quiet", "--config", str(ROOT / "configs/lm_branch.yaml"), f"data.name={tmp_path / source}",
+               f"output.dir={tmp_path / 'run'}", "train.max_steps=2", *args])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_dist_moe_train_learns_a_text_file_in_one_command(tmp_path):
+    (tmp_path / "mine.txt").write_text("".join(f"{i} little ducks went out one day\n" for i in range(300)))
+    out = tmp_path / "run"
+    rc = main(["train", "--quiet", "--config", str(ROOT / "configs/lm_branch.yaml"),
+               f"data.name={tmp_path / 'mine.txt'}", f"output.dir={out}", "train.max_steps=30", "train.log_every=5"])
+    assert rc == 0
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in steps if "loss" in r]
+    assert losses[-1] < losses[0] - 1.0  # a repetitive text is learned fast
