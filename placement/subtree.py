@@ -86,6 +86,8 @@ def limited_selection(probs: Tensor, top_k: int, limits: list[tuple[int, int]], 
     chosen, kept, units = None, None, 1
     for depth, m in limits:
         n = 1 << depth
+        if n == 1:  # the root: its one subtree is always kept (and has no bias of its own)
+            continue
         score = p.reshape(g, t, n, e // n).sum(-1)
         if b is not None:
             score = score + node_bias(b, depth)

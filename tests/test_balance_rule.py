@@ -130,7 +130,8 @@ def _one_token_at_a_time(probs, k, limits, bias, valid):
         for depth, m in limits:
             n, size = 1 << depth, e >> depth
             units = sorted({leaf // size for leaf in allowed})
-            score = {u: sum(p[u * size:(u + 1) * size]) + float(node_bias(bias, depth)[u]) for u in units}
+            shift = node_bias(bias, depth) if depth else torch.zeros(1)  # the root has no bias of its own
+            score = {u: sum(p[u * size:(u + 1) * size]) + float(shift[u]) for u in units}
             kept = cut(units, score, m, WINDOW / n, n - 2, k / m, count)
             allowed = [leaf for leaf in allowed if leaf // size in kept]
         score = {leaf: p[leaf] + float(node_bias(bias, e.bit_length() - 1)[leaf]) for leaf in allowed}
@@ -140,7 +141,8 @@ def _one_token_at_a_time(probs, k, limits, bias, valid):
 
 
 @pytest.mark.parametrize("e,k,limits", [(16, 4, [(1, 1)]), (16, 4, [(2, 2)]), (16, 2, [(1, 1), (2, 1)]),
-                                        (32, 4, [(1, 1), (3, 2)]), (16, 4, [(2, 4)]), (8, 3, [(1, 2), (2, 2)])])
+                                        (32, 4, [(1, 1), (3, 2)]), (16, 4, [(2, 4)]), (8, 3, [(1, 2), (2, 2)]),
+                                        (16, 4, [(0, 1), (1, 1)])])  # the root level (one node of one)
 def test_one_pass_selects_and_measures_slopes_as_token_by_token(e, k, limits):
     # dyadic probabilities and biases: float32 sums are exact, and ties are everywhere
     g = torch.Generator().manual_seed(e * 10 + k)
@@ -166,3 +168,17 @@ def test_padding_counts_in_no_balance_statistic():
         alone(x)
     for name, want in alone.state_dict().items():
         assert torch.allclose(padded.state_dict()[name], want, atol=1e-6), name
+
+
+def test_a_cluster_limit_on_one_node_balances_without_the_root_level():
+    """``node: 1`` on one node limits nothing (placement.subtree.level_depths keeps it so a cluster's config
+    runs on fewer nodes): training and evaluation route with the GPU-level limit alone."""
+    torch.manual_seed(0)
+    r = build_router({"type": "branch", "hidden_size": 8, "num_experts": 16, "top_k": 2,
+                      "subtree_limit": {"node": 1, "gpu": 2}})
+    r.resolve_subtree_levels(("node", "gpu"), (1, 8), tree_prefix=True)
+    assert r.subtree_levels == [(0, 1), (3, 2)]
+    x = torch.randn(64, 8)
+    r.train()(x)
+    idx = r.eval()(x).expert_idx
+    assert ((idx // 2).unique(dim=1).shape[1] <= 2) and r.balance_bias.any()

@@ -47,6 +47,30 @@ def test_a_folder_joins_its_files_in_path_order_leaving_hidden_ones_out(tmp_path
     assert got.tobytes() == np.frombuffer(b"B" * 40 + b"\n" + b"A" * 40, np.uint8).astype(np.uint16)[:80].tobytes()
 
 
+def test_a_folder_reads_neither_links_nor_the_data_cache(tmp_path, monkeypatch):
+    outside = tmp_path / "secret.txt"
+    outside.write_bytes(b"S" * 200)
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "a.txt").write_bytes(b"A" * 40)
+    (folder / "link.txt").symlink_to(outside)  # a folder from elsewhere must not pull this in
+    monkeypatch.setenv("DIST_MOE_DATA", str(folder / "data"))  # the cache written inside the folder
+    first = load_sequences(folder, 9)
+    assert set(first.reshape(-1).tolist()) == {ord("A")}
+    assert list((folder / "data").glob("local_*.npz"))
+    assert np.array_equal(load_sequences(folder, 9), first)  # the next run: the same source, not the cache
+
+
+def test_token_files_that_are_not_one_array_of_ids_are_refused(tmp_path):
+    with open(tmp_path / "two.npy", "wb") as f:  # an .npz archive under an .npy name
+        np.savez(f, a=np.arange(10), b=np.arange(10))
+    with pytest.raises(ValueError, match="is not one .npy array"):
+        load_sequences(tmp_path / "two.npy", 3)
+    np.save(tmp_path / "huge.npy", np.array([7, 2**32 + 7, 1, 2, 3, 4, 5, 6], dtype=np.int64))
+    with pytest.raises(ValueError, match="holds token id 4294967303, beyond any vocabulary"):
+        load_sequences(tmp_path / "huge.npy", 1)
+
+
 @pytest.mark.parametrize("dtype,write", [("uint16", "bin"), ("uint32", "bin"), ("uint16", "npy")])
 def test_token_files_are_read_as_their_flat_layout(tmp_path, dtype, write):
     ids = np.arange(100, dtype=dtype) % 250

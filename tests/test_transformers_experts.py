@@ -3,11 +3,14 @@ contract compute what the model's own experts forward computes (grouped GEMMs wh
 its own forward otherwise), and what ``use`` / the placement refuse, in one line."""
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
 pytest.importorskip("transformers.distributed.expert_parallel", reason="transformers >= 5.25 is not installed")
 
+from dist_moe.integrations.stacked import grouped_mm  # noqa: E402
 from dist_moe.integrations.transformers import StackedExperts, contiguous_placement, use  # noqa: E402
 from placement import Placement, Topology  # noqa: E402
 
@@ -44,14 +47,32 @@ def test_stacked_experts_compute_what_the_models_own_forward_computes(kind, hidd
     ids = torch.repeat_interleave(torch.arange(4), counts).unsqueeze(1)
     want = experts(x, ids, torch.ones(x.shape[0], 1))
     adapter = StackedExperts(experts, experts.forward)
-    got = adapter(x, counts)
-    assert adapter.grouped(x) and got.shape == want.shape
+    with mock.patch("dist_moe.integrations.transformers.grouped_mm", wraps=grouped_mm) as kernels:
+        got = adapter(x, counts)
+    assert kernels.call_count == (2 if hidden == 32 else 0)  # grouped GEMMs, or the experts' own forward
+    assert got.shape == want.shape
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
     g_want = torch.autograd.grad(want.square().sum(), [x, *experts.parameters()])
     g_got = torch.autograd.grad(got.square().sum(), [x, *experts.parameters()])
     for a, b in zip(g_got, g_want):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
     assert set(adapter.template()) == {n for n, _ in experts.named_parameters()}
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss"])
+def test_stacked_experts_under_bf16_autocast_compute_in_bf16(kind):
+    """fp32 weights, bf16 autocast (train.precision bf16): the GEMMs run in bf16, biases included."""
+    experts = _experts(kind)
+    counts = torch.tensor([3, 1, 4, 2])
+    x = torch.randn(int(counts.sum()), 32, requires_grad=True)
+    ids = torch.repeat_interleave(torch.arange(4), counts).unsqueeze(1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = StackedExperts(experts, experts.forward)(x, counts)
+        want = experts(x, ids, torch.ones(x.shape[0], 1))
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), want.float(), atol=5e-2, rtol=5e-2)
+    got.float().square().sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in experts.parameters())
 
 
 def test_placements_other_than_transformers_layout_are_refused_in_one_line(tmp_path):
@@ -75,6 +96,7 @@ def test_placements_other_than_transformers_layout_are_refused_in_one_line(tmp_p
     ({"pipeline_chunks": 0}, "pipeline_chunks"),
     ({"topology": "node=2"}, "topology must be a placement.Topology"),
     ({"placement": 3}, "placement must be None"),
+    ({"timeout": 30}, "timeout must be a datetime.timedelta"),
 ])
 def test_use_refuses_bad_settings_by_name(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -3,10 +3,11 @@ pre-tokenized token file (``.npy``: a 1-D integer array; ``.bin``: a flat array 
 nanoGPT's uint16 layout or Megatron's uint32).
 
 Text is read as UTF-8 bytes (the byte LM's vocabulary); a folder's regular files, in sorted path
-order, hidden ones left out, joined with newlines. The stream is cut into sequences of
+order, joined with newlines: hidden files, links and the data directory's own caches left out. The stream is cut into sequences of
 ``seq_len + 1`` tokens (inputs and next-token targets), split into training and validation rows
 with the run's seed, and cached under the data directory, keyed by the source's path, size and
-modification time, so a changed file is read again. Everything is checked at load, naming what
+modification time, so a changed file is read again (a rewrite that keeps both, as ``cp -p`` can,
+is not noticed: delete the ``local_*.npz`` cache then). Everything is checked at load, naming what
 is wrong in one line.
 """
 from __future__ import annotations
@@ -76,13 +77,23 @@ def _files(path: Path) -> list[Path]:
         return [path]
     if not path.is_dir():
         raise ValueError(f"data.name={str(path)!r} is neither a file nor a folder")
-    files = sorted(p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".")
-                                                                         for part in p.relative_to(path).parts))
+    root, cache = path.resolve(), data_dir().resolve()
+    files = sorted(p for p in path.rglob("*") if _readable_text(p, path, root, cache))
     if not files:
         raise ValueError(f"data.name={str(path)!r} is a folder without files")
     if any(p.suffix in TOKEN_FILES for p in files):
         raise ValueError(f"data.name={str(path)!r} mixes token files into a folder of text: give the token file itself")
     return files
+
+
+def _readable_text(p: Path, folder: Path, root: Path, cache: Path) -> bool:
+    """A folder's file to read: a regular file, not hidden, not a link (a folder from elsewhere must not
+    pull in what its links point to), and not this project's data cache (a cache written into the
+    folder would be read as text by the next run)."""
+    if p.is_symlink() or not p.is_file() or any(part.startswith(".") for part in p.relative_to(folder).parts):
+        return False
+    real = p.resolve()
+    return real.is_relative_to(root) and not real.is_relative_to(cache)
 
 
 def _key(path: Path, files: list[Path], seq_len: int, token_dtype: str) -> str:
@@ -101,11 +112,15 @@ def _tokens(path: Path, files: list[Path], token_dtype: str) -> np.ndarray:
             arr = np.load(path, allow_pickle=False, mmap_mode="r")
         except (ValueError, OSError) as e:
             raise ValueError(f"data.name={str(path)!r} is not a readable .npy array: {e}") from None
+        if not isinstance(arr, np.ndarray):  # an .npz archive under an .npy name
+            raise ValueError(f"data.name={str(path)!r} is not one .npy array (an .npz archive?)")
         if arr.ndim != 1 or arr.dtype.kind not in "iu":
             raise ValueError(f"data.name={str(path)!r} must hold a 1-D integer array of token ids, got "
                              f"{arr.ndim}-D {arr.dtype}")
         if arr.size and int(arr.min()) < 0:
             raise ValueError(f"data.name={str(path)!r} holds negative token ids")
+        if arr.size and int(arr.max()) >= 1 << 32:
+            raise ValueError(f"data.name={str(path)!r} holds token id {int(arr.max())}, beyond any vocabulary")
         return np.asarray(arr, dtype=np.uint32 if arr.size and int(arr.max()) >= 1 << 16 else np.uint16)
     if path.is_file() and path.suffix == ".bin":
         dtype = TOKEN_DTYPES[token_dtype]

@@ -174,7 +174,8 @@ class PipelineRun:
         returned = [hop.out(grad_out[hop.copy_row].to(dtype)) for hop in self.first]
         side_saved, chunks = (saved[:2], saved[2:]) if self.side is not None else ((), saved)  # as _side saved
         inner = iter(zip(chunks[0::3], chunks[1::3], chunks[2::3]))
-        param_grads = [torch.zeros_like(p) for p in self.params]  # fp32, as the parameters
+        # summed over the chunks in fp32 whatever the parameters' dtype (an engine's may be bf16), cast once at the end
+        param_grads = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
         wrt = self.leaves or self.params  # what each chunk's graph holds: the cast copies, or the parameters
         grad_h = torch.zeros(h_shape, dtype=torch.float32, device=grad_out.device)
         with stage("backward.shared_expert"):
@@ -201,6 +202,7 @@ class PipelineRun:
         for hop, back in zip(self.first, _wait(gates_back, "backward.gate_grads_wait")):
             grad_gates.index_put_((hop.sent_pairs,), back)
         self.leaves = []
+        param_grads = [g.to(p.dtype) for g, p in zip(param_grads, self.params)]
         return grad_h.to(dtype), grad_gates, param_grads, side_grads
 
     def _side_backward(self, saved: tuple, grad_side: Tensor | None, grad_h: Tensor) -> list:

@@ -20,6 +20,7 @@ layout stay transformers'. Every model loaded after ``use`` keeps the settings i
 """
 from __future__ import annotations
 
+import datetime
 import functools
 from dataclasses import dataclass
 
@@ -58,6 +59,8 @@ def use(dedup: str = "rank", pipeline_chunks: int = 1, topology: Topology | None
     check_chunks(pipeline_chunks)
     if topology is not None and not isinstance(topology, Topology):
         raise ValueError(f"topology must be a placement.Topology or None, got {type(topology).__name__}")
+    if timeout is not None and not isinstance(timeout, datetime.timedelta):
+        raise ValueError(f"timeout must be a datetime.timedelta or None, got {type(timeout).__name__}")
     if not (placement is None or isinstance(placement, (str, Placement)) or hasattr(placement, "__fspath__")):
         raise ValueError(f"placement must be None, 'contiguous', 'tree_prefix', a Placement or a placement file, "
                          f"got {type(placement).__name__}")
@@ -149,10 +152,10 @@ class StackedExperts:
             h = grouped_mm(x, up, offs)
             if m.has_bias:
                 rows = self._rows(counts, x)
-                h = h + (m.gate_up_proj_bias if m.has_gate else m.up_proj_bias)[rows]
+                h = h + (m.gate_up_proj_bias if m.has_gate else m.up_proj_bias)[rows].to(h.dtype)
             h = m._apply_gate(h) if m.has_gate else m.act_fn(h)
             out = grouped_mm(h, down, offs)
-            return out + m.down_proj_bias[rows] if m.has_bias else out
+            return out + m.down_proj_bias[rows].to(out.dtype) if m.has_bias else out
         ids = self._rows(counts, x).unsqueeze(1)
         return self.forward(x, ids, x.new_ones(x.shape[0], 1))
 
@@ -190,6 +193,9 @@ def implementation_class():
                                  f"dispatcher takes each rank's own tokens, not a tensor-parallel group's shared batch")
             settings = _settings
             world = ep_mesh.size()
+            if settings.dedup == "node" and world != torch.distributed.get_world_size():
+                raise ValueError(f"dedup='node' needs the expert-parallel mesh to be the whole world (ep_size={world} "
+                                 f"of {torch.distributed.get_world_size()} ranks); use dedup='rank'")
             self.topology = settings.topology if settings.topology is not None else Topology.launched(world)
             if self.topology.world_size != world:
                 raise ValueError(f"topology {self.topology.describe()} has {self.topology.world_size} ranks, the "

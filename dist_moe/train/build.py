@@ -57,7 +57,7 @@ def data_and_model(cfg, rt):
 def _data_and_model(cfg, rt):
     dcfg, mcfg, kind, seed = cfg.data, cfg.model, cfg.model.kind, cfg.seed
     wants = {k: v for k, v in DATA_OF_KIND.items() if v is not None}
-    local = kind == "lm" and is_local(dcfg.name)
+    local = kind == "lm" and dcfg.name != DATA_OF_KIND["lm"] and is_local(dcfg.name)  # the built-in name wins
     if not local and wants.get(kind) != (dcfg.name if dcfg.name in wants.values() else None):
         raise ValueError(f"model.kind={kind!r} needs data.name={wants.get(kind, 'a keel dataset')}"
                          f"{' or a local text or token file' if kind == 'lm' else ''}, got {dcfg.name!r}")
