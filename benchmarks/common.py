@@ -12,6 +12,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
+from dist_moe import MoELayer
 from dist_moe.data.tabular import tabular_split
 from dist_moe.models import TabularMoE
 from dist_moe.train.config import load_config
@@ -56,3 +57,19 @@ def optimized_placement(model, data, topology):
     with torch.no_grad():
         model(data.x_train)
     return Placement.optimized(coactivation(model.moe.last_routing.expert_idx, E), topology)
+
+
+def compute_alone_step(cfg: dict, d_model: int, ffn: int, state: dict, x: torch.Tensor, expert_groups: torch.Tensor):
+    """One forward + backward of the layer with every expert here (nothing to exchange): ``cfg``'s router with
+    its trained ``state``, a node limit over ``expert_groups`` as on the cluster (one process is one node)."""
+    layer = MoELayer(d_model, ffn, dict(cfg))
+    layer.router.load_state_dict(state, strict=False)
+    if getattr(layer.router, "node_limit", None):
+        layer.router.set_expert_groups(expert_groups)
+    x = x.clone().requires_grad_()
+
+    def step():
+        y, aux = layer(x)
+        (y.square().mean() + aux).backward()
+
+    return step

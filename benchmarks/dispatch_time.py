@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import ROUTERS, E, optimized_placement, train_router  # noqa: E402
+from benchmarks.common import ROUTERS, E, compute_alone_step, optimized_placement, train_router  # noqa: E402
 from benchmarks.link_bound import line_rate, line_seconds  # noqa: E402
 from benchmarks.stage_profile import print_profiles, stage_profile  # noqa: E402
 from dist_moe import MoELayer
@@ -111,16 +111,7 @@ def measure(ffn: int) -> None:
         runs += [(p, "node", PIPELINED) for p in placements]
         if name == "switch":
             runs.insert(1, (placements[0], "none", PIPELINED))
-        local = MoELayer(D_MODEL, ffn, dict(ROUTERS[name]))  # every expert here: compute without exchanges
-        local.router.load_state_dict(state, strict=False)
-        if getattr(local.router, "node_limit", None):  # one process is one node: limit to the cluster's nodes
-            local.router.set_expert_groups(groups)
-        x_local = shard.clone().requires_grad_()
-
-        def local_step():
-            y, aux = local(x_local)
-            (y.square().mean() + aux).backward()
-
+        local_step = compute_alone_step(ROUTERS[name], D_MODEL, ffn, state, shard, groups)
         compute = slowest(local_step, REPEATS)  # this rank's tokens x top-k pairs, as an EP rank receives
         for (pname, placement), dedup, chunks in runs:
             torch.manual_seed(0)

@@ -23,8 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import ROUTERS, E, train_router  # noqa: E402
-from dist_moe import MoELayer  # noqa: E402
+from benchmarks.common import ROUTERS, E, compute_alone_step, train_router  # noqa: E402
 from placement import Placement, Topology  # noqa: E402
 
 D_MODEL, RANKS = 512, 4
@@ -49,24 +48,12 @@ def trained(cfg: dict, groups: torch.Tensor) -> tuple[dict, torch.Tensor]:
     return model.moe.router.state_dict(), torch.tensor_split(tokens, RANKS)[0].contiguous()
 
 
-def step_of(cfg: dict, ffn: int, state: dict, x: torch.Tensor, groups: torch.Tensor):
-    torch.manual_seed(0)
-    layer = MoELayer(D_MODEL, ffn, dict(cfg))  # every expert here: nothing to exchange
-    layer.router.load_state_dict(state, strict=False)
-    if getattr(layer.router, "node_limit", None):  # one process is one node: limit to the cluster's nodes
-        layer.router.set_expert_groups(groups)
-    x = x.clone().requires_grad_()
-
-    def step():
-        y, aux = layer(x)
-        (y.square().mean() + aux).backward()
-
-    return step
-
-
 def paired(ffn: int, rounds: int, routers: dict, groups: torch.Tensor) -> dict[str, list[float]]:
     """Seconds per step of every arm, round by round (arms interleaved)."""
-    steps = {name: step_of(ARMS[name], ffn, *routers[name], groups) for name in ARMS}
+    steps = {}
+    for name in ARMS:
+        torch.manual_seed(0)
+        steps[name] = compute_alone_step(ARMS[name], D_MODEL, ffn, *routers[name], groups)
     for step in steps.values():  # warm-up: allocator, anchors and biases past their first steps
         for _ in range(3):
             step()
