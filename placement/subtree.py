@@ -82,8 +82,8 @@ def limited_selection(probs: Tensor, top_k: int, limits: list[tuple[int, int]], 
     b = None if bias is None else (bias if batched else bias.unsqueeze(0)).unsqueeze(1)  # [G, 1, 2E - 2]
     g, t, e = p.shape
     slopes = p.new_zeros(g, 2 * e - 2) if slope else None
-    # the last limited depth's kept subtrees: [G, T, n] bool, [G, T, units] ids
-    chosen, kept, units = None, None, 1
+    # the last limited depth's kept subtrees: [G, T, n] bool (None: all), [G, T, units] ids; its subtree count
+    chosen, kept, units, above = None, None, 1, 1
     for depth, m in limits:
         n = 1 << depth
         if n == 1:  # the root: its one subtree is always kept (and has no bias of its own)
@@ -94,7 +94,7 @@ def limited_selection(probs: Tensor, top_k: int, limits: list[tuple[int, int]], 
         if chosen is not None:  # only inside the subtrees the level above kept
             inside = chosen.repeat_interleave(n // chosen.shape[-1], dim=-1)
             score = torch.where(inside, score, float("-inf"))
-        units = min(m, units * (n // (1 if chosen is None else chosen.shape[-1])))
+        units, above = min(m, units * (n // above)), n
         if m < n:
             ranked, order = torch.sort(score, dim=-1, descending=True, stable=True)
             # ranked past the finite scores are subtrees outside; the first ``units`` are all inside

@@ -111,6 +111,13 @@ class LMSplit:
 def lm_split(seq_len: int, per_domain: int, val_fraction: float, seed: int, categories: str | None) -> LMSplit:
     if categories not in (None, "domains"):
         raise ValueError(f"data.categories for the corpus must be 'domains' or null, got {categories!r}")
-    train, val = load_corpus(seq_len, per_domain, seed).split(val_fraction, seed)
+    return next_token_split(load_corpus(seq_len, per_domain, seed), val_fraction, seed, categories == "domains")
+
+
+def next_token_split(corpus: Corpus, val_fraction: float, seed: int, with_categories: bool,
+                     num_classes: int = 256) -> LMSplit:
+    """``corpus``'s sequences split with ``seed``, each as inputs and next-token targets."""
+    train, val = corpus.split(val_fraction, seed)
     tr, va = train.tokens.long(), val.tokens.long()
-    return LMSplit(tr[:, :-1], tr[:, 1:], train.domain, va[:, :-1], va[:, 1:], val.domain, categories == "domains")
+    return LMSplit(tr[:, :-1], tr[:, 1:], train.domain, va[:, :-1], va[:, 1:], val.domain, with_categories,
+                   num_classes)

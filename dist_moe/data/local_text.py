@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dist_moe.data.corpus import LMSplit
+from dist_moe.data.corpus import Corpus, LMSplit, next_token_split
 from dist_moe.data.paths import data_dir, load_cache, save_cache
 
 TOKEN_FILES = (".npy", ".bin")
@@ -40,13 +40,8 @@ def local_split(name: str, seq_len: int, val_fraction: float, seed: int, categor
     if top >= vocab:
         raise ValueError(f"data.name={name!r} holds token id {top}; the model reads ids below {vocab} "
                          f"(model.kind lm: bytes)")
-    perm = torch.randperm(len(tokens), generator=torch.Generator().manual_seed(seed))
-    n_val = max(1, int(round(len(perm) * val_fraction)))
-    rows = torch.from_numpy(tokens.astype(np.int64))
-    train, val = rows[perm[n_val:]], rows[perm[:n_val]]
-    no_domain = torch.zeros(len(rows), dtype=torch.long)
-    return LMSplit(train[:, :-1], train[:, 1:], no_domain[n_val:], val[:, :-1], val[:, 1:], no_domain[:n_val],
-                   with_categories=False, num_classes=vocab)
+    corpus = Corpus(torch.from_numpy(tokens.astype(np.int64)), torch.zeros(len(tokens), dtype=torch.long))
+    return next_token_split(corpus, val_fraction, seed, with_categories=False, num_classes=vocab)
 
 
 def load_sequences(path: Path, seq_len: int, token_dtype: str = "uint16") -> np.ndarray:

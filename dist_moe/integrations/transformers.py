@@ -76,7 +76,7 @@ def traffic(model: torch.nn.Module) -> dict[str, int]:
     since it was loaded or since ``reset_traffic(model)``."""
     layers = _layers(model)
     total = sum(layer.dispatcher.traffic for layer in layers)
-    return Traffic(total.clone(), layers[0].topology).by_level()
+    return Traffic(total, layers[0].topology).by_level()
 
 
 def reset_traffic(model: torch.nn.Module) -> None:
