@@ -73,3 +73,13 @@ def test_transformers_model_through_dist_moe_under_torchrun():
     pytest.importorskip("accelerate", reason="transformers' distributed loading needs accelerate")
     out = _torchrun(2, "examples/transformers_ep.py")
     assert "step 2: loss" in out and "bytes in forward dispatch over 3 steps" in out
+
+
+def test_dist_moe_train_on_the_example_transformers_model_folder(tmp_path):
+    """configs/hf_mixtral.yaml as the README runs it (fewer steps): the trained model lands where
+    from_pretrained reads it."""
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    out = tmp_path / "run"
+    _run(sys.executable, "-m", "dist_moe.cli", "train", "--quiet", "--config", "configs/hf_mixtral.yaml",
+         "train.max_steps=3", f"output.dir={out}")
+    assert (out / "hf_model" / "model.safetensors").is_file() and (out / "hf_model" / "config.json").is_file()

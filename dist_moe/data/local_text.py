@@ -2,7 +2,8 @@
 pre-tokenized token file (``.npy``: a 1-D integer array; ``.bin``: a flat array of ``data.token_dtype``,
 nanoGPT's uint16 layout or Megatron's uint32).
 
-Text is read as UTF-8 bytes (the byte LM's vocabulary); a folder's regular files, in sorted path
+Text is read as UTF-8 bytes (the byte LM's vocabulary), or tokenized by a transformers model folder's
+tokenizer (``model.kind: hf``; files joined by its end-of-text token); a folder's regular files, in sorted path
 order, joined with newlines: hidden files, links and the data directory's own caches left out. The stream is cut into sequences of
 ``seq_len + 1`` tokens (inputs and next-token targets), split into training and validation rows
 with the run's seed, and cached under the data directory, keyed by the source's path, size and
@@ -32,24 +33,28 @@ def is_local(name: str) -> bool:
 
 
 def local_split(name: str, seq_len: int, val_fraction: float, seed: int, categories: str | None,
-                vocab: int = 256, token_dtype: str = "uint16") -> LMSplit:
+                vocab: int = 256, token_dtype: str = "uint16", tokenizer: Path | None = None) -> LMSplit:
+    """Training and validation sequences of ``name``; text as bytes, or through ``tokenizer`` (a
+    transformers model folder holding one)."""
     if categories is not None:
         raise ValueError(f"data.categories must be null for a local source (data.name={name!r}), got {categories!r}")
-    tokens = load_sequences(Path(name), seq_len, token_dtype)
+    tokens = load_sequences(Path(name), seq_len, token_dtype, tokenizer)
     top = int(tokens.max())
     if top >= vocab:
         raise ValueError(f"data.name={name!r} holds token id {top}; the model reads ids below {vocab} "
-                         f"(model.kind lm: bytes)")
+                         f"({'its tokenizer' if tokenizer is not None else 'text as bytes'})")
     corpus = Corpus(torch.from_numpy(tokens.astype(np.int64)), torch.zeros(len(tokens), dtype=torch.long))
     return next_token_split(corpus, val_fraction, seed, with_categories=False, num_classes=vocab)
 
 
-def load_sequences(path: Path, seq_len: int, token_dtype: str = "uint16") -> np.ndarray:
+def load_sequences(path: Path, seq_len: int, token_dtype: str = "uint16", tokenizer: Path | None = None) -> np.ndarray:
     """[N, seq_len + 1] tokens of ``path``, from the cache when it holds this source as it is now."""
     if not path.exists():
         raise ValueError(f"data.name={str(path)!r}: no such file or folder")
     files = _files(path)
-    cache = data_dir() / f"local_{_key(path, files, seq_len, token_dtype)}.npz"
+    tokenizer = None if path.suffix in TOKEN_FILES else tokenizer  # token files are tokenized already
+    key = _key(path, files + (_tokenizer_files(tokenizer) if tokenizer else []), seq_len, token_dtype)
+    cache = data_dir() / f"local_{key}.npz"
     cached = load_cache(cache, {"tokens": ("u", 2)})
     if cached is not None:
         tokens = cached["tokens"]
@@ -57,7 +62,7 @@ def load_sequences(path: Path, seq_len: int, token_dtype: str = "uint16") -> np.
             raise ValueError(f"data cache {cache} does not hold sequences of {seq_len + 1} tokens: delete it and the "
                              "next run rebuilds it")
         return tokens
-    stream = _tokens(path, files, token_dtype)
+    stream = _tokens(path, files, token_dtype) if tokenizer is None else _tokenized(files, tokenizer)
     n = len(stream) // (seq_len + 1)
     if n < MIN_SEQUENCES:
         raise ValueError(f"data.name={str(path)!r} holds {len(stream)} tokens: fewer than {MIN_SEQUENCES} sequences "
@@ -126,3 +131,29 @@ def _tokens(path: Path, files: list[Path], token_dtype: str) -> np.ndarray:
         return np.fromfile(path, dtype=dtype)
     data = b"\n".join(f.read_bytes() for f in files)
     return np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
+
+
+def _tokenizer_files(folder: Path) -> list[Path]:
+    """The model folder's files but its weights: a changed tokenizer tokenizes again, new weights do not."""
+    return sorted(p for p in folder.iterdir() if p.is_file() and ".safetensors" not in p.name)
+
+
+def _tokenized(files: list[Path], folder: Path) -> np.ndarray:
+    """The text files through the model folder's tokenizer, one after another, each ended by its
+    end-of-text token when it has one."""
+    # transformers: an optional engine, imported only where it is used
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+    except (ValueError, OSError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"model.path={str(folder)!r}: its tokenizer cannot be loaded ({first})") from None
+    ids: list[int] = []
+    for f in files:
+        ids += tok(f.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False,
+                   verbose=False)["input_ids"]
+        if tok.eos_token_id is not None:
+            ids.append(tok.eos_token_id)
+    stream = np.asarray(ids, dtype=np.int64)
+    return stream.astype(np.uint32 if stream.size and stream.max() >= 1 << 16 else np.uint16)

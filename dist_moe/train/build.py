@@ -17,6 +17,7 @@ from dist_moe.models.image import ImageMoE
 from dist_moe.models.text import TextMoE
 from dist_moe.models.tiny_lm import VOCAB, TinyMoELM
 from dist_moe.routing.registry import RouterKeyError
+from dist_moe.train.build_hf import hf_data_and_model
 
 
 def categorised_router(cfg, data):
@@ -36,9 +37,9 @@ def categorised_router(cfg, data):
 
 TEXT_HIDDEN = 384  # MiniLM's states, which the text model's MoE reads
 
-# model.kind -> the dataset it trains on (tabular: any keel dataset)
+# model.kind -> the dataset it trains on (tabular: any keel dataset; hf: a local text or token file)
 DATA_OF_KIND = {"tabular": None, "image": "fashion_mnist", "lm": "corpus", "text": "text_tasks"}
-MODEL_KINDS = tuple(DATA_OF_KIND)
+MODEL_KINDS = (*DATA_OF_KIND, "hf")
 
 
 def data_and_model(cfg, rt):
@@ -56,6 +57,8 @@ def data_and_model(cfg, rt):
 
 def _data_and_model(cfg, rt):
     dcfg, mcfg, kind, seed = cfg.data, cfg.model, cfg.model.kind, cfg.seed
+    if kind == "hf":
+        return hf_data_and_model(cfg, rt)
     wants = {k: v for k, v in DATA_OF_KIND.items() if v is not None}
     local = kind == "lm" and dcfg.name != DATA_OF_KIND["lm"] and is_local(dcfg.name)  # the built-in name wins
     if not local and wants.get(kind) != (dcfg.name if dcfg.name in wants.values() else None):

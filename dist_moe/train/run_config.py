@@ -97,9 +97,12 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     # "tabular" (one MoE block between input and head), "image" (conv stem, then the same; for data.name
-    # fashion_mnist), "lm" (tiny transformer, MoE FFN per layer; for data.name corpus) or "text" (frozen
-    # MiniLM states, LoRA-expert MoE, a head per task; for data.name text_tasks)
+    # fashion_mnist), "lm" (tiny transformer, MoE FFN per layer; for data.name corpus), "text" (frozen
+    # MiniLM states, LoRA-expert MoE, a head per task; for data.name text_tasks) or "hf" (the transformers
+    # MoE model at model.path, its own router and experts; for a local text or token file)
     kind: str = one_of("tabular", MODEL_KINDS)
+    # model.kind hf: a local transformers model folder (or its config.json); without weights it starts random
+    path: str | None = key(None, "a non-empty path", lambda v: bool(v.strip()) and "\0" not in v)
     ffn_hidden_size: int = _positive(32)
     d_model: int = key(0, "an int >= 0 (0: no input projection)", lambda v: v >= 0)
     capacity_factor: float | None = key(1.25, f"a number in (0, {MAX_CAPACITY_FACTOR:g}]",
@@ -112,7 +115,8 @@ class ModelConfig:
 
     def block_keys(self) -> dict:
         """What the one-block models (tabular, image) take: every key but the kind and the LM's own."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("kind", "layers", "heads")}
+        own = ("kind", "layers", "heads", "path")
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in own}
 
 
 @dataclass
@@ -251,6 +255,25 @@ def _check_across(cfg: RunConfig) -> None:
         raise ValueError("parallel.pipeline_chunks=auto picks the chunk count by timing, which a rerun may not "
                          "repeat: a deterministic run (train.deterministic: true) takes a number")
     _check_engine_dispatch(cfg)
+    _check_hf(cfg)
+
+
+def _check_hf(cfg: RunConfig) -> None:
+    """model.kind hf trains the model's own router and experts, through dist-moe's dispatcher (engine torch)."""
+    kind, path = cfg.model.kind, cfg.model.path
+    if (kind == "hf") != (path is not None):
+        raise ValueError("model.kind=hf needs model.path (a transformers model folder)" if kind == "hf" else
+                         f"model.path={path!r} is read by model.kind=hf only (model.kind is {kind!r})")
+    if kind != "hf":
+        return
+    if cfg.engine != "torch":
+        raise ValueError(f"model.kind=hf trains through dist-moe's own engine: set engine: torch (got {cfg.engine!r})")
+    if cfg.train.gar is not None:
+        raise ValueError("model.kind=hf routes with the model's own router, which GAR cannot observe: "
+                         "set train.gar: null")
+    if cfg.router != router_config(DEFAULT_ROUTER, GIVEN_LATER):
+        raise ValueError(f"model.kind=hf routes with the model's own router: remove the router section "
+                         f"(router.type={cfg.router.type!r})")
 
 
 def _check_engine_dispatch(cfg: RunConfig) -> None:

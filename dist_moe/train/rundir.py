@@ -22,7 +22,7 @@ METRICS = "metrics.jsonl"
 # folders, the routing record (routing_record.record_routing) and dist-moe report's files.
 RUN_FILES = ("config.yaml", METRICS, "summary.json", "train_traffic.json", "report.json", "report.md",
              "traffic_heatmap.png", "bytes_by_level.png", "expert_load.png", "tree_distance.png")
-RUN_DIRS = ("checkpoints", "tensorboard")
+RUN_DIRS = ("checkpoints", "tensorboard", "hf_model")  # hf_model: model.kind hf's trained model
 _ROUTING = re.compile(r"routing(\.layer[0-9]+)?\.(npz|json)")
 HOLDS_A_RUN = (METRICS, "checkpoints", "summary.json")  # any of these: a run trained here
 

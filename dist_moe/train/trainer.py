@@ -179,6 +179,9 @@ def _train_in(run: "_TrainingRun", after) -> dict:
             run.evaluate_epoch()
         run.exchange_wait_s = run.waits.read(settled=True)  # training's, before the routing record's forwards
         record_routing(out_dir, run.model, run.data, rt)
+        export = getattr(run.model, "export", None)  # model.kind hf: the trained model as transformers reads it
+        if export is not None:
+            export(out_dir / HF_MODEL, rt.is_main)
         extra = after(run.model, run.data, rt) if after is not None else {}
     finally:
         run.close()
@@ -347,7 +350,9 @@ class _TrainingRun:
         cfg, rt = self.cfg, self.rt
         chunks = cfg.parallel.pipeline_chunks
         summary = json_safe({
-            "name": cfg.name, "router": cfg.router.type, "engine": rt.engine.name, "world_size": rt.world,
+            # model.kind hf: the model's own router, by its class name
+            "name": cfg.name, "router": getattr(self.routers[0], "name", cfg.router.type),
+            "engine": rt.engine.name, "world_size": rt.world,
             "topology": rt.topology().describe(),
             "steps": self.step, "already_finished": self.already_finished, "samples": self.cursor.consumed,
             "samples_this_run": self.cursor.consumed - self.resumed_at,
@@ -360,6 +365,7 @@ class _TrainingRun:
                if self.tuner.medians else {}),
             **self.last_eval,
             "random_pair_tree_distance": _random_pair(self.layers[0].num_experts), "output_dir": str(self.out_dir),
+            **({"hf_model": str(self.out_dir / HF_MODEL)} if hasattr(self.model, "export") else {}),
             **extra,
         })
         if rt.is_main:
@@ -387,6 +393,7 @@ class TrainingWaits:
         return blocked_seconds(settled) - self.start - self.elsewhere
 
 
+HF_MODEL = "hf_model"  # under output.dir: model.kind hf's trained model, for from_pretrained
 SKIPPED_SO_FAR = "skipped so far"  # rides with a logged record's values, popped before it is written
 
 

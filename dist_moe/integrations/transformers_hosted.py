@@ -1,0 +1,152 @@
+"""A transformers MoE model's experts, sharded and dispatched by dist-moe (``dist-moe train``'s
+``model.kind: hf``; written against transformers 5.25).
+
+``host_experts(model, ...)`` puts a ``HostedHFExperts`` where each MoE block's ``experts`` module was
+(``mlp.experts`` in Mixtral, Qwen3-MoE, DeepSeek-V3, OLMoE, GPT-OSS). It keeps that module's
+parameters under the same names, each stacked [E, ...] tensor cut to this rank's experts (the
+placement's), so the model's state-dict keys stay transformers' own. The block's own router still
+chooses (``gate``: softmax top-k, DeepSeek-V3's group-limited sigmoid, ...) and calls the host with
+``(hidden_states, top_k_index, top_k_weights)``; the host sends the tokens through dist-moe's
+dispatcher (dedup, pipelined chunks, bytes counted per topology level) to the experts' grouped GEMMs
+(``StackedExperts``) and returns the weighted sum per token. It is also what the trainer, metrics and
+checkpoints ask of every MoE layer (``moe_view.MoEHost``), with the model's router seen read-only.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from dist_moe.dispatch.agree import input_problem
+from dist_moe.dispatch.dispatcher import CountsTraffic, make_dispatcher
+from dist_moe.dispatch.stats import all_gather_rows
+from dist_moe.integrations.transformers import StackedExperts
+from dist_moe.moe_view import MoEView
+from dist_moe.routing.base import Routing, expert_load
+from placement import Placement, Topology
+
+
+class ModelsRouter:
+    """The model's own router as the trainer sees a dist-moe router: nothing scheduled, no extra
+    inputs (its parameters train with the rest of the model)."""
+
+    scheduled = False
+    inputs: tuple = ()
+
+    def __init__(self, gate: nn.Module, num_experts: int):
+        self.name = type(gate).__name__
+        self.num_experts = num_experts
+
+
+class HostedHFExperts(CountsTraffic, nn.Module):
+    """One MoE block's experts: this rank's rows of the stacked expert tensors, behind dist-moe's
+    dispatcher. ``forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K])`` as the
+    experts module it replaces."""
+
+    def __init__(self, experts: nn.Module, gate: nn.Module, placement: Placement, topology: Topology, group,
+                 rank: int, dedup: str = "rank", pipeline_chunks: int = 1, timeout=None):
+        super().__init__()
+        self.num_experts = experts.num_experts
+        self.hidden_size = _hidden_size(experts)
+        self.local_expert_ids = placement.local_experts(rank)
+        rows = torch.tensor(self.local_expert_ids, dtype=torch.long)
+        self.expert_slots = []  # names of the stacked [E, ...] tensors, cut to this rank's rows
+        with torch.no_grad():
+            for name, p in list(experts.named_parameters(recurse=False)):
+                if p.dim() and p.shape[0] == self.num_experts:
+                    p = nn.Parameter(p.detach()[rows.to(p.device)].clone(), requires_grad=p.requires_grad)
+                    setattr(experts, name, p)
+                    self.expert_slots.append(name)
+                self.register_parameter(name, p)
+        for name, b in experts.named_buffers(recurse=False):
+            self.register_buffer(name, b)
+        for name, child in experts.named_children():  # the activation, a norm after the experts: shared
+            self.add_module(name, child)
+        experts.num_experts = len(self.local_expert_ids)  # the experts' own forward sees local ids
+        # the original module computes (its gate layout, activation); not a submodule: its tensors are ours
+        object.__setattr__(self, "_hf_experts", experts)
+        self.routed_experts = StackedExperts(experts, experts.forward)
+        self.router = ModelsRouter(gate, self.num_experts)
+        self.placement, self.topology, self.dedup, self.pipeline_chunks = placement, topology, dedup, pipeline_chunks
+        self.group, self.rank = group, rank
+        self.dispatcher = make_dispatcher(group, placement, topology, dedup, timeout)
+        self.expert_node = placement.expert_nodes(topology) if topology.num_nodes > 1 else None
+        self.expert_rank = placement.rank_table() if placement.world_size > 1 else None
+        self.last_routing = None
+        self.forwards = 0  # the tag every rank agrees on (dist_moe/dispatch/agree.py)
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        self.forwards += 1
+        idx = top_k_index.long()
+        gates = top_k_weights.detach().float()
+        dense = gates.new_zeros(idx.shape[0], self.num_experts).scatter(1, idx, gates)
+        # the model's router keeps its full distribution to itself: its chosen weights stand for it
+        load = expert_load(idx, self.num_experts)
+        self.last_routing = Routing(dense, idx, gates, gates.new_zeros(()), {"load": load})
+        return self.dispatcher(hidden_states, idx, top_k_weights, self.routed_experts, tag=self.forwards,
+                               problem=input_problem(hidden_states), chunks=self.pipeline_chunks)
+
+    # what the trainer, metrics and checkpoints ask of every MoE layer (moe_view.MoEHost)
+
+    def moe_view(self) -> MoEView:
+        params = {name: [getattr(self, name)] for name in self.expert_slots}
+        ep = self.placement.world_size > 1
+        return MoEView(self.router, params, True, [p for ps in params.values() for p in ps], self._no_inputs,
+                       self.group if ep else None, self.rank if ep else 0)
+
+    @staticmethod
+    def _no_inputs():
+        raise ValueError("model.kind=hf routes with the model's own router, whose inputs dist-moe does not keep "
+                         "(GAR needs them)")
+
+    def expert_state_keys(self, prefix: str = "") -> dict:
+        return {f"{prefix}{name}": (self.local_expert_ids, f"{prefix}{name}", True) for name in self.expert_slots}
+
+    def full_expert_tensors(self) -> dict[str, Tensor]:
+        """{slot: [E, ...] every expert's rows in expert order}, gathered from every rank (collective)."""
+        order = torch.tensor([e for r in range(self.placement.world_size) for e in self.placement.local_experts(r)])
+        out = {}
+        for name in self.expert_slots:
+            rows = all_gather_rows(getattr(self, name).detach(), self.group if self.placement.world_size > 1 else None)
+            full = torch.empty_like(rows)
+            full[order.to(rows.device)] = rows
+            out[name] = full
+        return out
+
+
+def _hidden_size(experts: nn.Module) -> int:
+    for name in ("hidden_dim", "hidden_size"):
+        if isinstance(getattr(experts, name, None), int):
+            return getattr(experts, name)
+    return experts.down_proj.shape[1 if not getattr(experts, "is_transposed", False) else 2]
+
+
+def moe_blocks(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(block, its name) of every MoE block whose experts dist-moe can host: a ``gate`` (the router) and
+    an ``experts`` module holding stacked [E, ...] ``down_proj`` weights, ``num_experts`` of them."""
+    found = []
+    for name, m in model.named_modules():
+        experts, gate = getattr(m, "experts", None), getattr(m, "gate", None)
+        if isinstance(experts, HostedHFExperts):
+            continue
+        if isinstance(experts, nn.Module) and isinstance(gate, nn.Module) and _stacked(experts):
+            found.append((m, name))
+    return found
+
+
+def _stacked(experts: nn.Module) -> bool:
+    down = getattr(experts, "down_proj", None)
+    return (isinstance(getattr(experts, "num_experts", None), int) and isinstance(down, nn.Parameter)
+            and down.dim() == 3 and down.shape[0] == experts.num_experts)
+
+
+def host_experts(model: nn.Module, placement_of, topology: Topology, group, rank: int, dedup: str,
+                 pipeline_chunks: int, timeout=None) -> list[HostedHFExperts]:
+    """Replace every MoE block's experts in ``model`` with a ``HostedHFExperts`` (``placement_of(E)``
+    gives each block's placement); returns them in module order."""
+    hosts = []
+    for block, _ in moe_blocks(model):
+        host = HostedHFExperts(block.experts, block.gate, placement_of(block.experts.num_experts), topology, group,
+                               rank, dedup, pipeline_chunks, timeout)
+        block.experts = host
+        hosts.append(host)
+    return hosts

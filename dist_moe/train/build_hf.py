@@ -1,0 +1,57 @@
+"""``model.kind: hf``: a user's transformers MoE model on a local text or token file, its experts
+sharded over the launched world and dispatched by dist-moe."""
+from __future__ import annotations
+
+import datetime
+import os
+
+import psutil
+
+from dist_moe.data.local_text import is_local, local_split
+from dist_moe.integrations.transformers_hosted import host_experts
+from dist_moe.models.hf_model import HFCausalLM, has_tokenizer, load_config, load_model, model_folder, parameter_count
+
+
+def hf_data_and_model(cfg, rt):
+    dcfg, folder = cfg.data, model_folder(cfg.model.path)
+    if not is_local(dcfg.name):
+        raise ValueError(f"model.kind=hf trains on a local text file, folder or .npy / .bin token file: data.name="
+                         f"{dcfg.name!r} is none")
+    config = load_config(folder)
+    vocab = getattr(config, "vocab_size", None)
+    if not isinstance(vocab, int):
+        raise ValueError(f"model.path={str(folder)!r}: its config.json has no vocab_size")
+    data = local_split(dcfg.name, dcfg.seq_len, dcfg.val_fraction, cfg.seed, dcfg.categories, vocab, dcfg.token_dtype,
+                       tokenizer=folder if has_tokenizer(folder) else None)
+    check_hf_fits(cfg, folder, config, rt.world)
+    if not rt.is_main:  # one progress bar for the weights, not one per rank
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    hf = load_model(folder, cfg.seed)
+    host_experts(hf, rt.placement, rt.topology(), rt.group if rt.world > 1 else None, rt.rank, cfg.parallel.dedup,
+                 cfg.parallel.start_chunks, datetime.timedelta(seconds=rt.timeout_s))
+    return data, HFCausalLM(hf, folder)
+
+
+def hf_training_bytes(cfg, folder, config, world: int) -> int:
+    """About how much memory one rank needs: fp32 weights, gradients and Adam's two moments (its 1/world
+    of the experts), and one batch's activations (a dozen hidden-size vectors per token and layer, the
+    attention scores and the logits, each with its gradient)."""
+    dense, experts = parameter_count(folder)
+    tokens = cfg.train.batch_size * cfg.data.seq_len
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    heads = getattr(config, "num_attention_heads", 1)
+    per_token = layers * (12 * hidden + heads * cfg.data.seq_len) + 2 * config.vocab_size
+    return 4 * 4 * (dense + -(-experts // world)) + 2 * 4 * tokens * per_token
+
+
+def check_hf_fits(cfg, folder, config, world: int) -> None:
+    needed = hf_training_bytes(cfg, folder, config, world)
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    free = psutil.virtual_memory().available // local
+    if needed > free:
+        raise ValueError(f"model.path={str(folder)!r} with train.batch_size={cfg.train.batch_size}, data.seq_len="
+                         f"{cfg.data.seq_len} needs about {needed / 2**30:.3g} GiB per rank to train (weights, "
+                         f"gradients, Adam, activations), more than the {free / 2**30:.1f} GiB available"
+                         f"{f' to each of {local} ranks here' if local > 1 else ''}")
