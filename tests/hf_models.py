@@ -6,16 +6,19 @@ from pathlib import Path
 
 import torch
 
-KINDS = ("mixtral", "qwen3_moe", "deepseek_v3")
+KINDS = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
 EXPERTS = 8
 
 
-def config(kind: str, vocab: int = 300, nodes: int = 2):
-    from transformers import DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
+def config(kind: str, vocab: int = 300, nodes: int = 2, tied: bool = False):
+    from transformers import DeepseekV3Config, GptOssConfig, MixtralConfig, Qwen3MoeConfig
 
     common = {"vocab_size": vocab, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-              "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": False,
+              "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": tied,
               "initializer_range": 0.2}  # weights large enough that every expert's output shows in the loss
+    if kind == "gpt_oss":  # biased, transposed experts with an interleaved, clamped gate; a `router`, not a `gate`
+        return GptOssConfig(**common, intermediate_size=32, num_local_experts=EXPERTS, num_experts_per_tok=2,
+                            head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
     if kind == "mixtral":
         return MixtralConfig(**common, intermediate_size=32, num_local_experts=EXPERTS, num_experts_per_tok=2,
                              output_router_logits=True)

@@ -52,19 +52,29 @@ def test_hosted_experts_compute_what_transformers_computes(kind, tmp_path):
     assert hosts[0].last_routing.expert_idx.shape == (48, 2)
 
 
-def test_export_is_what_from_pretrained_reads_back(tmp_path):
+@pytest.mark.parametrize("tied", [False, True])
+def test_export_is_what_from_pretrained_reads_back(tmp_path, tied):
     from transformers import AutoModelForCausalLM
 
-    folder = model_folder(tmp_path / "m", "qwen3_moe", weights=True, tokenizer_text=text(20))
+    folder = model_folder(tmp_path / "m", "qwen3_moe", weights=True, tokenizer_text=text(20), tied=tied)
     model, _ = _hosted(folder)
-    HFCausalLM(model, folder).export(tmp_path / "out", True)
+    wrapped = HFCausalLM(model, folder)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "stale.txt").write_text("an earlier export")  # replaced whole
+    wrapped.write(wrapped.export_state(True), tmp_path / "out")
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     for name, t in load_model(folder, 0).state_dict().items():
         assert torch.equal(back.state_dict()[name], t), name
-    assert (tmp_path / "out" / "tokenizer.json").is_file()
+    assert (tmp_path / "out" / "tokenizer.json").is_file() and not (tmp_path / "out" / "stale.txt").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary folder left
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    with pytest.raises(ValueError, match="is a symbolic link"):
+        wrapped.write(wrapped.export_state(True), tmp_path / "link")
 
 
-def test_text_is_tokenized_by_the_model_folders_tokenizer(tmp_path):
+@pytest.mark.parametrize("piece", [1 << 20, 100])  # one call per file, or many cut at line ends
+def test_text_is_tokenized_by_the_model_folders_tokenizer(tmp_path, monkeypatch, piece):
+    monkeypatch.setattr("dist_moe.data.local_text.TOKENIZE_CHUNK", piece)
     words = text(60)
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.txt").write_text(words[:1000])
@@ -108,10 +118,16 @@ def test_dist_moe_train_trains_a_users_model_folder_on_its_text_in_one_command(t
     ("router", ["model.kind=hf", "model.path=M", "router.type=switch"], "remove the router section"),
     ("built-in data", ["model.kind=hf", "model.path=M", "data.name=corpus"], "data.name='corpus' is none"),
     ("no config", ["model.kind=hf", "model.path=EMPTY", "data.name=T"], "must be a transformers model folder"),
-    ("pickles", ["model.kind=hf", "model.path=PICKLED", "data.name=T"], "holds only pickled (.bin / .pt) weights"),
+    ("pickles", ["model.kind=hf", "model.path=PICKLED", "data.name=T"],
+     "holds weights dist-moe does not load (pytorch_model.bin"),
     ("dense", ["model.kind=hf", "model.path=DENSE", "data.name=T"], "without MoE blocks dist-moe can host"),
     ("vocab", ["model.kind=hf", "model.path=SMALL", "data.name=T"], "the model reads ids below 64 (text as bytes)"),
     ("unknown", ["model.kind=hf", "model.path=ALIEN", "data.name=T"], "transformers cannot read its config.json"),
+    ("other weights", ["model.kind=hf", "model.path=PTH", "data.name=T"], "holds weights dist-moe does not load"),
+    ("partial", ["model.kind=hf", "model.path=PARTIAL", "data.name=T"], "its weights do not fit its config.json"),
+    ("quantized", ["model.kind=hf", "model.path=QUANT", "data.name=T"], "is a quantized checkpoint"),
+    ("too long", ["model.kind=hf", "model.path=M", "data.name=T", "data.seq_len=65"],
+     "longer than the model's max_position_embeddings=64"),
     ("memory", ["model.kind=hf", "model.path=M", "data.name=T", "train.batch_size=100000000"], "GiB per rank to train"),
 ])
 def test_bad_models_and_configs_are_refused_in_one_line(tmp_path, capsys, case, args, message):
@@ -121,7 +137,14 @@ def test_bad_models_and_configs_are_refused_in_one_line(tmp_path, capsys, case, 
     folders = {"M": model_folder(tmp_path / "m", "mixtral"), "EMPTY": tmp_path / "empty",
                "PICKLED": model_folder(tmp_path / "pickled", "mixtral"), "DENSE": tmp_path / "dense",
                "SMALL": model_folder(tmp_path / "small", "mixtral", vocab=64), "T": tmp_path / "t.txt",
-               "ALIEN": tmp_path / "alien"}
+               "ALIEN": tmp_path / "alien", "PTH": model_folder(tmp_path / "pth", "mixtral"),
+               "PARTIAL": model_folder(tmp_path / "partial", "mixtral", weights=True),
+               "QUANT": model_folder(tmp_path / "quant", "mixtral")}
+    (tmp_path / "pth" / "model.pth").write_bytes(b"not loaded")
+    _drop_a_weight(tmp_path / "partial" / "model.safetensors")
+    quant = json.loads((tmp_path / "quant" / "config.json").read_text())
+    quant["quantization_config"] = {"quant_method": "fp8"}
+    (tmp_path / "quant" / "config.json").write_text(json.dumps(quant))
     (tmp_path / "empty").mkdir()
     (tmp_path / "alien").mkdir()
     (tmp_path / "alien" / "config.json").write_text('{"model_type": "alien", "auto_map": {"AutoConfig": "x.Y"}}')
@@ -129,10 +152,20 @@ def test_bad_models_and_configs_are_refused_in_one_line(tmp_path, capsys, case, 
     LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                 num_key_value_heads=2).save_pretrained(tmp_path / "dense")
     args = [a.split("=")[0] + "=" + str(folders.get(a.split("=")[1], a.split("=")[1])) for a in args]
+    capsys.readouterr()  # what making the folders printed
     rc = _train(tmp_path, *args)
-    err = capsys.readouterr().err
+    # transformers' progress bar while it loads the weights may come first; then the one line
+    err = "\n".join(line for line in capsys.readouterr().err.splitlines() if "it/s]" not in line)
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, (case, err)
     assert not (tmp_path / "run").exists()
+
+
+def _drop_a_weight(path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(path)
+    weights.pop(sorted(weights)[0])
+    save_file(weights, path, metadata={"format": "pt"})
 
 
 def test_the_hosted_layer_is_what_the_config_asks_for(tmp_path):

@@ -21,6 +21,7 @@ import torch
 
 from dist_moe.data.corpus import Corpus, LMSplit, next_token_split
 from dist_moe.data.paths import data_dir, load_cache, save_cache
+from dist_moe.models.hf_model import load_tokenizer
 
 TOKEN_FILES = (".npy", ".bin")
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -138,22 +139,25 @@ def _tokenizer_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_file() and ".safetensors" not in p.name)
 
 
+TOKENIZE_CHUNK = 1 << 20  # characters per tokenizer call, cut at a line end: a large file never is one string
+
+
 def _tokenized(files: list[Path], folder: Path) -> np.ndarray:
     """The text files through the model folder's tokenizer, one after another, each ended by its
-    end-of-text token when it has one."""
-    # transformers: an optional engine, imported only where it is used
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
-    except (ValueError, OSError, KeyError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"model.path={str(folder)!r}: its tokenizer cannot be loaded ({first})") from None
-    ids: list[int] = []
+    end-of-text token when it has one; each file in pieces of about ``TOKENIZE_CHUNK`` characters, cut
+    after a newline, gathered as uint32 arrays."""
+    tok = load_tokenizer(folder)
+    parts = []
     for f in files:
-        ids += tok(f.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False,
-                   verbose=False)["input_ids"]
+        text = f.read_text(encoding="utf-8", errors="replace")
+        start = 0
+        while start < len(text):
+            cut = text.find("\n", start + TOKENIZE_CHUNK)
+            end = len(text) if cut < 0 else cut + 1
+            ids = tok(text[start:end], add_special_tokens=False, verbose=False)["input_ids"]
+            parts.append(np.asarray(ids, dtype=np.uint32))
+            start = end
         if tok.eos_token_id is not None:
-            ids.append(tok.eos_token_id)
-    stream = np.asarray(ids, dtype=np.int64)
-    return stream.astype(np.uint32 if stream.size and stream.max() >= 1 << 16 else np.uint16)
+            parts.append(np.asarray([tok.eos_token_id], dtype=np.uint32))
+    stream = np.concatenate(parts) if parts else np.zeros(0, np.uint32)
+    return stream if stream.size and stream.max() >= 1 << 16 else stream.astype(np.uint16)

@@ -2,11 +2,11 @@
 ``model.kind: hf``; written against transformers 5.25).
 
 ``host_experts(model, ...)`` puts a ``HostedHFExperts`` where each MoE block's ``experts`` module was
-(``mlp.experts`` in Mixtral, Qwen3-MoE, DeepSeek-V3, OLMoE, GPT-OSS). It keeps that module's
+(``mlp.experts`` in Mixtral, Qwen2/3-MoE, DeepSeek-V3, OLMoE, GPT-OSS). It keeps that module's
 parameters under the same names, each stacked [E, ...] tensor cut to this rank's experts (the
 placement's), so the model's state-dict keys stay transformers' own. The block's own router still
-chooses (``gate``: softmax top-k, DeepSeek-V3's group-limited sigmoid, ...) and calls the host with
-``(hidden_states, top_k_index, top_k_weights)``; the host sends the tokens through dist-moe's
+chooses (``gate``, GPT-OSS's ``router``: softmax top-k, DeepSeek-V3's group-limited sigmoid, ...)
+and calls the host with ``(hidden_states, top_k_index, top_k_weights)``; the host sends the tokens through dist-moe's
 dispatcher (dedup, pipelined chunks, bytes counted per topology level) to the experts' grouped GEMMs
 (``StackedExperts``) and returns the weighted sum per token. It is also what the trainer, metrics and
 checkpoints ask of every MoE layer (``moe_view.MoEHost``), with the model's router seen read-only.
@@ -43,7 +43,7 @@ class HostedHFExperts(CountsTraffic, nn.Module):
     experts module it replaces."""
 
     def __init__(self, experts: nn.Module, gate: nn.Module, placement: Placement, topology: Topology, group,
-                 rank: int, dedup: str = "rank", pipeline_chunks: int = 1, timeout=None):
+                 rank: int, dedup: str = "rank", pipeline_chunks: int = 1, timeout=None, fixed_order: bool = False):
         super().__init__()
         self.num_experts = experts.num_experts
         self.hidden_size = _hidden_size(experts)
@@ -68,7 +68,7 @@ class HostedHFExperts(CountsTraffic, nn.Module):
         self.router = ModelsRouter(gate, self.num_experts)
         self.placement, self.topology, self.dedup, self.pipeline_chunks = placement, topology, dedup, pipeline_chunks
         self.group, self.rank = group, rank
-        self.dispatcher = make_dispatcher(group, placement, topology, dedup, timeout)
+        self.dispatcher = make_dispatcher(group, placement, topology, dedup, timeout, fixed_order)
         self.expert_node = placement.expert_nodes(topology) if topology.num_nodes > 1 else None
         self.expert_rank = placement.rank_table() if placement.world_size > 1 else None
         self.last_routing = None
@@ -101,16 +101,17 @@ class HostedHFExperts(CountsTraffic, nn.Module):
     def expert_state_keys(self, prefix: str = "") -> dict:
         return {f"{prefix}{name}": (self.local_expert_ids, f"{prefix}{name}", True) for name in self.expert_slots}
 
-    def full_expert_tensors(self) -> dict[str, Tensor]:
-        """{slot: [E, ...] every expert's rows in expert order}, gathered from every rank (collective)."""
+    def full_expert_tensors(self, keep: bool):
+        """(slot, [E, ...] every expert's rows in expert order, on the CPU) per stacked slot, gathered from
+        every rank one slot at a time (collective); with ``keep`` False this rank takes part and keeps nothing."""
         order = torch.tensor([e for r in range(self.placement.world_size) for e in self.placement.local_experts(r)])
-        out = {}
         for name in self.expert_slots:
             rows = all_gather_rows(getattr(self, name).detach(), self.group if self.placement.world_size > 1 else None)
-            full = torch.empty_like(rows)
-            full[order.to(rows.device)] = rows
-            out[name] = full
-        return out
+            if keep:
+                full = torch.empty(rows.shape, dtype=rows.dtype)
+                full[order] = rows.cpu()
+                yield name, full
+            del rows
 
 
 def _hidden_size(experts: nn.Module) -> int:
@@ -120,16 +121,18 @@ def _hidden_size(experts: nn.Module) -> int:
     return experts.down_proj.shape[1 if not getattr(experts, "is_transposed", False) else 2]
 
 
-def moe_blocks(model: nn.Module) -> list[tuple[nn.Module, str]]:
-    """(block, its name) of every MoE block whose experts dist-moe can host: a ``gate`` (the router) and
-    an ``experts`` module holding stacked [E, ...] ``down_proj`` weights, ``num_experts`` of them."""
+def moe_blocks(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    """(block, its router) of every MoE block whose experts dist-moe can host: a router (``gate``, or
+    GPT-OSS's ``router``) beside an ``experts`` module holding stacked [E, ...] ``down_proj`` weights."""
     found = []
-    for name, m in model.named_modules():
-        experts, gate = getattr(m, "experts", None), getattr(m, "gate", None)
+    for m in model.modules():
+        experts = getattr(m, "experts", None)
+        gate = next((g for g in (getattr(m, "gate", None), getattr(m, "router", None)) if isinstance(g, nn.Module)),
+                    None)
         if isinstance(experts, HostedHFExperts):
             continue
-        if isinstance(experts, nn.Module) and isinstance(gate, nn.Module) and _stacked(experts):
-            found.append((m, name))
+        if isinstance(experts, nn.Module) and gate is not None and _stacked(experts):
+            found.append((m, gate))
     return found
 
 
@@ -140,13 +143,14 @@ def _stacked(experts: nn.Module) -> bool:
 
 
 def host_experts(model: nn.Module, placement_of, topology: Topology, group, rank: int, dedup: str,
-                 pipeline_chunks: int, timeout=None) -> list[HostedHFExperts]:
+                 pipeline_chunks: int, timeout=None, fixed_order: bool = False) -> list[HostedHFExperts]:
     """Replace every MoE block's experts in ``model`` with a ``HostedHFExperts`` (``placement_of(E)``
-    gives each block's placement); returns them in module order."""
+    gives each block's placement; ``fixed_order``: the dispatcher's, for deterministic runs); returns
+    them in module order."""
     hosts = []
-    for block, _ in moe_blocks(model):
-        host = HostedHFExperts(block.experts, block.gate, placement_of(block.experts.num_experts), topology, group,
-                               rank, dedup, pipeline_chunks, timeout)
+    for block, gate in moe_blocks(model):
+        host = HostedHFExperts(block.experts, gate, placement_of(block.experts.num_experts), topology, group,
+                               rank, dedup, pipeline_chunks, timeout, fixed_order)
         block.experts = host
         hosts.append(host)
     return hosts

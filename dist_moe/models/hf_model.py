@@ -1,17 +1,17 @@
 """A user's transformers causal-LM MoE model for ``dist-moe train`` (``model.kind: hf``).
 
 ``model.path`` is a local transformers model folder (or its ``config.json``): with ``*.safetensors``
-weights it loads them (never pickled ``.bin`` weights, and never the folder's own code), else it
-starts from random weights drawn with the run's seed (the same on every rank). Its MoE blocks' experts
-are sharded over the launched world and dispatched by dist-moe (``integrations/transformers_hosted``);
-everything else is the model's own and replicated. ``HFCausalLM`` gives the trainer its usual
-``(logits, aux) = model(tokens, categories)``; ``export`` writes the trained model where
-``AutoModelForCausalLM.from_pretrained`` reads it, tokenizer included.
+weights it loads them (never pickled weights, never the folder's own code, and every weight of the
+model must be there), else it starts from random weights drawn with the run's seed (the same on every
+rank). Its MoE blocks' experts are sharded over the launched world and dispatched by dist-moe
+(``integrations/transformers_hosted``); everything else is the model's own and replicated.
+``HFCausalLM`` gives the trainer its usual ``(logits, aux) = model(tokens, categories)``; ``export``
+writes the trained model where ``AutoModelForCausalLM.from_pretrained`` reads it, tokenizer included.
 """
 from __future__ import annotations
 
-import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -20,6 +20,10 @@ from torch import Tensor, nn
 from dist_moe.integrations.transformers_hosted import HostedHFExperts, moe_blocks
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# weight files transformers or other tools write that dist-moe does not read (pickles, other formats)
+OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+# what transformers raises for a folder it cannot use (a bad or missing file, a missing optional package)
+LOAD_ERRORS = (ValueError, OSError, KeyError, TypeError, RuntimeError, ImportError)
 
 
 def model_folder(path: str) -> Path:
@@ -36,12 +40,14 @@ def model_folder(path: str) -> Path:
 
 
 def has_weights(folder: Path) -> bool:
-    """Whether the folder holds safetensors weights; pickled .bin weights alone are refused."""
+    """Whether the folder holds safetensors weights; weights in any other format alone are refused."""
     if any(folder.glob("*.safetensors")):
         return True
-    if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
-        raise ValueError(f"model.path={str(folder)!r} holds only pickled (.bin / .pt) weights, which can run code when "
-                         "loaded: save them as safetensors (model.save_pretrained(folder)) first")
+    other = sorted(p.name for p in folder.iterdir() if p.suffix in OTHER_WEIGHTS)
+    if other:
+        raise ValueError(f"model.path={str(folder)!r} holds weights dist-moe does not load ({other[0]}: pickled "
+                         "weights can run code when loaded): save the model as safetensors "
+                         "(model.save_pretrained(folder)) first")
     return False
 
 
@@ -49,46 +55,82 @@ def has_tokenizer(folder: Path) -> bool:
     return any((folder / name).is_file() for name in TOKENIZER_FILES)
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def load_config(folder: Path):
-    """The folder's transformers config, checked to be a causal LM transformers knows without the folder's code."""
+    """The folder's transformers config: a model transformers knows without the folder's code, not quantized."""
     # transformers: an optional engine, imported only where it is used
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
-    except (ValueError, OSError, KeyError, TypeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"model.path={str(folder)!r}: transformers cannot read its config.json ({first})") from None
+        config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+    except LOAD_ERRORS as e:
+        raise ValueError(f"model.path={str(folder)!r}: transformers cannot read its config.json ({_first_line(e)})") \
+            from None
+    if getattr(config, "quantization_config", None) is not None:
+        raise ValueError(f"model.path={str(folder)!r} is a quantized checkpoint (quantization_config): dist-moe trains "
+                         "fp32 weights; give a folder with unquantized weights")
+    return config
+
+
+def load_tokenizer(folder: Path):
+    """The folder's tokenizer, without the folder's code."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # tokenizers raises plain Exceptions for a file it cannot read: a user's folder
+        raise ValueError(f"model.path={str(folder)!r}: its tokenizer cannot be loaded ({_first_line(e)})") from None
 
 
 def load_model(folder: Path, seed: int) -> nn.Module:
-    """The folder's causal LM in fp32, its weights or (none saved) random ones drawn from ``seed``."""
+    """The folder's causal LM in fp32: its weights, every one of them, or (none saved) random ones drawn
+    from ``seed``."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     config = load_config(folder)
     try:
         if has_weights(folder):
-            model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, trust_remote_code=False,
-                                                         use_safetensors=True, dtype=torch.float32)
+            model, info = AutoModelForCausalLM.from_pretrained(
+                folder, local_files_only=True, trust_remote_code=False, use_safetensors=True, dtype=torch.float32,
+                output_loading_info=True)
+            _check_loaded(folder, info)
         else:
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, dtype=torch.float32)
-    except (ValueError, OSError, KeyError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except (*LOAD_ERRORS, SafetensorError) as e:
         raise ValueError(f"model.path={str(folder)!r}: transformers cannot build a causal LM from it "
-                         f"({first})") from None
+                         f"({_first_line(e)})") from None
     if not moe_blocks(model):
         raise ValueError(f"model.path={str(folder)!r} is a {type(model).__name__} without MoE blocks dist-moe can host "
-                         "(a router `gate` beside stacked `experts` weights, as Mixtral, Qwen3-MoE, DeepSeek-V3 have)")
+                         "(a router beside stacked `experts` weights, as Mixtral, Qwen3-MoE, DeepSeek-V3 have)")
     return model.train()
+
+
+def _check_loaded(folder: Path, info: dict) -> None:
+    """Refuse a checkpoint that does not fill the model: transformers would start the rest from random."""
+    for what in ("missing_keys", "mismatched_keys", "unexpected_keys"):
+        found = sorted(info.get(what) or ())
+        if found:
+            first = found[0] if isinstance(found[0], str) else found[0][0]
+            raise ValueError(f"model.path={str(folder)!r}: its weights do not fit its config.json ({len(found)} "
+                             f"{what.replace('_', ' ')}, e.g. {first})")
 
 
 def parameter_count(folder: Path) -> tuple[int, int]:
     """(dense parameters, expert parameters) of the folder's model, counted without allocating it."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(load_config(folder), trust_remote_code=False)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(load_config(folder), trust_remote_code=False)
+    except LOAD_ERRORS as e:
+        raise ValueError(f"model.path={str(folder)!r}: transformers cannot build a causal LM from it "
+                         f"({_first_line(e)})") from None
     experts = sum(p.numel() for block, _ in moe_blocks(model) for p in block.experts.parameters())
     return sum(p.numel() for p in model.parameters()) - experts, experts
 
@@ -114,27 +156,43 @@ class HFCausalLM(nn.Module):
         aux = self.aux_coef * aux.float() if aux is not None else out.logits.new_zeros((), dtype=torch.float32)
         return (out.logits[:0], aux * 0.0) if empty else (out.logits, aux)
 
-    def export(self, target: Path, is_main: bool) -> None:
-        """Write the model as transformers saves it (every rank calls this: the experts are gathered), with
-        the model folder's tokenizer, to ``target``, replacing what was there only once the new one is whole."""
-        state = self.hf.state_dict()
+    def export_state(self, is_main: bool) -> dict[str, Tensor] | None:
+        """The model's state as transformers saves it, every expert gathered, on the CPU of the main rank
+        (every rank calls this: the gathers are collective; the others keep nothing and get None)."""
+        state: dict[str, Tensor] = {}
+        on_cpu: dict[int, Tensor] = {}  # one copy per storage: tied weights stay tied
+        for key, t in self.hf.state_dict().items():
+            if is_main:
+                state[key] = on_cpu.setdefault(t.data_ptr(), t.detach().cpu())
         for name, m in self.hf.named_modules():
             if isinstance(m, HostedHFExperts):
-                state.update({f"{name}.{slot}": t for slot, t in m.full_expert_tensors().items()})
-        if not is_main:
-            return
+                for slot, full in m.full_expert_tensors(keep=is_main):
+                    state[f"{name}.{slot}"] = full
+        return state if is_main else None
+
+    def write(self, state: dict[str, Tensor], target: Path) -> None:
+        """Write ``state`` (``export_state``'s) with the folder's tokenizer as a transformers model folder at
+        ``target``: built in a new hidden folder beside it, then swapped in (the previous one is put back if
+        the swap fails); never through a link."""
         if target.is_symlink():
             raise ValueError(f"{target} is a symbolic link: dist-moe writes the trained model into a real folder")
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.hf.save_pretrained(tmp, state_dict={k: v.detach().cpu().contiguous() for k, v in state.items()},
-                                safe_serialization=True)
-        if has_tokenizer(self.folder):
-            from transformers import AutoTokenizer
-
-            AutoTokenizer.from_pretrained(self.folder, local_files_only=True).save_pretrained(tmp)
-        old = target.with_name(f".{target.name}.{os.getpid()}.old")
-        if target.exists():
-            target.rename(old)
-        tmp.rename(target)
-        shutil.rmtree(old, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        old = None
+        try:
+            self.hf.save_pretrained(tmp, state_dict={k: v.contiguous() for k, v in state.items()},
+                                    safe_serialization=True)
+            if has_tokenizer(self.folder):
+                load_tokenizer(self.folder).save_pretrained(tmp)
+            if target.exists():
+                old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
+                target.rename(old / target.name)
+            try:
+                tmp.rename(target)
+            except OSError:
+                if old is not None:
+                    (old / target.name).rename(target)
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)

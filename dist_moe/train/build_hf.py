@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 
 import psutil
 
 from dist_moe.data.local_text import is_local, local_split
 from dist_moe.integrations.transformers_hosted import host_experts
-from dist_moe.models.hf_model import HFCausalLM, has_tokenizer, load_config, load_model, model_folder, parameter_count
+from dist_moe.models.hf_model import (
+    HFCausalLM,
+    has_tokenizer,
+    has_weights,
+    load_config,
+    load_model,
+    load_tokenizer,
+    model_folder,
+    parameter_count,
+)
 
 
 def hf_data_and_model(cfg, rt):
@@ -18,32 +28,43 @@ def hf_data_and_model(cfg, rt):
         raise ValueError(f"model.kind=hf trains on a local text file, folder or .npy / .bin token file: data.name="
                          f"{dcfg.name!r} is none")
     config = load_config(folder)
-    vocab = getattr(config, "vocab_size", None)
-    if not isinstance(vocab, int):
-        raise ValueError(f"model.path={str(folder)!r}: its config.json has no vocab_size")
-    data = local_split(dcfg.name, dcfg.seq_len, dcfg.val_fraction, cfg.seed, dcfg.categories, vocab, dcfg.token_dtype,
-                       tokenizer=folder if has_tokenizer(folder) else None)
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers"):
+        if not isinstance(getattr(config, key, None), int):
+            raise ValueError(f"model.path={str(folder)!r}: its config.json has no {key}")
+    longest = getattr(config, "max_position_embeddings", None)
+    if isinstance(longest, int) and dcfg.seq_len > longest:
+        raise ValueError(f"data.seq_len={dcfg.seq_len} is longer than the model's max_position_embeddings={longest}")
+    if has_tokenizer(folder):
+        load_tokenizer(folder)  # a tokenizer that cannot load fails now, not when the trained model is written
+    data = local_split(dcfg.name, dcfg.seq_len, dcfg.val_fraction, cfg.seed, dcfg.categories, config.vocab_size,
+                       dcfg.token_dtype, tokenizer=folder if has_tokenizer(folder) else None)
     check_hf_fits(cfg, folder, config, rt.world)
     if not rt.is_main:  # one progress bar for the weights, not one per rank
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
     hf = load_model(folder, cfg.seed)
+    if rt.is_main and not has_weights(folder):
+        print(f"dist-moe: model.path={str(folder)!r} holds no weights: training starts from random ones (seed "
+              f"{cfg.seed})", file=sys.stderr)
     host_experts(hf, rt.placement, rt.topology(), rt.group if rt.world > 1 else None, rt.rank, cfg.parallel.dedup,
-                 cfg.parallel.start_chunks, datetime.timedelta(seconds=rt.timeout_s))
+                 cfg.parallel.start_chunks, datetime.timedelta(seconds=rt.timeout_s), rt.deterministic)
     return data, HFCausalLM(hf, folder)
 
 
 def hf_training_bytes(cfg, folder, config, world: int) -> int:
-    """About how much memory one rank needs: fp32 weights, gradients and Adam's two moments (its 1/world
-    of the experts), and one batch's activations (a dozen hidden-size vectors per token and layer, the
-    attention scores and the logits, each with its gradient)."""
+    """About how much memory one rank needs, the larger of loading and training. Loading: the whole model
+    in fp32 (every rank loads it, then keeps its share of the experts). Training: fp32 weights, gradients
+    and Adam's two moments (its 1/world of the experts), and one batch's activations (a dozen hidden-size
+    vectors per token and layer, the attention scores and the logits, each with its gradient)."""
     dense, experts = parameter_count(folder)
+    share = -(-experts // world)
     tokens = cfg.train.batch_size * cfg.data.seq_len
     hidden, layers = config.hidden_size, config.num_hidden_layers
     heads = getattr(config, "num_attention_heads", 1)
     per_token = layers * (12 * hidden + heads * cfg.data.seq_len) + 2 * config.vocab_size
-    return 4 * 4 * (dense + -(-experts // world)) + 2 * 4 * tokens * per_token
+    loading = 4 * (dense + experts + share)
+    return max(loading, 4 * 4 * (dense + share) + 2 * 4 * tokens * per_token)
 
 
 def check_hf_fits(cfg, folder, config, world: int) -> None:

@@ -179,9 +179,8 @@ def _train_in(run: "_TrainingRun", after) -> dict:
             run.evaluate_epoch()
         run.exchange_wait_s = run.waits.read(settled=True)  # training's, before the routing record's forwards
         record_routing(out_dir, run.model, run.data, rt)
-        export = getattr(run.model, "export", None)  # model.kind hf: the trained model as transformers reads it
-        if export is not None:
-            export(out_dir / HF_MODEL, rt.is_main)
+        if hasattr(run.model, "export_state"):  # model.kind hf: the trained model as transformers reads it
+            export_hf(run.model, out_dir / HF_MODEL, rt)
         extra = after(run.model, run.data, rt) if after is not None else {}
     finally:
         run.close()
@@ -365,13 +364,29 @@ class _TrainingRun:
                if self.tuner.medians else {}),
             **self.last_eval,
             "random_pair_tree_distance": _random_pair(self.layers[0].num_experts), "output_dir": str(self.out_dir),
-            **({"hf_model": str(self.out_dir / HF_MODEL)} if hasattr(self.model, "export") else {}),
+            **({"hf_model": str(self.out_dir / HF_MODEL)} if hasattr(self.model, "export_state") else {}),
             **extra,
         })
         if rt.is_main:
             self.step_bytes.save(self.out_dir)
             write_atomic(self.out_dir / "summary.json", json.dumps(summary, indent=2, allow_nan=False) + "\n")
         return summary
+
+
+def export_hf(model, target: Path, rt: Runtime) -> None:
+    """Gather the model to the main rank and write it there; every rank learns whether that worked (the
+    others wait for the write, up to parallel.timeout_s)."""
+    state = model.export_state(rt.is_main)
+
+    def write():
+        if state is None:
+            return
+        try:
+            model.write(state, target)
+        except OSError as e:
+            raise ValueError(f"writing the trained model to {target} failed: {e}") from None
+
+    agree_on_errors(write, rt.group if rt.world > 1 else None)
 
 
 class TrainingWaits:
