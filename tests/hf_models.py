@@ -10,7 +10,7 @@ KINDS = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
 EXPERTS = 8
 
 
-def config(kind: str, vocab: int = 300, nodes: int = 2, tied: bool = False):
+def config(kind: str, vocab: int = 300, nodes: int = 2, tied: bool = False, router_loss: bool = True):
     from transformers import DeepseekV3Config, GptOssConfig, MixtralConfig, Qwen3MoeConfig
 
     common = {"vocab_size": vocab, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -21,7 +21,7 @@ def config(kind: str, vocab: int = 300, nodes: int = 2, tied: bool = False):
                             head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
     if kind == "mixtral":
         return MixtralConfig(**common, intermediate_size=32, num_local_experts=EXPERTS, num_experts_per_tok=2,
-                             output_router_logits=True)
+                             output_router_logits=router_loss)
     if kind == "qwen3_moe":
         return Qwen3MoeConfig(**common, intermediate_size=32, moe_intermediate_size=16, num_experts=EXPERTS,
                               num_experts_per_tok=2, head_dim=16, norm_topk_prob=True)

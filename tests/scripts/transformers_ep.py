@@ -13,27 +13,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.hf_models import config  # noqa: E402  (the repository root first)
 
 STEPS, BATCH, SEQ, VOCAB, EXPERTS = 2, 2, 8, 64, 8
 MODELS = ("mixtral", "qwen3_moe", "deepseek_v3")
-
-
-def _config(kind: str, nodes: int):
-    from transformers import DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
-
-    common = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-              "num_key_value_heads": 2, "max_position_embeddings": 32, "tie_word_embeddings": False,
-              "initializer_range": 0.2}  # weights large enough that every expert's output shows in the loss
-    if kind == "mixtral":
-        return MixtralConfig(**common, intermediate_size=32, num_local_experts=EXPERTS, num_experts_per_tok=2)
-    if kind == "qwen3_moe":
-        return Qwen3MoeConfig(**common, intermediate_size=32, moe_intermediate_size=16, num_experts=EXPERTS,
-                              num_experts_per_tok=2, head_dim=16, norm_topk_prob=True)
-    # one dense layer, then MoE; routed experts grouped by node, one group per token (the node-limited peer)
-    return DeepseekV3Config(**common, intermediate_size=32, moe_intermediate_size=16, n_routed_experts=EXPERTS,
-                            num_experts_per_tok=2, n_group=nodes, topk_group=1, n_shared_experts=1,
-                            first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
-                            qk_nope_head_dim=8, v_head_dim=8)
 
 
 def _save_models(folder, nodes: int) -> None:
@@ -41,7 +24,7 @@ def _save_models(folder, nodes: int) -> None:
 
     for kind in MODELS:
         torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(_config(kind, nodes)).save_pretrained(folder / kind)
+        AutoModelForCausalLM.from_config(config(kind, VOCAB, nodes, router_loss=False)).save_pretrained(folder / kind)
 
 
 def _load(path, world, implementation):
