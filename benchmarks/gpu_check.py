@@ -64,6 +64,7 @@ from dist_moe.data.sources import stdlib_code
 from dist_moe.dispatch.all_to_all import HOST_READS
 from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher
 from dist_moe.dispatch.process_group import init_from_env, resolve_device
+from dist_moe.optional_engines import engine_import
 from dist_moe.train.training_state import DataCursor, restore_state, save_state
 from tests.ep_checks import ROUTERS
 from tests.sync_budget import counting
@@ -479,10 +480,9 @@ def throughput(device):
         rates[f"C={chunks}"] = _tokens_per_s(step, t)
     mine = ", ".join(f"{n} {v:,.0f}" for n, v in rates.items()) + " tokens/s"
     try:
-        # megatron-core: an optional engine, imported only where it is used (after megatron_patches.apply())
-        from megatron.core import parallel_state
-        from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-        from megatron.core.transformer.moe.moe_layer import MoELayer as MegatronMoE
+        parallel_state = engine_import("megatron.core", "parallel_state")
+        get_moe_module_spec = engine_import("megatron.core.models.gpt.moe_module_specs", "get_moe_module_spec")
+        MegatronMoE = engine_import("megatron.core.transformer.moe.moe_layer", "MoELayer")
 
         from dist_moe.integrations.megatron import megatron_config
     except ImportError:

@@ -15,6 +15,7 @@ traceback.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -102,7 +103,5 @@ def _torchelastic_error_file(line: str) -> None:
     if not path:
         return
     data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
-    try:
+    with contextlib.suppress(OSError):  # the line is on stderr (or with the launch script) already
         Path(path).write_text(json.dumps(data))
-    except OSError:
-        pass  # the line is on stderr (or with the launch script) already

@@ -24,7 +24,7 @@ def test_copies_per_level_equal_the_analytic_byte_count(spec, dedup):
     ours = {lv: sum(stage[lv][0] for stage in counts) * 12 for lv in topo.levels}
     assert ours == dispatch_traffic(idx, src, placement, topo, 12, dedup).by_level()
     for stage in counts:  # per-rank sent and received sum to the level's copies
-        for lv, (n, sent, recv) in stage.items():
+        for _lv, (n, sent, recv) in stage.items():
             assert int(sent.sum()) == int(recv.sum()) == n
 
 

@@ -79,7 +79,7 @@ def _gar_worker(rank, world, router_type, mode="materialized", unit="group", chu
             assert abs(out_r["grad_norm"] - out_e["grad_norm"]) < 1e-5 * out_r["grad_norm"]
         names = [n for n, _ in r_model.named_parameters()]
         ref_grads = dict(zip(names, r_opt.seen))
-        for (name, p), grad in zip(e_model.named_parameters(), e_opt.seen):
+        for (name, _p), grad in zip(e_model.named_parameters(), e_opt.seen):
             expected = ref_grads[name]
             if ".experts." in name:
                 expected = expected[e_model.moe.local_expert_ids]

@@ -60,7 +60,7 @@ def _step_worker(rank, world):
             ep, SimpleNamespace(opt=e_opt, finish_external=None), x[mine], y[mine], c[mine])
         assert abs(one["loss"] - many["loss"]) < 1e-5 and abs(one["gar_loss"] - many["gar_loss"]) < 1e-5, (rank, n)
         ref_grads = dict(zip([k for k, _ in ref.named_parameters()], r_opt.seen))
-        for (name, p), grad in zip(ep.named_parameters(), e_opt.seen):
+        for (name, _), grad in zip(ep.named_parameters(), e_opt.seen):
             expected = ref_grads[name]
             if ".experts." in name and grad.shape != expected.shape:
                 expected = expected[ep.moe.local_expert_ids]

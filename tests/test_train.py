@@ -283,7 +283,7 @@ def test_the_schema_is_written_once_and_a_router_config_is_its_constructor(monke
     from dist_moe.routing.registry import config_class
     from dist_moe.train.run_config import RunConfig
 
-    assert DEFAULT_CONFIG == RunConfig().to_dict() and load_config(None) == RunConfig()
+    assert RunConfig().to_dict() == DEFAULT_CONFIG and load_config(None) == RunConfig()
     for kind, cls in ROUTERS.items():
         params = {p for klass in cls.__mro__[:cls.__mro__.index(Router)]
                   for p, v in inspect.signature(klass.__init__).parameters.items() if v.kind == v.POSITIONAL_OR_KEYWORD}

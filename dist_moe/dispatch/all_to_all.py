@@ -203,8 +203,8 @@ class Hop:
     (``pair_copy``, ``pair_expert``, ``pair_gate``, ``copy_meta``) arrive with the exchange's
     metadata, waited for at their first use: the payload can leave before it has arrived."""
 
-    def __init__(self, sizes: "Sizes", copy_row: Tensor, sent_pairs: Tensor, expert_counts: list, group,
-                 metadata: "Metadata", index: int):
+    def __init__(self, sizes: Sizes, copy_row: Tensor, sent_pairs: Tensor, expert_counts: list, group,
+                 metadata: Metadata, index: int):
         self.send_c, self.recv_c = sizes.send_c, sizes.recv_c  # copies to / from each peer
         self.send_p, self.recv_p = sizes.send_p, sizes.recv_p  # pairs to / from each peer
         self.copy_row = copy_row  # [n_c] the sender's row of each sent copy, in peer order
@@ -247,7 +247,7 @@ class Metadata:
     """Every chunk's received routing metadata of one exchange, from one all-to-all in flight, unpacked
     for all chunks at the first use of any."""
 
-    def __init__(self, pending: "Merged", parts: list):
+    def __init__(self, pending: Merged, parts: list):
         self._pending, self._parts, self._got = pending, parts, None  # parts: per chunk (sizes, Mc)
 
     def chunk(self, i: int) -> tuple:

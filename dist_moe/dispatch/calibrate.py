@@ -12,6 +12,7 @@ together move. Times are medians over repeats of the slowest rank.
 """
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -88,10 +89,10 @@ def calibrate(topology: Topology, sizes=SIZES, repeats: int = 5) -> CostModel:
             continue
         unit = math.prod(topology.sizes[li + 1:])
         peers = (topology.sizes[li] - 1) * unit
-        times = [slowest(lambda m=level_pattern(topology, li, s): replay(m), repeats) for s in sizes]
+        times = [slowest(functools.partial(replay, level_pattern(topology, li, s)), repeats) for s in sizes]
         shared = False
         if unit > 1:  # private links take as long with one sender per unit; a shared one ~unit x less
-            alone = slowest(lambda m=level_pattern(topology, li, sizes[-1], True): replay(m), repeats)
+            alone = slowest(functools.partial(replay, level_pattern(topology, li, sizes[-1], True)), repeats)
             shared = (times[-1] - latency) > (1 + unit) / 2 * max(alone - latency, 1e-9)
         per_link = [s * peers * (unit if shared else 1) for s in sizes]
         level = fit_level([peers] * len(sizes), per_link, [max(t - latency, 0.0) for t in times], shared)

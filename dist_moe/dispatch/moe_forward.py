@@ -12,8 +12,8 @@ own input.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from torch import Tensor, nn
 

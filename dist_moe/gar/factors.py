@@ -31,7 +31,7 @@ class SlotRows:
     unit: Tensor  # [R] int64 global unit ids
 
     @classmethod
-    def empty(cls, a: int, b: int, device=None) -> "SlotRows":
+    def empty(cls, a: int, b: int, device=None) -> SlotRows:
         return cls(torch.zeros(0, a, device=device), torch.zeros(0, b, device=device),
                    torch.zeros(0, dtype=torch.long, device=device))
 

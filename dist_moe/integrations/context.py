@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections.abc import Mapping
+from types import MappingProxyType
 
 from torch import Tensor
 
 from dist_moe.dispatch.moe_forward import Tokens, tokens_in
 
-_CONTEXT: contextvars.ContextVar[dict] = contextvars.ContextVar("dist_moe_routing_context", default={})
+_CONTEXT: contextvars.ContextVar[Mapping] = contextvars.ContextVar("dist_moe_routing_context",
+                                                                   default=MappingProxyType({}))
 
 
 @contextlib.contextmanager

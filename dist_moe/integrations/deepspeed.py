@@ -53,6 +53,7 @@ from dist_moe.integrations.deepspeed_dispatch import per_expert, use_dist_moe_di
 from dist_moe.integrations.hosted import DispatchedHost, HostedMoE
 from dist_moe.layer import bind_to_topology
 from dist_moe.moe_view import MoEView
+from dist_moe.optional_engines import engine_import
 from dist_moe.routing import Router, build_router
 from dist_moe.routing.capacity import apply_capacity, capacity_for, check_one_capacity, slot_positions
 from dist_moe.routing.registry import RouterConfig, router_config
@@ -136,10 +137,9 @@ class DistMoEGate(nn.Module):
             tokens = self.tokens(x, used_token)
             routing = self.route(tokens)
             idx, gates = routing.expert_idx, routing.gates
-            if self.capacity_factor is not None:  # DeepSpeed's rule, from the largest token count
-                need = x.shape[0]
-            else:  # dropless: the fullest expert on any rank sets the (shared) capacity, a host int
-                need = int(per_expert(idx, e).max())  # DeepSpeed sizes its buffers with it: one read
+            # capped: DeepSpeed's rule, from the largest token count; dropless: the fullest expert on any rank
+            # sets the (shared) capacity, a host int DeepSpeed sizes its buffers with (one read)
+            need = x.shape[0] if self.capacity_factor is not None else int(per_expert(idx, e).max())
             group = self.ep_group if self.ep_size > 1 else None
             (agreed,) = agree(tokens.problem, tokens.tag, group, "DistMoEGate", maxima=(need,))
         if self.capacity_factor is not None:
@@ -207,8 +207,7 @@ def deepspeed_moe_layer(hidden_size: int, ffn_hidden_size: int | None, router: R
     if dispatcher not in ("deepspeed", "dist_moe"):
         raise ValueError(f"dispatcher must be 'deepspeed' or 'dist_moe', got {dispatcher!r}")
     deepspeed_patches.apply()
-    # deepspeed: an optional engine, imported only where it is used
-    from deepspeed.moe.layer import MoE
+    MoE = engine_import("deepspeed.moe.layer", "MoE")
 
     gate = DistMoEGate(router, hidden_size, ep_size, placement, capacity_factor, min_capacity, topology)
     if expert is None:
@@ -233,8 +232,7 @@ def init_distributed(timeout_s: float | None = None, device: torch.device | None
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     deepspeed_patches.apply(cpu=device.type == "cpu")
-    # deepspeed: an optional engine, imported only where it is used
-    import deepspeed
+    deepspeed = engine_import("deepspeed")
 
     if device.type == "cuda":
         torch.cuda.set_device(device)

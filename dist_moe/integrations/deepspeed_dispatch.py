@@ -27,6 +27,7 @@ from dist_moe.experts import SingleExpert, compute_dtype, grouped_ok, offsets
 from dist_moe.integrations import deepspeed_patches
 from dist_moe.integrations.stacked import grouped_mm, stack_in_place, stacked_alias, stacked_view
 from dist_moe.layer import bind_to_topology
+from dist_moe.optional_engines import engine_import
 from dist_moe.routing import Routing
 from placement import Topology
 from placement.plan import check_dedup
@@ -113,8 +114,7 @@ def per_expert(idx: Tensor, num_experts: int) -> Tensor:
 def layer_class():
     """``DistMoEDispatchedMOELayer``: DeepSpeed's MOELayer with dist-moe's dispatcher (built on first use)."""
     deepspeed_patches.apply()
-    # deepspeed: an optional engine, imported only where it is used
-    from deepspeed.moe.sharded_moe import MOELayer
+    MOELayer = engine_import("deepspeed.moe.sharded_moe", "MOELayer")
 
     class DistMoEDispatchedMOELayer(CountsTraffic, MOELayer):
         """DeepSpeed's MOELayer whose tokens travel through dist-moe's dispatcher."""

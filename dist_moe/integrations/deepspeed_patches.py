@@ -9,6 +9,8 @@ import importlib
 
 import torch
 
+from dist_moe.optional_engines import engine_import
+
 _APPLIED = False
 
 
@@ -32,7 +34,6 @@ def release_groups() -> None:
     whose group torch destroys would otherwise keep every one alive until interpreter exit, where
     their threads can abort the process (dist_moe/dispatch/groups.py). Its dicts hold nothing but
     groups, so the garbage collector cannot see them as referrers either."""
-    # deepspeed: an optional engine, imported only where it is used
-    from deepspeed.utils import groups
+    groups = engine_import("deepspeed.utils", "groups")
 
     groups._release_process_group_references(group=None)

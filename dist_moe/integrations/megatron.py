@@ -21,6 +21,7 @@ from dist_moe.integrations.megatron_layer import dist_moe_mlp_spec, megatron_dis
 from dist_moe.integrations.megatron_patches import DISPATCHERS
 from dist_moe.integrations.megatron_router import DistMoERouter, aux_coefficient
 from dist_moe.moe_view import MoEView
+from dist_moe.optional_engines import engine_import
 from dist_moe.routing import Router
 from dist_moe.routing.registry import RouterConfig, router_shape
 from placement import Placement, Topology
@@ -40,8 +41,7 @@ def megatron_config(hidden_size: int, ffn_hidden_size: int, num_experts: int, to
     if expert_type not in ("swiglu", "gelu"):
         raise ValueError(f"Megatron experts map dist-moe's swiglu or gelu experts, got {expert_type!r}")
     megatron_patches.apply()
-    # megatron-core: an optional engine, imported only where it is used (after megatron_patches.apply())
-    from megatron.core.transformer import TransformerConfig
+    TransformerConfig = engine_import("megatron.core.transformer", "TransformerConfig")
 
     cpu = device.type == "cpu" if device is not None else not torch.cuda.is_available()
     fields = dict(
@@ -63,9 +63,8 @@ def megatron_moe_layer(config, router: Router | RouterConfig | dict, placement: 
                        pg_collection=None, topology=None):
     """Megatron's MoELayer (SequentialMLP experts) with a ``DistMoERouter``."""
     megatron_patches.apply()
-    # megatron-core: an optional engine, imported only where it is used (after megatron_patches.apply())
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.transformer.moe.moe_layer import MoELayer
+    get_moe_module_spec = engine_import("megatron.core.models.gpt.moe_module_specs", "get_moe_module_spec")
+    MoELayer = engine_import("megatron.core.transformer.moe.moe_layer", "MoELayer")
 
     spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     spec.submodules.router = functools.partial(DistMoERouter, router=router, placement=placement, topology=topology)

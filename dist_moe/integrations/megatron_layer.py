@@ -31,6 +31,7 @@ from dist_moe.integrations import megatron_patches
 from dist_moe.integrations.megatron_router import DistMoERouter
 from dist_moe.integrations.stacked import grouped_mm, stack_in_place, stacked_alias, stacked_view
 from dist_moe.layer import bind_to_topology
+from dist_moe.optional_engines import engine_import
 from dist_moe.routing.registry import RouterConfig
 from placement import Placement, Topology
 from placement.plan import check_dedup
@@ -123,8 +124,7 @@ def _plain_mlp(config) -> bool:
 def layer_class():
     """``DistMoEMoELayer``: Megatron's MoELayer with dist-moe's dispatcher (built on first use)."""
     megatron_patches.apply()
-    # megatron-core: an optional engine, imported only where it is used (after megatron_patches.apply())
-    from megatron.core.transformer.moe.moe_layer import MoELayer
+    MoELayer = engine_import("megatron.core.transformer.moe.moe_layer", "MoELayer")
 
     class DistMoEMoELayer(CountsTraffic, MoELayer):
         """Megatron's MoELayer whose tokens travel through dist-moe's dispatcher."""
@@ -208,16 +208,14 @@ def dist_moe_mlp_spec(router: RouterConfig | dict, dedup: str = "rank", pipeline
     bounds the collectives of node dedup's per-node groups (None: torch's default).
     """
     megatron_patches.apply()
-    # megatron-core: an optional engine, imported only where it is used (after megatron_patches.apply())
-    from megatron.core.transformer.moe.moe_layer import MoESubmodules
-    from megatron.core.transformer.spec_utils import ModuleSpec
+    MoESubmodules = engine_import("megatron.core.transformer.moe.moe_layer", "MoESubmodules")
+    ModuleSpec = engine_import("megatron.core.transformer.spec_utils", "ModuleSpec")
 
     check_dedup(dedup)
     if not isinstance(router, (dict, RouterConfig)):
         raise ValueError(f"router must be a config (built per layer), got {type(router).__name__}")
     if base is None:
-        # megatron-core: an optional engine, imported only where it is used (after megatron_patches.apply())
-        from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+        get_moe_module_spec = engine_import("megatron.core.models.gpt.moe_module_specs", "get_moe_module_spec")
 
         base = get_moe_module_spec(use_te=False, num_experts=1, moe_grouped_gemm=False)  # experts' count: config's
     sub = base.submodules
@@ -234,8 +232,7 @@ def megatron_dist_moe_layer(config, router: RouterConfig | dict, dedup: str = "r
                             timeout=None):
     """One Megatron MoELayer (SequentialMLP experts) built from ``dist_moe_mlp_spec``, outside a GPTModel
     (benchmarks, tests). Needs ``parallel_state.initialize_model_parallel`` first."""
-    # megatron-core: an optional engine, imported only where it is used (after megatron_patches.apply())
-    from megatron.core.transformer.spec_utils import build_module
+    build_module = engine_import("megatron.core.transformer.spec_utils", "build_module")
 
     spec = dist_moe_mlp_spec(router, dedup, pipeline_chunks, placement, topology, timeout=timeout)
     return build_module(spec, config=config, pg_collection=pg_collection)

@@ -13,6 +13,8 @@ import sys
 import torch
 from torch.distributed import ProcessGroup
 
+from dist_moe.optional_engines import engine_import
+
 # Megatron's token dispatchers (config.moe_token_dispatcher_type) that host dist-moe's router
 DISPATCHERS = ("alltoall", "allgather")
 _APPLIED = False
@@ -27,9 +29,9 @@ def apply(cpu: bool | None = None) -> None:
     # 0.16.1: model-parallel set-up and the stock router call torch.cuda.current_device()
     # (Router.gating moves its weights there); on CPU that raises. Point it at the CPU.
     torch.cuda.current_device = lambda: "cpu"
-    # megatron-core: an optional engine, imported only where it is used (after megatron_patches.apply())
-    from megatron.core.transformer.moe import moe_utils
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    moe_utils = engine_import("megatron.core.transformer.moe", "moe_utils")
+    MoEAlltoAllTokenDispatcher = engine_import("megatron.core.transformer.moe.token_dispatcher",
+                                               "MoEAlltoAllTokenDispatcher")
 
     # 0.16.1: without Transformer Engine, router_gating_linear references te_general_gemm
     # unguarded (NameError in the stock TopKRouter); None selects its torch matmul path.
@@ -99,8 +101,7 @@ def release_parallel_state() -> list[str]:
     tracker keeps the reduce groups of every layer that logged a loss). A group kept
     past ``destroy_process_group`` lives until interpreter exit, where its threads can abort the
     process (dist_moe/dispatch/groups.py). Runs on CPU and GPU alike; returns the names it cleared."""
-    # megatron-core: an optional engine, imported only where it is used (after megatron_patches.apply())
-    from megatron.core import parallel_state
+    parallel_state = engine_import("megatron.core", "parallel_state")
     parallel_state.destroy_model_parallel()
     cleared = []
     moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")

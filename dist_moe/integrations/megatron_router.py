@@ -32,6 +32,7 @@ from dist_moe.dispatch.moe_forward import Tokens, route_agreed
 from dist_moe.integrations import megatron_patches
 from dist_moe.integrations.context import context_tokens, routing_extras
 from dist_moe.layer import bind_to_topology
+from dist_moe.optional_engines import engine_import
 from dist_moe.routing import ROUTERS as ROUTER_TYPES
 from dist_moe.routing import Router, build_router
 from dist_moe.routing.registry import RouterConfig, accepted_keys, router_config
@@ -46,8 +47,8 @@ class DistMoERouter(nn.Module):
                  placement: Placement | None = None, topology=None):
         super().__init__()
         megatron_patches.apply()
-        # megatron-core: an optional engine, imported only where it is used (after megatron_patches.apply())
-        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, save_to_aux_losses_tracker
+        MoEAuxLossAutoScaler, save_to_aux_losses_tracker = engine_import(
+            "megatron.core.transformer.moe.moe_utils", "MoEAuxLossAutoScaler", "save_to_aux_losses_tracker")
 
         self._attach_aux, self._track = MoEAuxLossAutoScaler.apply, save_to_aux_losses_tracker
         self.config = config

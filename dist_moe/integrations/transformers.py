@@ -32,6 +32,7 @@ from dist_moe.dispatch.dispatcher import make_dispatcher
 from dist_moe.dispatch.pipeline import check_chunks
 from dist_moe.experts import compute_dtype, grouped_ok, offsets
 from dist_moe.integrations.stacked import grouped_mm
+from dist_moe.optional_engines import engine_import
 from placement import Placement, Topology, Traffic
 from placement.plan import check_dedup
 
@@ -65,8 +66,7 @@ def use(dedup: str = "rank", pipeline_chunks: int = 1, topology: Topology | None
         raise ValueError(f"placement must be None, 'contiguous', 'tree_prefix', a Placement or a placement file, "
                          f"got {type(placement).__name__}")
     _settings = Settings(dedup, pipeline_chunks, topology, placement, timeout)
-    # transformers: an optional engine, imported only where it is used
-    from transformers.distributed.expert_parallel import EPImplementationInterface
+    EPImplementationInterface = engine_import("transformers.distributed.expert_parallel", "EPImplementationInterface")
 
     EPImplementationInterface.register(NAME, implementation_class())
 
@@ -180,8 +180,7 @@ class StackedExperts:
 @functools.cache
 def implementation_class():
     """``DistMoEEP``, transformers' ``EPImplementation`` subclass (built on first use)."""
-    # transformers: an optional engine, imported only where it is used
-    from transformers.distributed.expert_parallel import EPImplementation
+    EPImplementation = engine_import("transformers.distributed.expert_parallel", "EPImplementation")
 
     class DistMoEEP(EPImplementation):
         """transformers' plug-in point for how tokens reach the experts, filled with dist-moe's dispatcher."""

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from dist_moe.integrations.transformers_hosted import HostedHFExperts, moe_blocks
+from dist_moe.optional_engines import engine_import
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # weight files transformers or other tools write that dist-moe does not read (pickles, other formats)
@@ -62,8 +63,7 @@ def _first_line(e: BaseException) -> str:
 
 def load_config(folder: Path):
     """The folder's transformers config: a model transformers knows without the folder's code, not quantized."""
-    # transformers: an optional engine, imported only where it is used
-    from transformers import AutoConfig
+    AutoConfig = engine_import("transformers", "AutoConfig")
 
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
@@ -78,8 +78,7 @@ def load_config(folder: Path):
 
 def load_tokenizer(folder: Path):
     """The folder's tokenizer, without the folder's code."""
-    from transformers import AutoTokenizer
-
+    AutoTokenizer = engine_import("transformers", "AutoTokenizer")
     try:
         return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     except Exception as e:  # tokenizers raises plain Exceptions for a file it cannot read: a user's folder
@@ -89,8 +88,9 @@ def load_tokenizer(folder: Path):
 def load_model(folder: Path, seed: int) -> nn.Module:
     """The folder's causal LM in fp32: its weights, every one of them, or (none saved) random ones drawn
     from ``seed``."""
-    from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
+    from safetensors import SafetensorError  # installed with transformers
+
+    AutoModelForCausalLM = engine_import("transformers", "AutoModelForCausalLM")
 
     config = load_config(folder)
     try:
@@ -123,8 +123,7 @@ def _check_loaded(folder: Path, info: dict) -> None:
 
 def parameter_count(folder: Path) -> tuple[int, int]:
     """(dense parameters, expert parameters) of the folder's model, counted without allocating it."""
-    from transformers import AutoModelForCausalLM
-
+    AutoModelForCausalLM = engine_import("transformers", "AutoModelForCausalLM")
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(load_config(folder), trust_remote_code=False)

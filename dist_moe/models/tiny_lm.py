@@ -10,7 +10,7 @@ model runs on dist-moe's dispatcher or an engine-hosted layer.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

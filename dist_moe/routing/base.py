@@ -30,7 +30,7 @@ class Routing:
     aux_loss: Tensor  # scalar, already scaled by the strategy's coefficient
     stats: dict = field(default_factory=dict)  # at least "load": [E]
 
-    def detached(self) -> "Routing":
+    def detached(self) -> Routing:
         """A copy that holds no autograd graph (safe to keep between steps and to deepcopy)."""
         return Routing(self.probs.detach(), self.expert_idx, self.gates.detach(), self.aux_loss.detach(),
                        dict(self.stats))

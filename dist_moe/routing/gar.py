@@ -52,7 +52,7 @@ class GARConfig:
                 raise ValueError(f"gar key {key!r} must be one of {list(allowed)}, got {value!r}")
 
     @classmethod
-    def from_dict(cls, d: dict, where: str = "config key 'train.gar'") -> "GARConfig":
+    def from_dict(cls, d: dict, where: str = "config key 'train.gar'") -> GARConfig:
         if not isinstance(d, dict):
             raise ValueError(f"{where} must be a mapping, got {d!r}")
         unknown = sorted(set(d) - set(cls._KEYS))
@@ -71,7 +71,7 @@ class GARConfig:
             raise ValueError(f"{where} needs a differentiable router {sorted(DIFFERENTIABLE)}, not {router_type!r}")
 
     @classmethod
-    def for_router(cls, d: dict, router_type: str, where: str = "config key 'train.gar'") -> "GARConfig":
+    def for_router(cls, d: dict, router_type: str, where: str = "config key 'train.gar'") -> GARConfig:
         """``from_dict`` for ``router_type``'s GAR (``check_router``)."""
         cls.check_router(router_type, where)
         return cls.from_dict(d, where)

@@ -56,7 +56,7 @@ class RouterConfig:
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if not (f.name in required and getattr(self, f.name) is None)}
 
-    def given(self, **keys) -> "RouterConfig":
+    def given(self, **keys) -> RouterConfig:
         """This config with keys its host knows (``hidden_size``): a key already set to another value is refused."""
         for key, value in keys.items():
             old = getattr(self, key, None)
@@ -145,10 +145,7 @@ def router_config(cfg: dict | RouterConfig, given_later=(), where: str = "router
     """The typed config of a router dict, every key checked (its type from the constructor's annotation);
     the required keys ``given_later`` may be missing. A dict's deprecated ``gar`` block is checked and
     dropped with a warning: GAR's settings are a training config's ``train.gar``."""
-    if isinstance(cfg, RouterConfig):
-        config = cfg
-    else:
-        config = _parse(cfg, where)
+    config = cfg if isinstance(cfg, RouterConfig) else _parse(cfg, where)
     missing = config.missing(given_later)
     if missing:
         raise RouterKeyError(f"router type {config.type!r} requires key {missing!r}", missing)

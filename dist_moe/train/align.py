@@ -11,7 +11,7 @@ answer.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn

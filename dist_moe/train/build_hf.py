@@ -20,6 +20,7 @@ from dist_moe.models.hf_model import (
     model_folder,
     parameter_count,
 )
+from dist_moe.optional_engines import engine_import
 
 
 def hf_data_and_model(cfg, rt):
@@ -40,9 +41,7 @@ def hf_data_and_model(cfg, rt):
                        dcfg.token_dtype, tokenizer=folder if has_tokenizer(folder) else None)
     check_hf_fits(cfg, folder, config, rt.world)
     if not rt.is_main:  # one progress bar for the weights, not one per rank
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
+        engine_import("transformers.utils", "logging").disable_progress_bar()
     hf = load_model(folder, cfg.seed)
     if rt.is_main and not has_weights(folder):
         print(f"dist-moe: model.path={str(folder)!r} holds no weights: training starts from random ones (seed "

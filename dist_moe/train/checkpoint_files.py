@@ -55,7 +55,7 @@ class Identity:
     ctime_ns: int
 
     @staticmethod
-    def of(st: os.stat_result) -> "Identity":
+    def of(st: os.stat_result) -> Identity:
         return Identity(st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns)
 
 

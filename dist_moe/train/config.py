@@ -8,6 +8,7 @@ limits (size, nesting, aliases, no duplicate keys).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
 
@@ -145,10 +146,8 @@ def model_changes(saved: dict, cfg: RunConfig) -> list[tuple[str, object, object
     (it orders the data the saved position counts into). Both sides are compared as parsed, every
     default filled in, so a checkpoint written before a key existed (or before ``router.gar`` moved to
     ``train.gar``) resumes as it was saved."""
-    try:
+    with contextlib.suppress(ValueError):  # a config this release no longer reads: compared as it was written
         saved = RunConfig.from_dict(_merge(DEFAULT_CONFIG, saved), warn=False).to_dict(full=True)
-    except ValueError:  # a config this release no longer reads: compared as it was written
-        pass
     new = cfg.to_dict(full=True)
     old = _leaves({k: saved.get(k, {}) for k in MODEL_SECTIONS} | {"seed": saved.get("seed")})
     new = _leaves({k: new.get(k, {}) for k in MODEL_SECTIONS} | {"seed": new.get("seed")}

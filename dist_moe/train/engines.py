@@ -35,6 +35,7 @@ from dist_moe.integrations.deepspeed_patches import release_groups
 from dist_moe.integrations.megatron import MegatronDispatchedMoE, MegatronHostedMoE
 from dist_moe.integrations.megatron_patches import release_parallel_state
 from dist_moe.layer import MoELayer
+from dist_moe.optional_engines import engine_import
 from dist_moe.train.steppers import DeepSpeedStepper, LocalStepper
 
 # the engine releases whose internals dist-moe's adapters and patches were written against
@@ -151,8 +152,7 @@ class MegatronEngine(Engine):
 
     def after_group(self, rt):
         megatron_patches.apply(cpu=rt.device.type == "cpu")
-        # megatron-core: an optional engine, imported only where it is used (after megatron_patches.apply())
-        from megatron.core import parallel_state
+        parallel_state = engine_import("megatron.core", "parallel_state")
 
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=rt.world)
 

@@ -176,7 +176,7 @@ class RunConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
 
     @classmethod
-    def from_dict(cls, d: dict, warn: bool = True) -> "RunConfig":
+    def from_dict(cls, d: dict, warn: bool = True) -> RunConfig:
         """The config a (merged) mapping describes, every key checked; missing keys take their defaults.
         A ValueError names the first bad key (``config key 'train.lr' must be ...``)."""
         d = _move_router_gar(d, warn)
@@ -241,7 +241,7 @@ def _check_across(cfg: RunConfig) -> None:
     try:
         cfg.output.dir.format(name=cfg.name)
     except (KeyError, IndexError, ValueError) as e:
-        raise ValueError(f"config key 'output.dir' may use only {{name}}, got {shown(cfg.output.dir)} ({e})")
+        raise ValueError(f"config key 'output.dir' may use only {{name}}, got {shown(cfg.output.dir)} ({e})") from None
     output_dir(cfg)  # a ~user that does not exist
     if cfg.train.resume and cfg.output.overwrite:
         raise ValueError("train.resume=true continues the run in output.dir and output.overwrite=true removes it: "

@@ -55,7 +55,9 @@ class RunLock:
         try:  # O_NOFOLLOW: a lock planted as a symlink would have its target overwritten with our pid
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
         except OSError as e:
-            raise _link_refused(self.directory, LOCK) if e.errno == errno.ELOOP else e
+            if e.errno == errno.ELOOP:
+                raise _link_refused(self.directory, LOCK) from None
+            raise
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise ValueError(f"output.dir {str(self.directory)!r}: {LOCK} is not a regular file; remove it")
@@ -180,7 +182,9 @@ def open_metrics(path: Path, append: bool):
     try:
         fd = os.open(path, flags, 0o644)
     except OSError as e:
-        raise _link_refused(path.parent, path.name) if e.errno in (errno.ELOOP, errno.EEXIST) else e
+        if e.errno in (errno.ELOOP, errno.EEXIST):
+            raise _link_refused(path.parent, path.name) from None
+        raise
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise ValueError(f"output.dir {str(path.parent)!r}: {path.name} is not a regular file; remove it")

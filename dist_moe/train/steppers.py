@@ -18,6 +18,7 @@ from dist_moe.dispatch.grads import all_finite, clip_to, global_norm, group_size
 from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.gar.step import rank_local_param_ids
 from dist_moe.moe_view import moe_views
+from dist_moe.optional_engines import engine_import
 
 
 class LocalStepper:
@@ -72,9 +73,9 @@ class DeepSpeedStepper:
 
     def __init__(self, model: nn.Module, lr: float, max_grad_norm, micro_batch: int,
                  optimizer_cls=torch.optim.Adam, precision: str = "fp32"):
-        # deepspeed: an optional engine, imported only where it is used
-        import deepspeed
-        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+        deepspeed = engine_import("deepspeed")
+        split_params_into_different_moe_groups_for_optimizer = engine_import(
+            "deepspeed.moe.utils", "split_params_into_different_moe_groups_for_optimizer")
 
         groups = split_params_into_different_moe_groups_for_optimizer(
             {"params": [p for p in model.parameters() if p.requires_grad], "name": "parameters"})

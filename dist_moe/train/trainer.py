@@ -70,7 +70,8 @@ class JsonlLogger:
                 # tensorboard: optional, only with output.tensorboard
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:  # torch's writer imports the tensorboard package
-                raise ValueError(f"output.tensorboard needs the tensorboard package (pip install tensorboard): {e}")
+                raise ValueError(f"output.tensorboard needs the tensorboard package (pip install tensorboard): "
+                                 f"{e}") from None
             self._tb = SummaryWriter(str(path.parent / "tensorboard"))
         self._f = open_metrics(path, append)
 
@@ -161,7 +162,7 @@ def _train(cfg: RunConfig, rt: Runtime, quiet: bool, after=None) -> dict:
             run_dir.release()
 
 
-def _train_in(run: "_TrainingRun", after) -> dict:
+def _train_in(run: _TrainingRun, after) -> dict:
     rt, out_dir = run.rt, run.out_dir
     try:
         if run.already_finished:  # nothing left to train: report the checkpoint's model as it is
