@@ -5,7 +5,7 @@ tree-prefix placement, 256 tokens per rank,
 one training forward and backward of the expert-parallel MoELayer. Every torch.distributed
 collective a rank issues is counted (all-to-alls apart); the counts are the same on every rank
 (a rank that differs is reported). On the emulated 400 mbit link each costs ~2.4 ms of latency
-(benchmarks/README.md, issue 17), so the count is part of a pipelined layer's time.
+(benchmarks/README.md), so the count is part of a pipelined layer's time.
 
     .venv/bin/python benchmarks/collectives.py
 """

@@ -31,7 +31,7 @@ def calibrated_cost(row: dict) -> CostModel:
 
 def exchange_s(row: dict) -> float:
     """A run's exchange seconds per step: blocked in the dispatcher's waits inside its training
-    steps (``exchange_wait_step_s``, logged since issue 26), else its dispatch replayed after training
+    steps (``exchange_wait_step_s``, logged by newer runs), else its dispatch replayed after training
     (``measured_a2a_s``, rows from before)."""
     return row["exchange_wait_step_s"] if row.get("exchange_wait_step_s") else row["measured_a2a_s"]
 

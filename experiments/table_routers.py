@@ -78,7 +78,7 @@ def _tables(rows, out_dir, datasets: dict, png: str, what: str) -> str:
             if best_flat and a != best_flat:
                 p = _paired(seeds_by_arm, a, best_flat)
                 test = f"{p['mean']:+.4f} (t{p['n'] - 1}={p['t']:.2f}, p={p['p']:.3f})"
-            # rows from before issue 16 did not record node shares: a mean of every seed or none
+            # older rows did not record node shares: a mean of every seed or none
             node_cv = _mean(rs, "val_node_share_cv") if all("val_node_share_cv" in r for r in rs) else None
             lines.append(f"| {a}{' (best flat)' if a == best_flat else ''} | {mean_sd(r['val_loss'] for r in rs)} | "
                          f"{_mean(rs, 'val_acc'):.4f} | {_mean(rs, 'val_load_cv'):.3f} | {fmt(node_cv)} | {td:.3f} | "

@@ -89,16 +89,16 @@ class CostModel:
     chunked: float = 1.0  # an exchange sent as concurrent chunks over the same sent whole
 
     @classmethod
-    def default(cls, level_names) -> "CostModel":
+    def default(cls, level_names) -> CostModel:
         names = list(level_names)
         node_pos = names.index("node") if "node" in names else len(names) - 2
-        out = {}
+        out: dict[str, LevelCost] = {}
         for i, name in enumerate(names):
-            base = _INNER if i == len(names) - 1 else (_NODE if i == node_pos else _OUTER)
+            base: dict = _INNER if i == len(names) - 1 else (_NODE if i == node_pos else _OUTER)
             out[name] = LevelCost(**base)
         return cls(out)
 
-    def updated(self, overrides: dict) -> "CostModel":
+    def updated(self, overrides: dict) -> CostModel:
         out = dict(self.levels)
         for name, values in overrides.items():
             if name not in out:
@@ -116,9 +116,10 @@ class CostModel:
                                             f"'cost.{name}.bandwidth_Bps'"), shared)
         return replace(self, levels=out)
 
-    def with_exchange(self, latency_s: float, overlap: float, chunked: float = 1.0) -> "CostModel":
+    def with_exchange(self, latency_s: float, overlap: float, chunked: float = 1.0) -> CostModel:
         given = {"latency_s": latency_s, "overlap": overlap, "chunked": chunked}
-        return replace(self, **{key: in_bounds(key, value, f"'exchange.{key}'") for key, value in given.items()})
+        bounded: dict = {key: in_bounds(key, value, f"'exchange.{key}'") for key, value in given.items()}
+        return replace(self, **bounded)
 
     def check_levels(self, names) -> None:
         if list(self.levels) != list(names):

@@ -193,7 +193,7 @@ def read_jsonl(path, what: str) -> tuple[list[tuple[int, dict]], int | None]:
     if not Path(path).is_file():  # a FIFO would never end
         raise ValueError(f"{what} {path} is not a file")
     lines = Path(path).read_bytes().splitlines()
-    rows = []
+    rows: list = []
     for number, raw in enumerate(lines, 1):
         if not raw.strip():
             continue

@@ -74,7 +74,8 @@ def ep_topology(topology: Topology, ep: int) -> Topology:
     size 1 (and their link rates). The other groups are its copies."""
     if ep < 1 or topology.world_size % ep:
         raise ValueError(f"--ep {ep} must divide the {topology.world_size} ranks of {topology.describe()}")
-    sizes, inner = [], 1
+    sizes: list = []
+    inner = 1
     for name, size in zip(reversed(topology.levels), reversed(topology.sizes)):
         take = min(size, ep // inner)
         if (ep // inner) % take or size % take:
@@ -136,7 +137,7 @@ def forecast(shape: ModelShape, topology: Topology, routing=None, ep: int | None
     idx = routing(t, g) if routing is not None else uniform_routing(t, shape.experts, shape.top_k, g)
     src = torch.arange(ep).repeat_interleave(sample)
     scale = shape.tokens_per_rank / sample
-    out = {"topology": topology.describe(), "ep_group": group.describe(), "ep": ep,
+    out: dict = {"topology": topology.describe(), "ep_group": group.describe(), "ep": ep,
            "replicas": topology.world_size // ep, "token_bytes": shape.token_bytes, "sample_per_rank": sample,
            "expert_seconds": shape.expert_seconds(tflops), "layers": shape.layers, "rows": []}
     for kind in placements:

@@ -35,7 +35,7 @@ def tree_distance(expert_idx: Tensor, num_experts: int) -> float:
     if not bool(valid.any()):
         return float("nan")
     x = (a ^ b)[valid]
-    bit_length = sum(((x >> s) != 0).long() for s in range(d))
+    bit_length = torch.stack([((x >> s) != 0).long() for s in range(d)]).sum(0)
     return float(bit_length.double().mean()) / d
 
 

@@ -123,18 +123,18 @@ class Placement:
 
     # --- strategies ----------------------------------------------------------
     @classmethod
-    def contiguous(cls, num_experts: int, world_size: int) -> "Placement":
+    def contiguous(cls, num_experts: int, world_size: int) -> Placement:
         _check_divides(num_experts, world_size)
         per = num_experts // world_size
         return cls([e // per for e in range(num_experts)], world_size)
 
     @classmethod
-    def round_robin(cls, num_experts: int, world_size: int) -> "Placement":
+    def round_robin(cls, num_experts: int, world_size: int) -> Placement:
         _check_divides(num_experts, world_size)
         return cls([e % world_size for e in range(num_experts)], world_size)
 
     @classmethod
-    def tree_prefix(cls, num_experts: int, topology: Topology) -> "Placement":
+    def tree_prefix(cls, num_experts: int, topology: Topology) -> Placement:
         def contiguous_shares(experts: list[int], n: int) -> list[list[int]]:
             share = len(experts) // n
             return [experts[u * share : (u + 1) * share] for u in range(n)]
@@ -142,7 +142,7 @@ class Placement:
         return cls(split_by_levels(num_experts, topology, contiguous_shares), topology.world_size)
 
     @classmethod
-    def optimized(cls, coactivation: torch.Tensor, topology: Topology, sweeps: int = 200) -> "Placement":
+    def optimized(cls, coactivation: torch.Tensor, topology: Topology, sweeps: int = 200) -> Placement:
         c = symmetric_coactivation(coactivation)
 
         def min_cut_shares(experts: list[int], n: int) -> list[list[int]]:
@@ -152,7 +152,7 @@ class Placement:
 
     # --- files ---------------------------------------------------------------
     @classmethod
-    def named(cls, kind: str, num_experts: int, topology: Topology) -> "Placement":
+    def named(cls, kind: str, num_experts: int, topology: Topology) -> Placement:
         """The placement ``NAMED`` ``kind`` for ``num_experts`` on ``topology``'s ranks: the one place a
         name becomes a placement (training configs, reports, simulation, planning)."""
         if kind not in NAMED:
@@ -165,7 +165,7 @@ class Placement:
         Path(path).write_text(yaml.safe_dump({"world_size": self.world_size, "expert_to_rank": self.expert_to_rank}))
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "Placement":
+    def from_yaml(cls, path: str | Path) -> Placement:
         data = read_yaml_mapping(path, "placement", required=("world_size", "expert_to_rank"))
         etr, world = data["expert_to_rank"], data["world_size"]
         is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731  (int() would truncate 1.7)

@@ -52,7 +52,7 @@ class Exchange:
     pairs_per_dst: Tensor  # [num_dst] pairs to each destination
 
     @classmethod
-    def group(cls, pair_row: Tensor, pair_dst: Tensor, num_dst: int, num_rows: int | None) -> "Exchange":
+    def group(cls, pair_row: Tensor, pair_dst: Tensor, num_dst: int, num_rows: int | None) -> Exchange:
         """Group pairs (row, destination) into copies: one per distinct (row, destination) given
         ``num_rows`` (rank and node dedup), one per pair with None (no dedup). ``pair_dst`` ==
         ``num_dst`` marks a pair that is not sent."""
@@ -120,7 +120,7 @@ class DispatchPlan:
 
     @classmethod
     def build(cls, expert_idx, placement: Placement, topology: Topology, dedup: str = "rank",
-              src_rank=0, local: bool = False) -> "DispatchPlan":
+              src_rank=0, local: bool = False) -> DispatchPlan:
         """``local``: only what the source rank sends itself (the dispatcher's view: node dedup's
         stage 2 runs on the gateways, grouped from the pairs they receive)."""
         dedup = topology.effective_dedup(check_dedup(dedup))

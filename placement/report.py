@@ -91,7 +91,7 @@ def analyze(record: RoutingRecord, topology: Topology, run_placement: str = "con
     src = record.src_rank if record.world_size == w else torch.arange(t) % w
     placements = _placements(record, topology, run_placement)
     name = placement_name(run_placement)
-    out = {"topology": topology.describe(), "tokens": t, "token_bytes": record.token_bytes,
+    out: dict = {"topology": topology.describe(), "tokens": t, "token_bytes": record.token_bytes,
            "num_experts": record.num_experts, "run_placement": run_placement,
            "run_placement_shown": name if name in placements else None, "placements": {}}
     lower = record.token_bytes * (1 - 1 / topology.num_nodes) if topology.num_nodes > 1 else 0.0
@@ -143,12 +143,12 @@ def _training(run_dir: Path) -> dict:
         problem = _metric_problem(r)
         if problem:
             raise ValueError(f"metrics file {path}: line {number}: {problem}")
-    steps = [r for _, r in steps]
+    rows_kept = [r for _, r in steps]
     return {
-        "steps": [r["step"] for r in steps],
-        "tree_distance": [r.get("tree_distance") for r in steps],  # the mean over MoE layers when several
-        "measured_bytes_by_level": {k[len("bytes_"):]: sum(r.get(k, 0) for r in steps)
-                                    for k in sorted({k for r in steps for k in r if k.startswith("bytes_")})},
+        "steps": [r["step"] for r in rows_kept],
+        "tree_distance": [r.get("tree_distance") for r in rows_kept],  # the mean over MoE layers when several
+        "measured_bytes_by_level": {k[len("bytes_"):]: sum(r.get(k, 0) for r in rows_kept)
+                                    for k in sorted({k for r in rows_kept for k in r if k.startswith("bytes_")})},
         "torn_last_row": torn,
     }
 

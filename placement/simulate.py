@@ -58,7 +58,7 @@ class RoutingRecord:
     def save(self, run_dir: str | Path, layer: int = 0) -> Path:
         """``routing.npz`` for the first MoE layer, ``routing.layer<i>.npz`` for the others."""
         path = Path(run_dir) / routing_file(layer)
-        extra = {} if self.probs is None else {"probs": self.probs.float().cpu().numpy()}
+        extra: dict = {} if self.probs is None else {"probs": self.probs.float().cpu().numpy()}
         with replacing(path) as f:
             np.savez(f, expert_idx=self.expert_idx.cpu().numpy(), src_rank=self.src_rank.cpu().numpy(),
                      meta=np.array([self.num_experts, self.world_size, self.token_bytes]), **extra)
@@ -70,7 +70,7 @@ class RoutingRecord:
         return path
 
     @classmethod
-    def load(cls, run_dir: str | Path, layer: int = 0) -> "RoutingRecord":
+    def load(cls, run_dir: str | Path, layer: int = 0) -> RoutingRecord:
         path = Path(run_dir) / routing_file(layer)
         if not path.exists():
             raise ValueError(f"{path} not found: train with dist-moe (it writes {ROUTING_FILE} at the end of a run)")
@@ -186,7 +186,7 @@ def replayed_limits(subtree_limit, topology: Topology, num_experts: int, top_k: 
         topology.levels[topology.node_depth - 1]: subtree_limit}
     experts_simulated = placement.num_experts
     ranks = placement.rank_tensor()
-    out = {}
+    out: dict = {}
     for name, m in by_level.items():
         if name not in topology.levels:
             raise ValueError(f"subtree limit names level {name!r}; the simulated levels are {list(topology.levels)}")
@@ -235,7 +235,7 @@ def simulate(record: RoutingRecord, topology: Topology, placement_kind: str = "t
     rows, block, idx = record.sample(n, r, g)
     src = torch.arange(w).repeat_interleave(tokens_per_rank)
     placement = Placement.named(placement_kind, e_sim, topology)
-    out = {"world_size": w, "topology": topology.describe(), "experts_simulated": e_sim, "replicas": r,
+    out: dict = {"world_size": w, "topology": topology.describe(), "experts_simulated": e_sim, "replicas": r,
            "tokens": n, "placement": placement_kind}
     routings = {"modes": idx}
     if subtree_limit is not None:

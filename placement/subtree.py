@@ -26,12 +26,13 @@ def check_limits(limits, num_experts: int, top_k: int) -> list[tuple[int, int]]:
     depth_max = num_experts.bit_length() - 1
     out = []
     for depth, m in sorted(limits):
-        if isinstance(depth, bool) or not isinstance(depth, numbers.Integral) or not 0 <= depth <= depth_max:
+        if isinstance(depth, bool) or not isinstance(depth, numbers.Integral) or not 0 <= int(depth) <= depth_max:
             raise ValueError(f"router key 'subtree_depth' must be an int in [0, log2(num_experts)={depth_max}], "
                              f"got {depth!r}")
-        if isinstance(m, bool) or not isinstance(m, numbers.Integral) or not 1 <= m <= 1 << depth:
+        if isinstance(m, bool) or not isinstance(m, numbers.Integral) or not 1 <= int(m) <= 1 << int(depth):
             raise ValueError(f"router key 'subtree_limit' must be an int in [1, 2^subtree_depth={1 << depth}], "
                              f"got {m!r}")
+        depth, m = int(depth), int(m)
         leaves = num_experts >> depth
         if top_k > m * leaves:
             raise ValueError(f"router key 'subtree_limit': top_k={top_k} experts do not fit in {m} subtree(s) of "
@@ -67,7 +68,9 @@ def balance_slope(probs: Tensor, top_k: int, limits: list[tuple[int, int]], bias
     the slots its selection gains per unit of its own bias on this batch: the tokens within a window
     (``WINDOW`` / 2^d) of taking it in or leaving it out, over the window's width, times the slots
     one (token, subtree) pair carries (K / M). Zero elsewhere. ``valid`` [T] bool leaves rows out."""
-    return limited_selection(probs, top_k, limits, bias, valid, slope=True)[1]
+    slopes = limited_selection(probs, top_k, limits, bias, valid, slope=True)[1]
+    assert slopes is not None  # asked for
+    return slopes
 
 
 def limited_selection(probs: Tensor, top_k: int, limits: list[tuple[int, int]], bias: Tensor | None = None,
@@ -83,7 +86,10 @@ def limited_selection(probs: Tensor, top_k: int, limits: list[tuple[int, int]], 
     g, t, e = p.shape
     slopes = p.new_zeros(g, 2 * e - 2) if slope else None
     # the last limited depth's kept subtrees: [G, T, n] bool (None: all), [G, T, units] ids; its subtree count
-    chosen, kept, units, above = None, None, 1, 1
+    chosen: Tensor | None = None
+    kept: Tensor | None = None
+    inside: Tensor | None = None
+    units, above = 1, 1
     for depth, m in limits:
         n = 1 << depth
         if n == 1:  # the root: its one subtree is always kept (and has no bias of its own)
@@ -107,6 +113,7 @@ def limited_selection(probs: Tensor, top_k: int, limits: list[tuple[int, int]], 
             kept = None
     leaf = p if b is None else p + node_bias(b, e.bit_length() - 1)
     if kept is not None:  # only the kept subtrees' leaves, in index order (so ties still go to the lower)
+        assert chosen is not None  # kept with it
         per = e // chosen.shape[-1]
         kept = kept.sort(dim=-1).values if units > 1 else kept
         ids = (kept[..., None] * per + torch.arange(per, device=p.device)).reshape(g, t, units * per)
@@ -162,6 +169,7 @@ def balance_step(bias: Tensor, load: Tensor, limits: list[tuple[int, int]], rate
         if rule == "sign":
             node_bias(bias, depth).add_(rate / n * torch.sign(short))
         else:  # no tokens near the cut (slope 0): the window's step toward balance
+            assert slope is not None, "the newton rule steps by the slopes"
             h = WINDOW / n
             step = torch.where(short == 0, 0.0, rate * short / node_bias(slope, depth).to(bias.dtype))
             node_bias(bias, depth).add_(step.nan_to_num(posinf=h, neginf=-h).clamp(-h, h))

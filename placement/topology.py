@@ -27,7 +27,7 @@ from placement.files import read_yaml_mapping
 class Topology:
     levels: tuple[str, ...]
     sizes: tuple[int, ...]
-    cost: CostModel = field(default=None, compare=False)
+    cost: CostModel = field(default=None, compare=False)  # type: ignore[assignment]  # None: filled in __post_init__
 
     def __post_init__(self):
         levels, sizes = tuple(self.levels), tuple(self.sizes)
@@ -124,12 +124,12 @@ class Topology:
 
     # --- construction ----------------------------------------------------------
     @classmethod
-    def flat(cls, world_size: int) -> "Topology":
+    def flat(cls, world_size: int) -> Topology:
         """One node with ``world_size`` ranks."""
         return cls(("node", "gpu"), (1, world_size))
 
     @classmethod
-    def from_env(cls, override: str | None = None, env=None) -> "Topology":
+    def from_env(cls, override: str | None = None, env=None) -> Topology:
         """From launcher variables, or an explicit override such as ``"node=2,gpu=4"``.
 
         The override comes from the argument or ``DIST_MOE_TOPOLOGY``. Otherwise
@@ -161,7 +161,7 @@ class Topology:
         return topo
 
     @classmethod
-    def launched(cls, world: int) -> "Topology":
+    def launched(cls, world: int) -> Topology:
         """The launcher's topology when ``world`` is the launched world, else one node of ``world``."""
         if world > 1 and os.environ.get("WORLD_SIZE") == str(world):
             return cls.from_env()
@@ -170,7 +170,7 @@ class Topology:
         return cls.flat(world)
 
     @classmethod
-    def parse_env(cls, spec: str) -> "Topology":
+    def parse_env(cls, spec: str) -> Topology:
         """``DIST_MOE_TOPOLOGY``'s value, or a ValueError naming the variable."""
         try:
             return cls.parse(spec)
@@ -178,7 +178,7 @@ class Topology:
             raise ValueError(f"DIST_MOE_TOPOLOGY={reprlib.repr(spec)}: {e}") from None
 
     @classmethod
-    def parse(cls, spec: str) -> "Topology":
+    def parse(cls, spec: str) -> Topology:
         """``"rack=2,node=2,gpu=4"`` -> Topology(("rack", "node", "gpu"), (2, 2, 4))."""
         levels, sizes = [], []
         for part in spec.split(","):
@@ -190,7 +190,7 @@ class Topology:
         return cls(tuple(levels), tuple(sizes))
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "Topology":
+    def from_yaml(cls, path: str | Path) -> Topology:
         """levels: [node, gpu]; sizes: [2, 4]; optional cost: {level: {alpha_s:, bandwidth_Bps:, shared:}}
         and exchange: {latency_s:, overlap:, chunked:} (``dist-moe calibrate`` writes both)."""
         data = read_yaml_mapping(path, "topology", required=("levels", "sizes"), optional=("cost", "exchange"))
@@ -221,7 +221,7 @@ class Topology:
         return cls(levels, tuple(data["sizes"]), cost)
 
     @classmethod
-    def from_hostfile(cls, path: str | Path) -> "Topology":
+    def from_hostfile(cls, path: str | Path) -> Topology:
         """A DeepSpeed hostfile (``host slots=N`` per line) -> ("node", "gpu") with equal slots."""
         path = Path(path)
         if not path.exists():

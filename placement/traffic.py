@@ -43,7 +43,7 @@ class Traffic:
         return int(self.matrix.sum())
 
     @classmethod
-    def zeros(cls, topology: Topology) -> "Traffic":
+    def zeros(cls, topology: Topology) -> Traffic:
         w = topology.world_size
         return cls(torch.zeros(w, w, dtype=torch.long), topology)
 

@@ -31,7 +31,7 @@ def test_weights_load_exactly_and_stay_frozen(minilm):
     assert not any(p.requires_grad for p in model.parameters())
 
 
-# Cosine scores of the hand-written BERT this module replaced (dist-moe before issue 18), upper triangle.
+# Cosine scores of the hand-written BERT this module replaced (the one dist-moe used before), upper triangle.
 HAND_WRITTEN_COSINES = [[0.509059, 0.030409, 0.0459939, 0.0408279], [0.0332591, 0.0424472, -0.0771038],
                         [0.0768041, 0.0434527], [0.1012104]]
 

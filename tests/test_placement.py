@@ -171,7 +171,8 @@ def test_optimized_is_never_worse_than_contiguous_on_its_objective():
 
 
 def brute_force(expert_idx, src, placement, topology, token_bytes, dedup):
-    """Byte rules of DESIGN 3.2, transcribed token by token."""
+    """The byte rules (placement/plan.py: each copy once per destination rank or node), transcribed token
+    by token."""
     w = topology.world_size
     m = torch.zeros(w, w, dtype=torch.long)
     g = topology.ranks_per_node

@@ -12,6 +12,8 @@ import pytest
 
 from tests.dist_utils import run_workers
 
+pytestmark = pytest.mark.multiprocess  # every test here launches ranks (a fixture or a helper does)
+
 BUDGET = {"none": 1, "rank": 1, "node": 2}  # reads + builds per forward; 0 in backward
 WORLD = 4  # 2 nodes x 2 ranks: both node-dedup stages
 # (file, function) whose tensor builds stay on the host and are not counted. Empty: the dispatcher's

@@ -18,6 +18,8 @@ import pytest
 
 from tests.dist_utils import run_workers
 
+pytestmark = pytest.mark.multiprocess  # every test here launches ranks (a fixture or a helper does)
+
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'dist-moe[megatron]')")
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'dist-moe[deepspeed]')")
 

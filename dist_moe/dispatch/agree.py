@@ -139,6 +139,6 @@ def agree_on_errors(check, group=None) -> None:
     bad = [(rank, m) for rank, m in enumerate(messages) if m]
     if bad:
         rank, message = bad[0]
-        if message == mine:
+        if message == mine and error is not None:
             raise error  # this rank's own, its type kept (a CheckpointError stays one)
         raise ValueError(f"rank {rank}: {message}")

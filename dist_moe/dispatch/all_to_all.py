@@ -63,11 +63,11 @@ class WaitClock:
             yield
             self.seconds += time.perf_counter() - start
             return
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
         yield
         end.record()
-        self.pending.append((start, end))
+        self.pending.append((begin, end))
         if len(self.pending) >= self.FOLD_AT:  # a run that never asks for the total stays bounded
             self._read(wait=False)
 
@@ -104,7 +104,8 @@ class Pending:
     after it, without blocking the host). The input is kept alive until then."""
 
     def __init__(self, out: Tensor, work, source: Tensor):
-        self.out, self._work, self._source = out, work, source
+        self.out, self._work = out, work
+        self._source: Tensor | None = source
 
     def wait(self) -> Tensor:
         if self._work is not None:
@@ -248,10 +249,13 @@ class Metadata:
     for all chunks at the first use of any."""
 
     def __init__(self, pending: Merged, parts: list):
-        self._pending, self._parts, self._got = pending, parts, None  # parts: per chunk (sizes, Mc)
+        self._pending: Merged | None = pending
+        self._parts = parts
+        self._got: list | None = None  # parts: per chunk (sizes, Mc)
 
     def chunk(self, i: int) -> tuple:
         if self._got is None:
+            assert self._pending is not None  # waited once, with _got set
             got = self._pending.wait()
             self._got = [_unpacked(g, sizes, mc) for g, (sizes, mc) in zip(got, self._parts)]
             self._pending = None
@@ -287,7 +291,10 @@ def plan_hops(group, chunks: list[Chunk], expert_slot: Tensor, num_local: int, t
         sent_rows, got_rows = read_to_host(both)  # the exchange's one host read
     check_headers([r[-2] for r in got_rows], [r[-1] for r in got_rows], tag)
     width = 2 + num_local
-    buffers, kept, expert_counts, counts = [], [], [], []
+    buffers: list = []
+    kept: list = []
+    expert_counts: list = []
+    meta_counts: list = []
     for i, chunk in enumerate(chunks):
         at = i * width
         sizes = Sizes([r[at] for r in sent_rows], [r[at] for r in got_rows], [r[at + 1] for r in sent_rows],
@@ -296,8 +303,8 @@ def plan_hops(group, chunks: list[Chunk], expert_slot: Tensor, num_local: int, t
         meta, rest = _metadata(chunk, sizes)
         buffers.append(meta)
         kept.append(rest)
-        counts.append(_meta_counts(sizes, chunk.row_meta.shape[1]))
-    send, send_lists, recv, recv_lists = zip(*counts)
+        meta_counts.append(_meta_counts(sizes, chunk.row_meta.shape[1]))
+    send, send_lists, recv, recv_lists = zip(*meta_counts)
     # every chunk's metadata in one all-to-all, waited for where it is first used (the payload needs none)
     metadata = Metadata(start_merged(buffers, torch.stack(send), list(send_lists), torch.stack(recv),
                                      list(recv_lists), group), [(rest[0], rest[3]) for rest in kept])

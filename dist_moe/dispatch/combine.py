@@ -89,8 +89,8 @@ def apply_experts_in_order(experts, x: Tensor, pair_row: Tensor, pair_slot: Tens
     order = torch.argsort(pair_slot, stable=True)
     rows = pair_row[order]
     places = (row_places(pair_row, x.shape[0], per_row) if places is None else places)[order]
-    counts = slot_counts(experts, x, pair_slot, counts)
-    out = experts(take_rows(x, rows, places, per_row), counts, None if row_tags is None else row_tags[rows],
+    sized = slot_counts(experts, x, pair_slot, counts)
+    out = experts(take_rows(x, rows, places, per_row), sized, None if row_tags is None else row_tags[rows],
                   **weights)
     gates = take_rows(pair_gate, order, order, 1)  # a permutation: one gradient per gate
     return sum_rows(out.float() * gates.float().unsqueeze(1), places, x.shape[0], per_row)

@@ -239,18 +239,18 @@ class ExpertParallelDispatcher:
         pair_expert, pair_gate = expert_idx.reshape(-1), gates.reshape(-1)
         row_bytes = h.shape[1] * h.element_size()
         with stage("plan"):  # the split sizes' exchange (its one host read) and the routing metadata's
-            first = []
+            chunked: list = []
             for a, b in chunk_bounds(t, chunks):
                 plan = DispatchPlan.build(expert_idx[a:b], self.placement, self.topology, self.dedup, self.rank,
                                           local=True)
-                first.append(Chunk(plan.stages[0], plan.pair_token + a, pair_expert[a * k:b * k],
-                                   pair_gate[a * k:b * k], meta, a * k))
-            first = plan_hops(self.group, first, slot_of, self.num_local, tag, problem)
+                chunked.append(Chunk(plan.stages[0], plan.pair_token + a, pair_expert[a * k:b * k],
+                                     pair_gate[a * k:b * k], meta, a * k))
+            first = plan_hops(self.group, chunked, slot_of, self.num_local, tag, problem)
             self._record(first, 0, row_bytes, 8 * meta.shape[1])
         # node dedup's stage 2 is planned from the pairs stage 1 delivers: while its payload crosses
         second = (lambda: self._second_stage(first, tag, row_bytes)) if self.dedup == "node" else None
-        params = [p for p in experts.template().values() if p.requires_grad]
-        side_params = [] if side is None else [p for p in side.parameters() if p.requires_grad]
+        params: list[Tensor] = [p for p in experts.template().values() if p.requires_grad]
+        side_params: list[Tensor] = [] if side is None else [p for p in side.parameters() if p.requires_grad]
         run = PipelineRun(first, second, experts, slot_of, row_tags is not None, side, params, side_params, k,
                           self.fixed_order)
         y, side_y = run_pipeline(run, h, gates)

@@ -21,7 +21,8 @@ from dist_moe.dispatch.groups import WeakGroup
 
 def _buckets(params: list, bucket_bytes: int) -> list[list]:
     """Consecutive runs of ``params`` of one dtype and device, each about ``bucket_bytes``."""
-    buckets, size = [], 0
+    buckets: list[list] = []
+    size = 0
     for p in params:
         if not buckets or size >= bucket_bytes or (p.dtype, p.device) != (buckets[-1][0].dtype, buckets[-1][0].device):
             buckets.append([])
@@ -48,7 +49,8 @@ class OverlappedGradSum:
         """The next backward's gradients are summed as they arrive (every rank arms at the same step)."""
         if not self._made:
             self.group, self._made = self.make_group(), True
-        self.armed, self.next, self.works = True, 0, []
+        self.armed, self.next = True, 0
+        self.works: list = []
         self.waiting = [len(bucket) for bucket in self.buckets]
 
     def _arrived(self, p: torch.Tensor) -> None:

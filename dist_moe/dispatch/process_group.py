@@ -56,7 +56,7 @@ def resolve_device(choice: str = "auto") -> torch.device:
 def group_options(device: torch.device, timeout_s: float) -> dict:
     """``init_process_group`` keywords for ``device``: NCCL bound to this process's GPU, or gloo.
     The backend follows the device chosen, not whether some GPU happens to be visible."""
-    options = {"backend": "nccl" if device.type == "cuda" else "gloo",
+    options: dict = {"backend": "nccl" if device.type == "cuda" else "gloo",
                "timeout": datetime.timedelta(seconds=timeout_s)}
     if device.type == "cuda":
         options["device_id"] = device  # NCCL's communicator is made for this GPU at once

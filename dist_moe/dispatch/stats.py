@@ -103,13 +103,13 @@ def all_gather_rows(t: torch.Tensor, group=None) -> torch.Tensor:
     n = torch.tensor([t.shape[0]], device=device)
     counts = [torch.empty_like(n) for _ in range(world)]
     dist.all_gather(counts, n, group=group)
-    counts = torch.cat(counts).tolist()
-    most = max(counts)
-    padded = t.new_zeros((most,) + tuple(t.shape[1:]), device=device)
+    sizes: list[int] = torch.cat(counts).tolist()
+    most = max(sizes)
+    padded = t.new_zeros((most, *t.shape[1:]), device=device)
     padded[: t.shape[0]] = t
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded.contiguous(), group=group)
-    return torch.cat([p[:c] for p, c in zip(parts, counts)]).to(t.device)
+    return torch.cat([p[:c] for p, c in zip(parts, sizes)]).to(t.device)
 
 
 def all_reduce_max(value: int, group=None) -> int:

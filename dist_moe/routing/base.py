@@ -93,7 +93,11 @@ class Router(nn.Module):
     capacity_factor: float | None = None  # its own capacity (Switch), which a layer's must not repeat
     node_limit: int | None = None  # node-limited routing: the layer gives it each node's experts
     num_categories: int | None = None  # the categories it routes by (SpecDrop)
-    needs_topology = False  # a subtree limit by topology level (BRANCH): the layer resolves its depths
+
+    @property
+    def needs_topology(self) -> bool:
+        """A subtree limit by topology level (BRANCH) whose depths the layer has yet to resolve."""
+        return False
 
     def __init__(self, num_experts: int, top_k: int, stats_group=None):
         super().__init__()

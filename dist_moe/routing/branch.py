@@ -37,6 +37,10 @@ DEFAULT_BALANCE_RULE = "newton"
 
 
 class BranchRouter(Router):
+    # buffers (register_buffer): typed here for the type checker, which sees Module attributes otherwise
+    anchors: Tensor
+    ema_step: Tensor
+    balance_bias: Tensor
     def __init__(
         self,
         hidden_size: int,
@@ -189,6 +193,7 @@ class BranchRouter(Router):
         from this batch's selections, evaluation's from those the EMA anchors would make of it. Both
         selections (and their slopes) in one pass, the loads and slopes summed in one collective."""
         newton, k, e = self.balance_rule == "newton", self.top_k, self.num_experts
+        assert self.subtree_levels is not None  # balancing: a limit the layer resolved
         biases, masses = [self.balance_bias], [probs]
         if self.balance_eval:
             biases.append(self.eval_balance.balance_bias)
@@ -280,6 +285,7 @@ def _check_rate(rate) -> float:
 
 
 class _EvalBias(torch.nn.Module):
+    balance_bias: Tensor
     """Evaluation's selection bias, a child so that its state key ends in ``balance_bias``: a checkpoint
     saved before it loads it as zeros (``checkpoint.ADDED_SINCE``), which selects as it evaluated then."""
 

@@ -64,7 +64,7 @@ def capacity_step(expert_idx: Tensor, gates: Tensor, num_experts: int, capacity_
 
 
 def check_one_capacity(router, capacity_factor) -> None:
-    """Refuse capacity set twice: a Switch router's own ``capacity_factor`` (DESIGN's switch baseline)
+    """Refuse capacity set twice: a Switch router's own ``capacity_factor`` (the Switch baseline's)
     and its layer's would both drop slots, the second cutting what the first kept."""
     own = router.capacity_factor
     if capacity_factor is not None and own is not None:

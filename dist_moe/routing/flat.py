@@ -38,6 +38,7 @@ def switch_aux_loss(probs: Tensor, expert_idx: Tensor, coeff: float, valid: Tens
 
 
 class _LearnedFlatRouter(Router):
+    group_members: Tensor | None  # a buffer: each node's experts, when node-limited
     """Shared parts of switch / skywork / deepseek_v3: a logit map over the experts, and
     node-limited routing (DeepSeek-V3's node-limited / Megatron's group-limited routing):
     with ``node_limit=M`` each token's top-K comes from its best M expert groups, where a
@@ -136,7 +137,7 @@ class SwitchRouter(_LearnedFlatRouter):
         vals = pick(probs, idx)
         gates = vals / vals.sum(1, keepdim=True) if self.normalize_gates else vals
         aux = switch_aux_loss(probs, idx, self.aux_loss_coeff, keep)
-        stats = {}
+        stats: dict = {}
         idx, gates = capacity_step(idx, gates, self.num_experts, self.capacity_factor, stats)
         stats["load"] = expert_load(idx, self.num_experts, valid=keep)
         return Routing(probs=probs, expert_idx=idx, gates=gates, aux_loss=aux, stats=stats)
@@ -164,6 +165,7 @@ class SkyworkRouter(SwitchRouter):
 
 
 class DeepSeekV3Router(_LearnedFlatRouter):
+    expert_bias: Tensor  # a buffer
     def __init__(
         self,
         hidden_size: int,

@@ -26,10 +26,11 @@ def fmix32(h: Tensor) -> Tensor:
 def hash_combine(*parts: Tensor | int) -> Tensor:
     """Hash several int64 tensors (broadcast together) into one 32-bit value each. Python ints
     mix as Python ints (the same low 32 bits), so no tensor is made off the inputs' device."""
-    h = None
+    h: Tensor | int | None = None
     for part in parts:
-        v = fmix32(part.long() if isinstance(part, Tensor) else int(part))
+        v = fmix32(part.long() if isinstance(part, Tensor) else int(part))  # type: ignore[arg-type]  # int too
         h = v if h is None else fmix32(h * 31 + v)
+    assert isinstance(h, Tensor), "at least one tensor part"
     return h
 
 

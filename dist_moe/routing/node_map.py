@@ -32,6 +32,7 @@ class NodeMap(nn.Module):
         if kind == "linear" and mlp_hidden is not None:
             raise ValueError("mlp_hidden is only valid with node_map='mlp'")
         if kind == "mlp":  # refused before allocating: weights, gradients and Adam's two moments in fp32
+            assert mlp_hidden is not None  # checked above
 
             check_memory(16 * num_outputs * mlp_hidden * (hidden_size + 2),
                          f"mlp_hidden={mlp_hidden} ({num_outputs} node MLPs on hidden size {hidden_size}, to train)",
@@ -43,6 +44,7 @@ class NodeMap(nn.Module):
         if kind == "linear":
             self.weight = nn.Parameter(torch.empty(num_outputs, hidden_size).uniform_(-bound, bound))
         else:
+            assert mlp_hidden is not None  # checked above
             self.U = nn.Parameter(torch.empty(num_outputs, mlp_hidden, hidden_size).uniform_(-bound, bound))
             self.c = nn.Parameter(torch.empty(num_outputs, mlp_hidden).uniform_(-bound, bound))
             vb = 1.0 / math.sqrt(mlp_hidden)

@@ -13,7 +13,8 @@ import functools
 import inspect
 import re
 import warnings
-from dataclasses import dataclass, field, fields, make_dataclass, replace
+from dataclasses import dataclass, field, make_dataclass, replace
+from dataclasses import fields as dataclass_fields
 from typing import ClassVar
 
 from dist_moe.config_types import fits, hints, wanted
@@ -35,6 +36,12 @@ ROUTERS: dict[str, type[Router]] = {
 }
 
 
+def fields(config) -> tuple:
+    """``dataclasses.fields`` of a strategy's config (or its class): dataclasses made per strategy
+    (``config_class``), which the type checker cannot see as such."""
+    return dataclass_fields(config)
+
+
 class RouterConfig:
     """A router's typed config. ``config_class(kind)`` derives one dataclass per strategy from its
     constructor: a field per parameter (``stats_group``, a process group, never comes from a
@@ -43,6 +50,7 @@ class RouterConfig:
     SpecDrop's ``num_categories``). ``router_config(dict)`` parses and checks one."""
 
     type: ClassVar[str]
+    num_experts: int  # every strategy's (a field of each strategy's dataclass)
 
     def to_dict(self, full: bool = False) -> dict:
         """``type`` and the keys that differ from the constructor's defaults (``full``: every key)."""
@@ -62,7 +70,8 @@ class RouterConfig:
             old = getattr(self, key, None)
             if old is not None and old != value:
                 raise RouterKeyError(f"router key {key!r} is {old!r} but its host gives {value!r}", key)
-        return replace(self, **{k: v for k, v in keys.items() if hasattr(self, k)})
+        changed = {k: v for k, v in keys.items() if hasattr(self, k)}
+        return replace(self, **changed)  # type: ignore[type-var]  # a per-strategy dataclass
 
     def missing(self, given_later=()) -> str | None:
         return next((k for k in _required(self.type) if getattr(self, k) is None and k not in given_later), None)
@@ -217,7 +226,7 @@ def build_router(cfg: dict | RouterConfig, stats_group=None) -> Router:
 @functools.cache
 def _takes_stats_group(kind: str) -> bool:
     """Whether router ``kind`` reduces its statistics over a group (a learned or anchored router)."""
-    return any("stats_group" in inspect.signature(klass.__init__).parameters
+    return any("stats_group" in inspect.signature(vars(klass).get("__init__", klass)).parameters
                for klass in ROUTERS[kind].__mro__[:ROUTERS[kind].__mro__.index(Router)])
 
 

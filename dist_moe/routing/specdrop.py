@@ -36,6 +36,11 @@ VARIANTS = ("soft", "bernoulli", "hard", "uniform")
 
 
 class SpecDropRouter(Router):
+    # buffers (register_buffer): typed here for the type checker, which sees Module attributes otherwise
+    gap_scale: Tensor
+    assigned_expert: Tensor
+    progress: Tensor
+    step: Tensor
     inputs = frozenset({"categories"})
 
     def __init__(
@@ -79,7 +84,7 @@ class SpecDropRouter(Router):
         if not float(imbalance_beta) >= 0.0:
             raise ValueError(f"imbalance_beta must be >= 0, got {imbalance_beta!r}")
 
-        self.num_categories = num_categories
+        self.num_categories: int = num_categories
         self.variant = variant
         self.p_a_target, self.p_i_target = p_a, p_i
         self.S = p_a + (k - 1) * p_i

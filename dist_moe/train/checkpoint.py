@@ -221,7 +221,7 @@ def saved_config(path: str | Path) -> dict | None:
 
 # State a later release added, by last key part and release: a checkpoint saved before it loads it
 # as zeros (BRANCH's balance_bias at zero selects as the unbalanced limit it was saved with).
-ADDED_SINCE = {"balance_bias": "2026-12 (issue 26)"}
+ADDED_SINCE = {"balance_bias": "0.1.0"}
 
 
 def load(path: str | Path, model: nn.Module, optimizer, extra: dict, group=None) -> dict:

@@ -9,10 +9,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from dist_moe.train import checkpoint
 from tests.dist_utils import free_port
 from tests.faults.launch import wait_for_checkpoint
 from tests.test_emulate_cluster import needs_netns
+
+pytestmark = pytest.mark.multiprocess  # every test here launches ranks (a fixture or a helper does)
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 15
