@@ -10,7 +10,7 @@ from dist_moe.data.tabular import load_keel, tabular_split
 from dist_moe.routing.gar import GARConfig
 from dist_moe.routing.registry import router_config
 from dist_moe.train.config import DEFAULT_CONFIG, load_config, parse_override
-from dist_moe.train.run_config import GIVEN_LATER
+from dist_moe.train.run_config import GIVEN_LATER, RunConfig
 
 
 @pytest.fixture(autouse=True)
@@ -107,12 +107,13 @@ def test_router_gar_still_works_for_one_release_and_names_train_gar():
         (["train.lr=1e30", "train.max_grad_norm=null", "train.max_skipped_steps=1"], "diverged"),
         (["parallel.timeout_s=0"], "parallel.timeout_s"),
         (["parallel.pipeline_chunks=0"], "parallel.pipeline_chunks"),
-        (["engine=megatron", "model.capacity_factor=null", "parallel.megatron_dispatcher=alltoall",
+        (["engine=megatron", "model.capacity_factor=null", "parallel.dispatcher=alltoall",
           "parallel.pipeline_chunks=2"], "parallel.pipeline_chunks=2"),
         (["engine=deepspeed", "parallel.pipeline_chunks=2"], "set model.capacity_factor: null"),
-        (["engine=megatron", "parallel.megatron_dispatcher=deepep"], "parallel.megatron_dispatcher"),
-        (["engine=deepspeed", "parallel.deepspeed_dispatcher=deepspeed", "parallel.dedup=node"],
-         "parallel.dedup=node is dist-moe's dispatcher's (parallel.deepspeed_dispatcher: dist_moe or auto)"),
+        (["engine=megatron", "parallel.dispatcher=deepep"], "parallel.dispatcher"),
+        (["engine=deepspeed", "parallel.dispatcher=engine", "parallel.dedup=node"],
+         "parallel.dedup=node is dist-moe's dispatcher's (parallel.dispatcher: dist_moe or auto)"),
+        (["engine=deepspeed", "parallel.dispatcher=allgather"], "names one of Megatron's own dispatchers"),
         (["train.max_skipped_steps=-1"], "train.max_skipped_steps"),
         (["router.type=switch", "train.gar.lamda=1"], "'lamda'"),
         (["router.type=switch", "router.capacity_factor=0.5"], "capacity is set twice"),
@@ -305,7 +306,33 @@ def test_engine_refusals_come_at_load_before_any_process_group():
     """Megatron's dispatch is dropless whichever dispatcher moves its tokens: capacity_factor is refused
     by load_config, not after the engine has made its process group."""
     with pytest.raises(ValueError, match="engine megatron runs dropless: set model.capacity_factor: null"):
-        load_config(None, ["engine=megatron", "parallel.megatron_dispatcher=alltoall"])
+        load_config(None, ["engine=megatron", "parallel.dispatcher=alltoall"])
     with pytest.raises(ValueError, match="runs dropless"):
-        load_config(None, ["engine=deepspeed", "parallel.deepspeed_dispatcher=dist_moe"])
+        load_config(None, ["engine=deepspeed", "parallel.dispatcher=dist_moe"])
     assert load_config(None, ["engine=megatron", "model.capacity_factor=null"]).model.capacity_factor is None
+
+
+@pytest.mark.parametrize("old,engine,new", [
+    ("parallel.megatron_dispatcher=allgather", "megatron", "allgather"),
+    ("parallel.megatron_dispatcher=dist_moe", "megatron", "dist_moe"),
+    ("parallel.deepspeed_dispatcher=deepspeed", "deepspeed", "engine"),
+    ("parallel.deepspeed_dispatcher=dist_moe", "deepspeed", "dist_moe"),
+])
+def test_the_per_engine_dispatcher_keys_still_read_with_a_warning_naming_the_new_one(old, engine, new):
+    more = ["model.capacity_factor=null"]
+    with pytest.warns(FutureWarning, match=rf"'{old.split('=')[0]}' is deprecated: use 'parallel.dispatcher: {new}'"):
+        cfg = load_config(None, [f"engine={engine}", old, *more])
+    assert cfg.parallel.dispatcher == new and "megatron_dispatcher" not in cfg.to_dict()["parallel"]
+    other = "engine" if new == "dist_moe" else "dist_moe"
+    with pytest.raises(ValueError, match="are both set: keep parallel.dispatcher"):
+        load_config(None, [f"engine={engine}", old, f"parallel.dispatcher={other}", *more])
+
+
+def test_a_saved_config_with_the_old_keys_at_auto_reads_silently():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = RunConfig.from_dict({"engine": "megatron", "model": {"capacity_factor": None},
+                                   "parallel": {"megatron_dispatcher": "auto", "deepspeed_dispatcher": "auto"}})
+    assert cfg.parallel.dispatcher == "auto"

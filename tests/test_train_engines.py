@@ -16,10 +16,10 @@ GAR_PIPELINED = [*GAR, "parallel.pipeline_chunks=2"]  # factor captures per chun
 LM = ["--config", "configs/lm_branch.yaml", "data.per_domain=150", "data.seq_len=32", "train.max_steps=25",
       "data.categories=domains", "router.type=specdrop", "router.num_categories=4", "router.p_assigned=0.7",
       "parallel.placement=contiguous"]
-# Megatron's layer and experts with dist-moe's dispatcher, pipelined (megatron_dispatcher auto picks it)
+# Megatron's layer and experts with dist-moe's dispatcher, pipelined (parallel.dispatcher auto picks it)
 MEGATRON_DIST_MOE = ["parallel.pipeline_chunks=2"]
 # DeepSpeed's MoE module and experts under deepspeed.initialize, dist-moe's dispatcher, pipelined
-DEEPSPEED_DIST_MOE = ["parallel.deepspeed_dispatcher=dist_moe", "parallel.pipeline_chunks=2"]
+DEEPSPEED_DIST_MOE = ["parallel.dispatcher=dist_moe", "parallel.pipeline_chunks=2"]
 COMMON = ["data.max_rows=3000", "train.epochs=3", "train.batch_size=64", "train.log_every=5", "train.lr=3e-3"]
 
 
@@ -50,7 +50,7 @@ RUNS = {
               ["parallel.dedup=none", "parallel.placement=round_robin"], GAR_PIPELINED],
     # the allgather dispatcher and GAR on Megatron-hosted experts: test_engine_megatron.py, layer by layer
     # LM: lm_branch.yaml's parallel.dedup node takes both engines through dist-moe's dispatcher (auto)
-    "megatron": [["parallel.megatron_dispatcher=alltoall"], LM, MEGATRON_DIST_MOE],
+    "megatron": [["parallel.dispatcher=alltoall"], LM, MEGATRON_DIST_MOE],
     "deepspeed": [GAR, LM, DEEPSPEED_DIST_MOE],
 }
 

@@ -327,7 +327,7 @@ class DeepSpeedHostedMoE(HostedMoE):
 
 class DeepSpeedDispatchedMoE(DispatchedHost, DeepSpeedHostedMoE):
     """``DeepSpeedHostedMoE`` with ``dispatcher="dist_moe"`` (the trainer's ``engine: deepspeed`` with
-    ``parallel.deepspeed_dispatcher: dist_moe``): the layer measures its bytes (``traffic``) as
+    ``parallel.dispatcher: dist_moe``): the layer measures its bytes (``traffic``) as
     dist-moe's own MoELayer does."""
 
     def __init__(self, *args, **kwargs):

@@ -169,7 +169,7 @@ class MegatronHostedMoE(HostedMoE):
 
 class MegatronDispatchedMoE(DispatchedHost, MegatronHostedMoE):
     """``MegatronHostedMoE`` over ``dist_moe_mlp_spec``'s layer (the trainer's ``engine: megatron`` with
-    ``parallel.megatron_dispatcher: dist_moe``): dist-moe's dispatcher moves the tokens, so the layer
+    ``parallel.dispatcher: dist_moe``): dist-moe's dispatcher moves the tokens, so the layer
     has dedup, pipeline chunks and measured bytes, as dist-moe's own MoELayer does."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, router: RouterConfig | dict, ep_size: int = 1,

@@ -17,11 +17,14 @@ import yaml
 from dist_moe.errors import shown
 from dist_moe.routing.registry import ROUTERS, accepted_keys
 from dist_moe.train.engines import ENGINES
-from dist_moe.train.run_config import RunConfig
+from dist_moe.train.run_config import OLD_DISPATCHER_KEYS, RunConfig
 from placement.files import parse_yaml, read_yaml, yaml_problem
 
 DEFAULT_CONFIG: dict = RunConfig().to_dict()  # the embedded default, as a mapping (configs/demo.yaml writes it out)
 _OPEN_SECTIONS = {"router", "train.gar"}  # a mapping per router type / GAR: checked when parsed, not against defaults
+
+# keys that moved, still read (merged as given; RunConfig.from_dict maps them to their new key)
+DEPRECATED_KEYS = {f"parallel.{key}" for key in OLD_DISPATCHER_KEYS}
 
 
 def _merge(base: dict, update: dict, path: str = "") -> dict:
@@ -31,6 +34,9 @@ def _merge(base: dict, update: dict, path: str = "") -> dict:
         if path.rstrip(".") in _OPEN_SECTIONS:
             # router.subtree_limit.node=2 updates one level of a mapping, it does not drop the others
             out[key] = _merge_open(out.get(key), value)
+            continue
+        if key not in base and where in DEPRECATED_KEYS:  # read by RunConfig.from_dict, with a warning
+            out[key] = value
             continue
         if key not in base:
             raise ValueError(f"unknown config key {shown(where)}; valid keys here: {sorted(base)}")

@@ -4,12 +4,12 @@ torch      dist-moe's MoELayer and dispatcher (``parallel.dedup``, ``parallel.pi
            plain Adam (``steppers.LocalStepper``).
 deepspeed  DeepSpeed's MoE layer with dist-moe's gate; ``deepspeed.initialize`` with MoE
            parameter groups owns backward, gradient reduction, clipping and the step; its tokens
-           move through ``parallel.deepspeed_dispatcher``: DeepSpeed's capacity-padded all-to-all,
+           move through ``parallel.dispatcher``: DeepSpeed's capacity-padded all-to-all (engine),
            or dist_moe (dist-moe's dispatcher: ``parallel.dedup``, ``parallel.pipeline_chunks``).
 megatron   Megatron-core's MoELayer with dist-moe's router; its tokens move through
-           ``parallel.megatron_dispatcher``: Megatron's alltoall or allgather, or dist_moe (dist-moe's
+           ``parallel.dispatcher``: Megatron's alltoall (engine) or allgather, or dist_moe (dist-moe's
            dispatcher: ``parallel.dedup``, ``parallel.pipeline_chunks``); plain Adam.
-           Both keys default to auto: dist_moe when the config asks for node dedup or pipelined
+           The key defaults to auto: dist_moe when the config asks for node dedup or pipelined
            chunks (``chooses_dist_moe``), else the engine's own.
 
 ``train.precision: bf16`` is each engine's own: DeepSpeed's ``bf16.enabled`` (bf16 module, fp32 masters
@@ -33,7 +33,7 @@ from dist_moe.integrations import megatron_patches
 from dist_moe.integrations.deepspeed import DeepSpeedDispatchedMoE, DeepSpeedHostedMoE, init_distributed
 from dist_moe.integrations.deepspeed_patches import release_groups
 from dist_moe.integrations.megatron import MegatronDispatchedMoE, MegatronHostedMoE
-from dist_moe.integrations.megatron_patches import release_parallel_state
+from dist_moe.integrations.megatron_patches import DISPATCHERS, release_parallel_state
 from dist_moe.layer import MoELayer
 from dist_moe.optional_engines import engine_import
 from dist_moe.train.steppers import DeepSpeedStepper, LocalStepper
@@ -43,8 +43,8 @@ SUPPORTED = {"deepspeed": ("deepspeed", "0.19."), "megatron": ("megatron-core", 
 
 
 def chooses_dist_moe(choice: str, parallel) -> bool:
-    """An engine's ``parallel.<engine>_dispatcher``: dist_moe, or auto when the config's ``parallel``
-    section asks for what only dist-moe's dispatcher does (node dedup, pipelined chunks)."""
+    """``parallel.dispatcher`` for an engine: dist_moe, or auto when the config's ``parallel`` section
+    asks for what only dist-moe's dispatcher does (node dedup, pipelined chunks)."""
     asked = parallel.pipeline_chunks not in (1, "auto")  # auto measures where dist-moe's dispatcher runs anyway
     return choice == "dist_moe" or (choice == "auto" and (parallel.dedup == "node" or asked))
 
@@ -120,7 +120,7 @@ class DeepSpeedEngine(Engine):
 
     @staticmethod
     def dispatches(parallel):
-        return chooses_dist_moe(parallel.deepspeed_dispatcher, parallel)
+        return chooses_dist_moe(parallel.dispatcher, parallel)
 
     def before_group(self, timeout_s, device):
         init_distributed(timeout_s, device)
@@ -148,7 +148,7 @@ class MegatronEngine(Engine):
 
     @staticmethod
     def dispatches(parallel):
-        return chooses_dist_moe(parallel.megatron_dispatcher, parallel)
+        return chooses_dist_moe(parallel.dispatcher, parallel)
 
     def after_group(self, rt):
         megatron_patches.apply(cpu=rt.device.type == "cpu")
@@ -163,8 +163,8 @@ class MegatronEngine(Engine):
                                          rt.topology(), rt.parallel.dedup, rt.parallel.start_chunks,
                                          datetime.timedelta(seconds=rt.timeout_s))
 
-        own = rt.parallel.megatron_dispatcher
-        return MegatronHostedMoE(hidden, ffn, router, rt.world, placement, "alltoall" if own == "auto" else own,
+        own = rt.parallel.dispatcher  # auto or engine: Megatron's default, alltoall
+        return MegatronHostedMoE(hidden, ffn, router, rt.world, placement, own if own in DISPATCHERS else "alltoall",
                                  expert_type, device=rt.device, topology=rt.topology())
 
     def shutdown(self):

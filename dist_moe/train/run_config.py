@@ -29,6 +29,11 @@ from dist_moe.train.rundir import output_dir
 from placement.placement import NAMED as PLACEMENTS
 from placement.plan import DEDUP_MODES
 
+DISPATCHER_CHOICES = ("auto", "dist_moe", "engine", *DISPATCHERS)
+# the keys parallel.dispatcher replaced, one per engine, and what their values name now
+OLD_DISPATCHER_KEYS = {"megatron_dispatcher": {"alltoall": "alltoall", "allgather": "allgather"},
+                       "deepspeed_dispatcher": {"deepspeed": "engine"}}
+
 # router keys a training config leaves to its layer (the hidden size) and its data (SpecDrop's categories)
 GIVEN_LATER = ("hidden_size", "num_categories")
 
@@ -55,11 +60,11 @@ class ParallelConfig:
     placement: str = key("contiguous", f"one of {', '.join(PLACEMENTS)} or a placement .yaml (dist-moe place --out)",
                          lambda v: v in PLACEMENTS or v.endswith((".yaml", ".yml")))
     dedup: str = one_of("rank", DEDUP_MODES)
-    # pipeline_chunks and dedup apply to dist-moe's dispatcher: engine torch, or megatron / deepspeed through
-    # megatron_dispatcher / deepspeed_dispatcher dist_moe. auto (their default): dist_moe when dedup is node or
-    # pipeline_chunks > 1, else the engine's own (alltoall / deepspeed), which sends one copy per selected expert
-    megatron_dispatcher: str = one_of("auto", ("auto", *DISPATCHERS, "dist_moe"))
-    deepspeed_dispatcher: str = one_of("auto", ("auto", "deepspeed", "dist_moe"))
+    # who moves an engine's tokens (engine deepspeed or megatron; engine torch is dist-moe's own): dist_moe
+    # (dist-moe's dispatcher: dedup, pipeline_chunks), engine (the engine's own: DeepSpeed's all-to-all, Megatron's
+    # alltoall, or Megatron's allgather by that name), or auto: dist_moe when dedup is node or pipeline_chunks > 1,
+    # else the engine's own, which sends one copy per selected expert
+    dispatcher: str = one_of("auto", DISPATCHER_CHOICES)
     # how long any collective may wait for a peer before every rank stops with an error (bounds: process_group)
     timeout_s: float = key(300.0, f"a number of seconds in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S}] (a second to a week)",
                            lambda v: MIN_TIMEOUT_S <= v <= MAX_TIMEOUT_S)
@@ -180,6 +185,7 @@ class RunConfig:
         """The config a (merged) mapping describes, every key checked; missing keys take their defaults.
         A ValueError names the first bad key (``config key 'train.lr' must be ...``)."""
         d = _move_router_gar(d, warn)
+        d = _move_dispatcher_keys(d, warn)
         cfg = _section(cls, d, "")
         _check_across(cfg)
         return cfg
@@ -280,9 +286,12 @@ def _check_engine_dispatch(cfg: RunConfig) -> None:
     """Before any process group exists: what only dist-moe's dispatcher does, refused when the config
     names the engine's own (it would be silently ignored); dist-moe's dispatcher in an engine is dropless."""
     engine, parallel = cfg.engine, cfg.parallel
+    key_, choice = "parallel.dispatcher", parallel.dispatcher
+    if choice in DISPATCHERS and engine != "megatron":
+        raise ValueError(f"parallel.dispatcher={choice!r} names one of Megatron's own dispatchers (engine megatron); "
+                         f"engine {engine} takes auto, dist_moe or engine")
     if engine == "torch":
         return
-    key_, choice = f"parallel.{engine}_dispatcher", getattr(parallel, f"{engine}_dispatcher")
     if engine == "megatron" and cfg.model.capacity_factor is not None:  # Megatron's own dispatchers too
         raise ValueError(f"engine megatron runs dropless: set model.capacity_factor: null "
                          f"(got {cfg.model.capacity_factor})")
@@ -299,6 +308,34 @@ def _check_engine_dispatch(cfg: RunConfig) -> None:
     if parallel.dedup == "node":  # the engines' own dispatchers send one copy per (token, expert)
         raise ValueError(f"parallel.dedup=node is dist-moe's dispatcher's ({key_}: dist_moe or auto); {key_}: "
                          f"{choice} sends one copy per (token, expert)")
+
+
+def _move_dispatcher_keys(d: dict, warn: bool) -> dict:
+    """``parallel.megatron_dispatcher`` / ``parallel.deepspeed_dispatcher`` read as ``parallel.dispatcher``,
+    for one release, with a warning naming it (a checkpoint's saved config converts silently). An old
+    key left at auto says nothing; two keys that disagree are refused."""
+    parallel = d.get("parallel") if isinstance(d, dict) else None
+    if not isinstance(parallel, dict) or not any(k in parallel for k in OLD_DISPATCHER_KEYS):
+        return d
+    parallel = dict(parallel)
+    engine = d.get("engine", "torch")
+    chosen = {}
+    for old, renamed in OLD_DISPATCHER_KEYS.items():
+        if old not in parallel:
+            continue
+        value = parallel.pop(old)
+        if value == "auto" or old != f"{engine}_dispatcher":
+            continue  # the default, or another engine's key: it never applied
+        chosen[old] = renamed.get(value, value) if isinstance(value, str) else value
+    for old, value in chosen.items():
+        if parallel.get("dispatcher", "auto") not in ("auto", value):  # auto: the default a merged config holds
+            raise ValueError(f"config keys 'parallel.{old}' and 'parallel.dispatcher' are both set: keep "
+                             "parallel.dispatcher (the other is its deprecated name)")
+        parallel["dispatcher"] = value
+        if warn:
+            warnings.warn(f"config key 'parallel.{old}' is deprecated: use 'parallel.dispatcher: {value}' "
+                          "(it will be refused in the next release)", FutureWarning, stacklevel=4)
+    return {**d, "parallel": parallel}
 
 
 def _move_router_gar(d: dict, warn: bool) -> dict:
