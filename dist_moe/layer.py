@@ -20,9 +20,11 @@ from torch import Tensor, nn
 
 from dist_moe.dispatch.contract import Dispatcher
 from dist_moe.dispatch.dispatcher import CountsTraffic, make_dispatcher
+from dist_moe.dispatch.exchange import ExpertExchange
 from dist_moe.dispatch.groups import WeakGroup
-from dist_moe.dispatch.moe_forward import Tokens, route_and_dispatch, tokens_in
+from dist_moe.dispatch.moe_forward import Tokens, tokens_in
 from dist_moe.dispatch.pipeline import check_chunks
+from dist_moe.dispatch.stages import stage
 from dist_moe.experts import Experts, SharedExpert
 from dist_moe.moe_view import MoEView
 from dist_moe.routing import Router, Routing, build_router
@@ -115,14 +117,16 @@ class MoELayer(CountsTraffic, nn.Module):
         as GAR's). Returns (y [..., hidden], the router's aux loss)."""
         self.forwards += 1
         tokens = self._tokens(x, categories, token_ids, padding_mask)
-        # route -> capacity (self._route), then dispatch -> experts -> combine (pipelined by chunk)
-        routing, y = route_and_dispatch(tokens, self.router, self._route, self.dispatcher, self.experts,
-                                        chunks=self.pipeline_chunks, side=self.shared_expert,
-                                        copy_meta=tokens.categories, row_tags=self._row_tags(x, padding_mask))
-        if self.shared_expert is not None:  # it ran while the first chunks were in flight
-            y = y[0] + y[1]
+        exchange = ExpertExchange(self.dispatcher)
+        with exchange.agreement(self.router):
+            with stage("route"):
+                routing = self._route(tokens)  # the strategy, capacity, ablation
+            # dispatch -> experts -> combine, pipelined by chunk; the shared expert runs while chunks fly
+            y, shared = exchange.run(tokens, routing, self.experts, chunks=self.pipeline_chunks,
+                                     shared=self.shared_expert, copy_meta=tokens.categories,
+                                     row_tags=self._row_tags(x, padding_mask))
         self._record(routing, tokens, x.shape, padding_mask)
-        return y.reshape(x.shape), routing.aux_loss
+        return (y if shared is None else y + shared).reshape(x.shape), routing.aux_loss
 
     def _tokens(self, x: Tensor, categories, token_ids, padding_mask) -> Tokens:
         """Checked and flattened: [T, H] tokens and per-token categories, token ids and validity."""

@@ -29,8 +29,9 @@ def _calls(path: str) -> set:
 def test_every_layer_runs_the_one_forward_and_none_writes_the_prologue_again():
     for path in LAYERS:
         calls = _calls(path)
-        assert "route_and_dispatch" in calls, path
-        # the agreement and the input check belong to dispatch/moe_forward.py alone
+        # the stages: the route inside the exchange's agreement, then the exchange's run
+        assert {"ExpertExchange", "agreement", "run", "stage"} <= calls, path
+        # the agreement and the input check belong to dispatch/exchange.py and moe_forward.py alone
         assert not calls & {"agreed_routing", "agree", "input_problem", "ExpertParallelDispatcher"}, path
     # the engines' routers build their tokens with tokens_in, as MoELayer does, through the one helper
     # that also counts their forward and keeps GAR's router input (integrations/context.py)

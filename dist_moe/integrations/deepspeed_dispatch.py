@@ -21,8 +21,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dist_moe.dispatch.dispatcher import CountsTraffic, LocalDispatcher, make_dispatcher
-from dist_moe.dispatch.moe_forward import Tokens, route_and_dispatch
+from dist_moe.dispatch.exchange import ExpertExchange
+from dist_moe.dispatch.moe_forward import Tokens
 from dist_moe.dispatch.pipeline import check_chunks
+from dist_moe.dispatch.stages import stage
 from dist_moe.experts import SingleExpert, compute_dtype, grouped_ok, offsets
 from dist_moe.integrations import deepspeed_patches
 from dist_moe.integrations.stacked import grouped_mm, stack_in_place, stacked_alias, stacked_view
@@ -147,8 +149,11 @@ def layer_class():
                                  "set_deepspeed_parallelism() (deepspeed.initialize does)")
             gate = self.gate  # a DistMoEGate
             tokens = gate.tokens(x.reshape(-1, x.shape[-1]), used_token)
-            routing, y = route_and_dispatch(tokens, gate.router, gate.route, self.dispatcher, self.routed_experts,
-                                            what="DistMoEGate", chunks=self.pipeline_chunks)
+            exchange = ExpertExchange(self.dispatcher, what="DistMoEGate")
+            with exchange.agreement(gate.router):
+                with stage("route"):
+                    routing = gate.route(tokens)
+                y, _ = exchange.run(tokens, routing, self.routed_experts, chunks=self.pipeline_chunks)
             gate.last_routing = routing.detached()
             self.l_aux = gate.unscaled_aux(routing.aux_loss)
             idx = routing.expert_idx  # counted by DeepSpeed's physical slot, as its gates count

@@ -24,8 +24,9 @@ import torch
 from torch import Tensor
 
 from dist_moe.dispatch.dispatcher import CountsTraffic, make_dispatcher
-from dist_moe.dispatch.moe_forward import route_and_dispatch
+from dist_moe.dispatch.exchange import ExpertExchange
 from dist_moe.dispatch.pipeline import check_chunks
+from dist_moe.dispatch.stages import stage
 from dist_moe.experts import compute_dtype, grouped_ok, offsets
 from dist_moe.integrations import megatron_patches
 from dist_moe.integrations.megatron_router import DistMoERouter
@@ -172,11 +173,15 @@ def layer_class():
             tokens = router.prepare(hidden_states, padding_mask)
             side = self.shared_experts if self.use_shared_expert else None
             # ranks that route different tokens beyond this EP group (data parallelism) agree too
-            routing, y = route_and_dispatch(tokens, router.router, router.routed, self.dispatcher, self.routed_experts,
-                                            agree_group=router.agree_group if self.agree_wider else None,
-                                            what="DistMoERouter", chunks=self.pipeline_chunks, side=side)
+            exchange = ExpertExchange(self.dispatcher, router.agree_group if self.agree_wider else None,
+                                      "DistMoERouter")
+            with exchange.agreement(router.router):
+                with stage("route"):
+                    routing = router.routed(tokens)
+                y, shared = exchange.run(tokens, routing, self.routed_experts, chunks=self.pipeline_chunks,
+                                         shared=side)
             router.record(routing)  # the tracked aux loss and last routing: only once the forward goes on
-            out = y if side is None else y[0] + y[1]
+            out = y if shared is None else y + shared
             return out.reshape(hidden_states.shape), None
 
     return DistMoEMoELayer

@@ -27,8 +27,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from dist_moe.dispatch.agree import agree, agreed_routing
 from dist_moe.dispatch.groups import WeakGroup
-from dist_moe.dispatch.moe_forward import Tokens, route_agreed
+from dist_moe.dispatch.moe_forward import Tokens
+from dist_moe.dispatch.stages import stage
 from dist_moe.integrations import megatron_patches
 from dist_moe.integrations.context import context_tokens, routing_extras
 from dist_moe.layer import bind_to_topology
@@ -95,9 +97,13 @@ class DistMoERouter(nn.Module):
             raise ValueError(f"router capacity_factor={self.router.capacity_factor}: Megatron's dropless dispatch "
                              "needs every token routed to top_k experts; use Megatron's moe_expert_capacity_factor "
                              "for capacity, not the router's")
-        # one small all-reduce: a rank that raised alone would leave Megatron's collective order
-        routing = route_agreed(self.prepare(hidden, padding_mask), self.router, self.routed, self.agree_group,
-                               "DistMoERouter")
+        tokens = self.prepare(hidden, padding_mask)
+        # Megatron's own exchange follows: one small all-reduce agrees first (None: this process alone), as a
+        # rank that raised alone would leave Megatron's collective order
+        with agreed_routing(self.router):
+            with stage("route"):
+                routing = self.routed(tokens)
+            agree(tokens.problem, tokens.tag, self.agree_group, "DistMoERouter")
         self.record(routing)
         probs = routing.dense_gates()  # [T, E], gates at the selected experts (the aux loss rides on them)
         routing_map = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, routing.expert_idx, True)
