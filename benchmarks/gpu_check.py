@@ -485,7 +485,7 @@ def throughput(device):
         MegatronMoE = engine_import("megatron.core.transformer.moe.moe_layer", "MoELayer")
 
         from dist_moe.integrations.megatron import megatron_config
-    except ImportError:
+    except (ImportError, ValueError):  # engine_import: a ValueError naming the extra when it is missing
         return f"{mine}; Megatron not measured: megatron-core is not installed"
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)

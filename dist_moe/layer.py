@@ -1,7 +1,7 @@
 """MoELayer = router + dispatcher + local experts (+ shared expert).
 
-Its forward reads tokens -> route -> capacity -> dispatch -> experts -> combine
-(``dispatch/moe_forward.py``, shared with the engines' layers). With ``group=None``
+Its forward reads as its stages: tokens -> route (strategy, capacity) -> exchange (dispatch ->
+experts -> combine, ``dispatch/exchange.py``, shared with the engines' layers) -> record. With ``group=None``
 or a world of one, the dispatcher is local (``LocalDispatcher``: tokens grouped by
 expert with one sort, each expert once on its contiguous slice, gated outputs
 summed per token: with ``index_add``, or in a fixed order under ``deterministic``).

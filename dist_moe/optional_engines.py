@@ -8,7 +8,7 @@ import importlib
 
 # an engine's top-level package -> (its distribution, the dist-moe extra that installs it)
 ENGINES = {"deepspeed": ("deepspeed", "deepspeed"), "megatron": ("megatron-core", "megatron"),
-           "transformers": ("transformers", "text")}
+           "transformers": ("transformers", "text"), "safetensors": ("safetensors", "text")}
 
 
 def engine_import(module: str, *names: str):

@@ -35,7 +35,9 @@ def tree_distance(expert_idx: Tensor, num_experts: int) -> float:
     if not bool(valid.any()):
         return float("nan")
     x = (a ^ b)[valid]
-    bit_length = torch.stack([((x >> s) != 0).long() for s in range(d)]).sum(0)
+    bit_length = torch.zeros_like(x)
+    for s in range(d):
+        bit_length += (x >> s) != 0
     return float(bit_length.double().mean()) / d
 
 

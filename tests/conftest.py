@@ -13,8 +13,7 @@ def _seed():
 
 
 # What launches processes: the spawn harness (tests/dist_utils.py), torchrun or a CLI subprocess.
-_LAUNCHERS = {"run_workers", "run_cases", "subprocess", "Popen", "_torchrun", "torchrun", "launch", "spawn", "_run",
-              "start_ranks"}
+_LAUNCHERS = {"run_workers", "run_cases", "subprocess", "Popen", "_torchrun", "torchrun", "spawn", "start_ranks"}
 _ENGINES = ("deepspeed", "megatron")
 
 
@@ -24,9 +23,18 @@ def pytest_collection_modifyitems(config, items):
     or Megatron's. A file may also set ``pytestmark`` (``slow``: minutes of CPU in one process)."""
     for item in items:
         function = getattr(item, "function", None)
-        names = set(function.__code__.co_names) if function is not None else set()
-        if names & _LAUNCHERS:
+        if function is not None and _names(function.__code__) & _LAUNCHERS:
             item.add_marker(pytest.mark.multiprocess)
-        where = f"{item.module.__name__} {item.name}".lower() if getattr(item, "module", None) else item.name
+        name = getattr(item, "originalname", item.name)  # not its parameters' ids
+        where = f"{item.module.__name__} {name}".lower() if getattr(item, "module", None) else name
         if any(e in where for e in _ENGINES):
             item.add_marker(pytest.mark.engine)
+
+
+def _names(code) -> set:
+    """The global and attribute names ``code`` uses, its nested code (comprehensions, lambdas) included."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _names(const)
+    return names

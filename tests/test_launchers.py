@@ -19,6 +19,8 @@ from dist_moe.dispatch.rank_line import ASKED, rank_line, say_rank_line
 from tests.dist_utils import free_port
 from tests.faults.launch import descendants, wait_gone
 
+pytestmark = pytest.mark.multiprocess  # launchers and torchrun: processes, signals, timing
+
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--quiet", "data.max_rows=2000", "train.epochs=2", "train.batch_size=64"]
 FOREVER = ["--quiet", "data.max_rows=300", "train.max_steps=1000000", "train.log_every=1"]

@@ -4,7 +4,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.dist_utils import free_port
+
+pytestmark = pytest.mark.multiprocess  # launchers and torchrun: processes, signals, timing
 
 SCRIPT = Path(__file__).parent / "scripts" / "ep_torchrun.py"
 

@@ -328,11 +328,16 @@ def test_the_per_engine_dispatcher_keys_still_read_with_a_warning_naming_the_new
         load_config(None, [f"engine={engine}", old, f"parallel.dispatcher={other}", *more])
 
 
-def test_a_saved_config_with_the_old_keys_at_auto_reads_silently():
+def test_a_checkpoints_saved_config_with_the_old_keys_reads_silently_a_users_file_warns():
     import warnings
 
+    old = {"engine": "megatron", "model": {"capacity_factor": None},
+           "parallel": {"megatron_dispatcher": "auto", "deepspeed_dispatcher": "auto"}}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        cfg = RunConfig.from_dict({"engine": "megatron", "model": {"capacity_factor": None},
-                                   "parallel": {"megatron_dispatcher": "auto", "deepspeed_dispatcher": "auto"}})
-    assert cfg.parallel.dispatcher == "auto"
+        assert RunConfig.from_dict(old, warn=False).parallel.dispatcher == "auto"  # a checkpoint's config
+    with pytest.warns(FutureWarning, match="'parallel.deepspeed_dispatcher' is deprecated"):
+        RunConfig.from_dict(old)  # a run's config.yaml reused as a config file
+    with pytest.raises(ValueError, match=r"'parallel.deepspeed_dispatcher' \(deprecated: parallel.dispatcher\) must "
+                                         r"be one of auto, dist_moe, deepspeed, got 'bogus'"):
+        RunConfig.from_dict({**old, "parallel": {"deepspeed_dispatcher": "bogus"}}, warn=False)

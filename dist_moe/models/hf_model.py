@@ -88,9 +88,8 @@ def load_tokenizer(folder: Path):
 def load_model(folder: Path, seed: int) -> nn.Module:
     """The folder's causal LM in fp32: its weights, every one of them, or (none saved) random ones drawn
     from ``seed``."""
-    from safetensors import SafetensorError  # installed with transformers
-
     AutoModelForCausalLM = engine_import("transformers", "AutoModelForCausalLM")
+    SafetensorError = engine_import("safetensors", "SafetensorError")
 
     config = load_config(folder)
     try:

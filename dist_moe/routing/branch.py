@@ -41,6 +41,7 @@ class BranchRouter(Router):
     anchors: Tensor
     ema_step: Tensor
     balance_bias: Tensor
+
     def __init__(
         self,
         hidden_size: int,
@@ -285,9 +286,10 @@ def _check_rate(rate) -> float:
 
 
 class _EvalBias(torch.nn.Module):
-    balance_bias: Tensor
     """Evaluation's selection bias, a child so that its state key ends in ``balance_bias``: a checkpoint
     saved before it loads it as zeros (``checkpoint.ADDED_SINCE``), which selects as it evaluated then."""
+
+    balance_bias: Tensor
 
     def __init__(self, size: int):
         super().__init__()

@@ -38,13 +38,14 @@ def switch_aux_loss(probs: Tensor, expert_idx: Tensor, coeff: float, valid: Tens
 
 
 class _LearnedFlatRouter(Router):
-    group_members: Tensor | None  # a buffer: each node's experts, when node-limited
     """Shared parts of switch / skywork / deepseek_v3: a logit map over the experts, and
     node-limited routing (DeepSeek-V3's node-limited / Megatron's group-limited routing):
     with ``node_limit=M`` each token's top-K comes from its best M expert groups, where a
     group is the experts of one node under the active placement (set by MoELayer) and a
     group's score is the sum of its ceil(K/M) highest selection scores.
     """
+
+    group_members: Tensor | None  # a buffer: each node's experts, when node-limited
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, node_map: str = "linear",
                  mlp_hidden: int | None = None, node_limit: int | None = None, stats_group=None):
@@ -166,6 +167,7 @@ class SkyworkRouter(SwitchRouter):
 
 class DeepSeekV3Router(_LearnedFlatRouter):
     expert_bias: Tensor  # a buffer
+
     def __init__(
         self,
         hidden_size: int,

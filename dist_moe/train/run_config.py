@@ -31,8 +31,9 @@ from placement.plan import DEDUP_MODES
 
 DISPATCHER_CHOICES = ("auto", "dist_moe", "engine", *DISPATCHERS)
 # the keys parallel.dispatcher replaced, one per engine, and what their values name now
-OLD_DISPATCHER_KEYS = {"megatron_dispatcher": {"alltoall": "alltoall", "allgather": "allgather"},
-                       "deepspeed_dispatcher": {"deepspeed": "engine"}}
+OLD_DISPATCHER_KEYS = {"megatron_dispatcher": {"auto": "auto", "dist_moe": "dist_moe", "alltoall": "alltoall",
+                                               "allgather": "allgather"},
+                       "deepspeed_dispatcher": {"auto": "auto", "dist_moe": "dist_moe", "deepspeed": "engine"}}
 
 # router keys a training config leaves to its layer (the hidden size) and its data (SpecDrop's categories)
 GIVEN_LATER = ("hidden_size", "num_categories")
@@ -312,29 +313,31 @@ def _check_engine_dispatch(cfg: RunConfig) -> None:
 
 def _move_dispatcher_keys(d: dict, warn: bool) -> dict:
     """``parallel.megatron_dispatcher`` / ``parallel.deepspeed_dispatcher`` read as ``parallel.dispatcher``,
-    for one release, with a warning naming it (a checkpoint's saved config converts silently). An old
-    key left at auto says nothing; two keys that disagree are refused."""
+    for one release, with a warning naming it (a checkpoint's saved config converts silently). Each old
+    key's value is checked as it was; the run's engine's own key sets the new one; two that disagree
+    are refused."""
     parallel = d.get("parallel") if isinstance(d, dict) else None
     if not isinstance(parallel, dict) or not any(k in parallel for k in OLD_DISPATCHER_KEYS):
         return d
     parallel = dict(parallel)
     engine = d.get("engine", "torch")
-    chosen = {}
     for old, renamed in OLD_DISPATCHER_KEYS.items():
         if old not in parallel:
             continue
         value = parallel.pop(old)
-        if value == "auto" or old != f"{engine}_dispatcher":
+        if not isinstance(value, str) or value not in renamed:
+            raise ValueError(f"config key 'parallel.{old}' (deprecated: parallel.dispatcher) must be one of "
+                             f"{', '.join(renamed)}, got {shown(value)}")
+        new = renamed[value]
+        if warn:
+            warnings.warn(f"config key 'parallel.{old}' is deprecated: use 'parallel.dispatcher: {new}' "
+                          "(it will be refused in the next release)", FutureWarning, stacklevel=4)
+        if new == "auto" or old != f"{engine}_dispatcher":
             continue  # the default, or another engine's key: it never applied
-        chosen[old] = renamed.get(value, value) if isinstance(value, str) else value
-    for old, value in chosen.items():
-        if parallel.get("dispatcher", "auto") not in ("auto", value):  # auto: the default a merged config holds
+        if parallel.get("dispatcher", "auto") not in ("auto", new):  # auto: the default a merged config holds
             raise ValueError(f"config keys 'parallel.{old}' and 'parallel.dispatcher' are both set: keep "
                              "parallel.dispatcher (the other is its deprecated name)")
-        parallel["dispatcher"] = value
-        if warn:
-            warnings.warn(f"config key 'parallel.{old}' is deprecated: use 'parallel.dispatcher: {value}' "
-                          "(it will be refused in the next release)", FutureWarning, stacklevel=4)
+        parallel["dispatcher"] = new
     return {**d, "parallel": parallel}
 
 
