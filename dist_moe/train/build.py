@@ -2,10 +2,7 @@
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import replace
-
-import psutil
 
 from dist_moe.data.corpus import lm_split
 from dist_moe.data.local_text import is_local, local_split
@@ -18,6 +15,7 @@ from dist_moe.models.text import TextMoE
 from dist_moe.models.tiny_lm import VOCAB, TinyMoELM
 from dist_moe.routing.registry import RouterKeyError
 from dist_moe.train.build_hf import hf_data_and_model
+from dist_moe.train.rank_memory import available_per_rank
 
 
 def categorised_router(cfg, data):
@@ -123,8 +121,7 @@ def check_model_fits(cfg, world: int, features: int = 0, classes: int = 0) -> No
     """Refuse, before any weight is allocated, a model that would not fit in this rank's share of the
     memory available now (the ranks of this machine share it), naming its sizes."""
     needed = training_bytes(cfg, world, features, classes)
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
-    free = psutil.virtual_memory().available // local
+    free, local = available_per_rank()
     if needed > free:
         m = cfg.model
         sizes = (f"model.d_model={m.d_model}" + (f" (input features {features})" if features else "")

@@ -3,10 +3,7 @@ sharded over the launched world and dispatched by dist-moe."""
 from __future__ import annotations
 
 import datetime
-import os
 import sys
-
-import psutil
 
 from dist_moe.data.local_text import is_local, local_split
 from dist_moe.integrations.transformers_hosted import host_experts
@@ -21,6 +18,7 @@ from dist_moe.models.hf_model import (
     parameter_count,
 )
 from dist_moe.optional_engines import engine_import
+from dist_moe.train.rank_memory import available_per_rank
 
 
 def hf_data_and_model(cfg, rt):
@@ -68,8 +66,7 @@ def hf_training_bytes(cfg, folder, config, world: int) -> int:
 
 def check_hf_fits(cfg, folder, config, world: int) -> None:
     needed = hf_training_bytes(cfg, folder, config, world)
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
-    free = psutil.virtual_memory().available // local
+    free, local = available_per_rank()
     if needed > free:
         raise ValueError(f"model.path={str(folder)!r} with train.batch_size={cfg.train.batch_size}, data.seq_len="
                          f"{cfg.data.seq_len} needs about {needed / 2**30:.3g} GiB per rank to train (weights, "
