@@ -43,6 +43,12 @@ def shown(value) -> str:
     return r.repr(value)
 
 
+def first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message (its type's name when it has none), for a one-line error."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def _line(e: BaseException) -> tuple[str, int]:
     if isinstance(e, KeyboardInterrupt):
         return "interrupted", INTERRUPTED

@@ -26,7 +26,7 @@ from dist_moe.dispatch.moe_forward import Tokens, tokens_in
 from dist_moe.dispatch.pipeline import check_chunks
 from dist_moe.dispatch.stages import stage
 from dist_moe.experts import Experts, SharedExpert
-from dist_moe.moe_view import MoEView
+from dist_moe.moe_view import MoEView, expert_locations
 from dist_moe.routing import Router, Routing, build_router
 from dist_moe.routing.capacity import capacity_for, capacity_step, check_one_capacity
 from dist_moe.routing.registry import RouterConfig, router_config
@@ -174,12 +174,12 @@ class MoELayer(CountsTraffic, nn.Module):
     @property
     def expert_node(self) -> Tensor | None:
         """[E] the node of each expert, on a topology of more than one node (else None)."""
-        return self.placement.expert_nodes(self.topology) if self.topology.num_nodes > 1 else None
+        return expert_locations(self.placement, self.topology)[0]
 
     @property
     def expert_rank(self) -> Tensor | None:
         """[E] the rank of each expert, under expert parallelism (else None)."""
-        return self.placement.rank_table() if self.placement.world_size > 1 else None
+        return expert_locations(self.placement, self.topology)[1]
 
     def expert_state_keys(self, prefix: str = "") -> dict:
         """state-dict key of each expert tensor -> (global expert ids of its rows, checkpoint stem, stacked)."""

@@ -49,6 +49,16 @@ class MoEHost(Protocol):
         ...
 
 
+def expert_locations(placement, topology) -> tuple:
+    """(``expert_node``, ``expert_rank``) as every MoE host gives them: [E] each expert's node when the
+    topology has several nodes, [E] each expert's rank under expert parallelism; None where not (or
+    where the placement or topology is not known)."""
+    if placement is None:
+        return None, None
+    node = placement.expert_nodes(topology) if topology is not None and topology.num_nodes > 1 else None
+    return node, placement.rank_table() if placement.world_size > 1 else None
+
+
 def moe_layers(model) -> list[MoEHost]:
     """Every MoE layer module in ``model`` (dist-moe's, or DeepSpeed- or Megatron-hosted)."""
     return [m for m in model.modules() if isinstance(m, MoEHost)]

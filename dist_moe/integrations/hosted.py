@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from dist_moe.integrations.context import routing_context
 from dist_moe.layer import per_token
+from dist_moe.moe_view import expert_locations
 
 
 class HostedMoE(nn.Module):
@@ -22,10 +23,7 @@ class HostedMoE(nn.Module):
     expert_rank = None  # [E] each expert's rank, under expert parallelism with a known placement
 
     def _know_nodes(self, placement, topology) -> None:
-        if topology is not None and topology.num_nodes > 1 and placement is not None:
-            self.expert_node = placement.expert_nodes(topology)
-        if placement is not None and placement.world_size > 1:
-            self.expert_rank = placement.rank_table()
+        self.expert_node, self.expert_rank = expert_locations(placement, topology)
 
     @property
     def num_experts(self) -> int:

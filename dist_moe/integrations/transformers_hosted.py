@@ -20,7 +20,7 @@ from dist_moe.dispatch.agree import input_problem
 from dist_moe.dispatch.dispatcher import CountsTraffic, make_dispatcher
 from dist_moe.dispatch.stats import all_gather_rows
 from dist_moe.integrations.transformers import StackedExperts
-from dist_moe.moe_view import MoEView
+from dist_moe.moe_view import MoEView, expert_locations
 from dist_moe.routing.base import Routing, expert_load
 from placement import Placement, Topology
 
@@ -69,8 +69,7 @@ class HostedHFExperts(CountsTraffic, nn.Module):
         self.placement, self.topology, self.dedup, self.pipeline_chunks = placement, topology, dedup, pipeline_chunks
         self.group, self.rank = group, rank
         self.dispatcher = make_dispatcher(group, placement, topology, dedup, timeout, fixed_order)
-        self.expert_node = placement.expert_nodes(topology) if topology.num_nodes > 1 else None
-        self.expert_rank = placement.rank_table() if placement.world_size > 1 else None
+        self.expert_node, self.expert_rank = expert_locations(placement, topology)
         self.last_routing = None
         self.forwards = 0  # the tag every rank agrees on (dist_moe/dispatch/agree.py)
 

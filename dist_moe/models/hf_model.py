@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from dist_moe.errors import first_line
 from dist_moe.integrations.transformers_hosted import HostedHFExperts, moe_blocks
 from dist_moe.optional_engines import engine_import
 
@@ -56,11 +57,6 @@ def has_tokenizer(folder: Path) -> bool:
     return any((folder / name).is_file() for name in TOKENIZER_FILES)
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
 def load_config(folder: Path):
     """The folder's transformers config: a model transformers knows without the folder's code, not quantized."""
     AutoConfig = engine_import("transformers", "AutoConfig")
@@ -68,7 +64,7 @@ def load_config(folder: Path):
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     except LOAD_ERRORS as e:
-        raise ValueError(f"model.path={str(folder)!r}: transformers cannot read its config.json ({_first_line(e)})") \
+        raise ValueError(f"model.path={str(folder)!r}: transformers cannot read its config.json ({first_line(e)})") \
             from None
     if getattr(config, "quantization_config", None) is not None:
         raise ValueError(f"model.path={str(folder)!r} is a quantized checkpoint (quantization_config): dist-moe trains "
@@ -82,7 +78,7 @@ def load_tokenizer(folder: Path):
     try:
         return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     except Exception as e:  # tokenizers raises plain Exceptions for a file it cannot read: a user's folder
-        raise ValueError(f"model.path={str(folder)!r}: its tokenizer cannot be loaded ({_first_line(e)})") from None
+        raise ValueError(f"model.path={str(folder)!r}: its tokenizer cannot be loaded ({first_line(e)})") from None
 
 
 def load_model(folder: Path, seed: int) -> nn.Module:
@@ -103,7 +99,7 @@ def load_model(folder: Path, seed: int) -> nn.Module:
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, dtype=torch.float32)
     except (*LOAD_ERRORS, SafetensorError) as e:
         raise ValueError(f"model.path={str(folder)!r}: transformers cannot build a causal LM from it "
-                         f"({_first_line(e)})") from None
+                         f"({first_line(e)})") from None
     if not moe_blocks(model):
         raise ValueError(f"model.path={str(folder)!r} is a {type(model).__name__} without MoE blocks dist-moe can host "
                          "(a router beside stacked `experts` weights, as Mixtral, Qwen3-MoE, DeepSeek-V3 have)")
@@ -128,7 +124,7 @@ def parameter_count(folder: Path) -> tuple[int, int]:
             model = AutoModelForCausalLM.from_config(load_config(folder), trust_remote_code=False)
     except LOAD_ERRORS as e:
         raise ValueError(f"model.path={str(folder)!r}: transformers cannot build a causal LM from it "
-                         f"({_first_line(e)})") from None
+                         f"({first_line(e)})") from None
     experts = sum(p.numel() for block, _ in moe_blocks(model) for p in block.experts.parameters())
     return sum(p.numel() for p in model.parameters()) - experts, experts
 
@@ -157,15 +153,16 @@ class HFCausalLM(nn.Module):
     def export_state(self, is_main: bool) -> dict[str, Tensor] | None:
         """The model's state as transformers saves it, every expert gathered, on the CPU of the main rank
         (every rank calls this: the gathers are collective; the others keep nothing and get None)."""
-        state: dict[str, Tensor] = {}
+        hosts = {name: m for name, m in self.hf.named_modules() if isinstance(m, HostedHFExperts)}
+        gathered = {f"{name}.{slot}" for name, m in hosts.items() for slot in m.expert_slots}
+        state: dict = {}
         on_cpu: dict[int, Tensor] = {}  # one copy per storage: tied weights stay tied
         for key, t in self.hf.state_dict().items():
-            if is_main:
-                state[key] = on_cpu.setdefault(t.data_ptr(), t.detach().cpu())
-        for name, m in self.hf.named_modules():
-            if isinstance(m, HostedHFExperts):
-                for slot, full in m.full_expert_tensors(keep=is_main):
-                    state[f"{name}.{slot}"] = full
+            if is_main:  # this rank's expert rows are not copied: every rank's, gathered below, take their place
+                state[key] = None if key in gathered else on_cpu.setdefault(t.data_ptr(), t.detach().cpu())
+        for name, m in hosts.items():
+            for slot, full in m.full_expert_tensors(keep=is_main):
+                state[f"{name}.{slot}"] = full
         return state if is_main else None
 
     def write(self, state: dict[str, Tensor], target: Path) -> None:

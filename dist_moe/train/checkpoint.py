@@ -38,6 +38,7 @@ from torch import nn
 
 from dist_moe.dispatch.agree import agree_on_errors
 from dist_moe.dispatch.process_group import barrier
+from dist_moe.errors import first_line
 from dist_moe.moe_view import MoEHost
 from dist_moe.train.checkpoint_files import (
     CONFIG,
@@ -253,8 +254,7 @@ def load(path: str | Path, model: nn.Module, optimizer, extra: dict, group=None)
     try:
         load_state({**loaded, **wanted}, Path(path), metadata, identities, group)
     except (RuntimeError, AssertionError) as e:  # DCP's own size checks
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"checkpoint {path} does not fit this model ({first[:300]})") from None
+        raise CheckpointError(f"checkpoint {path} does not fit this model ({first_line(e)[:300]})") from None
     _check_values(path, {**loaded, **wanted})
     _write_back(model, optimizer, state)
     return wanted
