@@ -96,7 +96,7 @@ def _sorted_by_class(data, seed: int) -> None:
 
 def _record_training_loads(model) -> None:
     """Each router keeps its training forwards' hard loads (its own rows; summed over ranks later)."""
-    from dist_moe.moe_view import moe_layers
+    from dist_moe.moe.view import moe_layers
 
     def hook(router, _inputs, routing):
         if router.updates_state:
@@ -131,7 +131,7 @@ def _patch_trainer(run: dict) -> None:
 def training_balance(model, data, rt) -> dict:
     """Node-share CV and busiest rank / mean of the training batches, mean over the last third of the
     steps and over the MoE layers (every rank's loads summed, as the dispatch sees them)."""
-    from dist_moe.moe_view import moe_layers
+    from dist_moe.moe.view import moe_layers
     from placement import busiest, node_share
 
     cvs, ranks = [], []

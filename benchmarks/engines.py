@@ -114,7 +114,8 @@ def worker(rank, world, args, out_path):  # noqa: C901
     load_dist_moe_experts(ds, ref.experts)
     hosts["DeepSpeed MOELayer"] = ds
     for dispatcher in ("alltoall", "allgather"):
-        mg = megatron_moe_layer(megatron_config(H, F, E, K, world, dispatcher), dict(ROUTER), placement)
+        mc = megatron_config(H, F, E, K, world, moe_token_dispatcher_type=dispatcher)
+        mg = megatron_moe_layer(mc, dict(ROUTER), placement)
         mg.router.router.load_state_dict(ref.router.state_dict())
         load_megatron(mg, ref.experts)
         hosts[f"Megatron {dispatcher}"] = mg

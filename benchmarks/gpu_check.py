@@ -392,7 +392,7 @@ def train_step_sync(device):
 
 @check("experts: grouped GEMM vs per-expert loop, fp32 and bf16 (equality and time)")
 def grouped_vs_loop(device):
-    from dist_moe.experts import Experts
+    from dist_moe.moe.experts import Experts
 
     out = []
     for dtype in (torch.float32, torch.bfloat16):

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dist_moe.experts import Experts  # noqa: E402
+from dist_moe.moe.experts import Experts  # noqa: E402
 
 
 def arms(experts: int, rows: int, hidden: int, ffn: int, seed: int = 0) -> dict:

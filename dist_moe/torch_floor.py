@@ -8,6 +8,6 @@ installed, that every torch name the code reaches exists and takes the keywords 
 
 # (the newest torch API dist-moe calls, where and why, the first torch release that has it).
 # torch 2.9 has the private torch._grouped_mm (with a CPU kernel), not the public name.
-NEWEST_API = ("torch.nn.functional.grouped_mm", "dist_moe/experts.py: each expert projection as one grouped GEMM",
+NEWEST_API = ("torch.nn.functional.grouped_mm", "dist_moe/moe/experts.py: each expert projection as one grouped GEMM",
               (2, 10))
 TORCH_FLOOR = NEWEST_API[2]

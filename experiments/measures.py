@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from dist_moe.dispatch.calibrate import calibrate, replay_dispatch, slowest, to_yaml
-from dist_moe.moe_view import moe_layers
+from dist_moe.moe.view import moe_layers
 from dist_moe.train.expert_metrics import contingency, gradient_mass_purity, lvar, nmi, utilization
 from dist_moe.train.step_bytes import per_step_traffic
 from dist_moe.train.training_step import loss_of

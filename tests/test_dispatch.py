@@ -1,6 +1,15 @@
 """Expert parallelism on 2 and 4 gloo ranks: equal to one process, bytes equal to the analytic count."""
 
+import torch
+
+from dist_moe.dispatch.moe_forward import Tokens
+from dist_moe.routing.base import Routing
 from tests.dist_utils import run_cases
+
+
+def routes(idx, gates) -> Routing:
+    """What the dispatcher reads of a routing: its expert ids and gates."""
+    return Routing(torch.empty(0), idx, gates, torch.zeros(()))
 
 
 def _equivalence_worker(rank, world, sizes):
@@ -19,7 +28,7 @@ def _property_worker(rank, world):
     from hypothesis import strategies as st
 
     from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher, routing_pairs
-    from dist_moe.experts import Experts, apply_experts
+    from dist_moe.moe.experts import Experts, apply_experts
     from dist_moe.routing.capacity import apply_capacity, capacity_for
     from placement import Placement, Topology, dispatch_traffic
 
@@ -56,7 +65,7 @@ def _property_worker(rank, world):
         use_idx, use_gates = idx, gates
         if capacity is not None:
             use_idx, use_gates, _ = apply_capacity(idx, gates, E, capacity_for(t, k, E, capacity) if t else 1)
-        y = disp(x, use_idx, use_gates, local)
+        y, _ = disp(Tokens(x), routes(use_idx, use_gates), local)
         tok, exp, gate = routing_pairs(use_idx, use_gates)
         y_ref = apply_experts(full, x, tok, exp, gate)
         w = torch.randn(t, H, generator=g)
@@ -90,7 +99,7 @@ def _edge_worker(rank, world):
 
     from dist_moe import MoELayer
     from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher, routing_pairs
-    from dist_moe.experts import Experts, apply_experts
+    from dist_moe.moe.experts import Experts, apply_experts
     from placement import Placement, Topology
 
     H, E = 4, 8
@@ -112,7 +121,7 @@ def _edge_worker(rank, world):
             own = torch.tensor(placement.local_experts(rank))
             idx = own[:2].expand(t, 2).clone() if rank == 0 else torch.randint(0, E, (t, 1))
             gates = torch.rand(t, idx.shape[1])
-            y = disp(x, idx, gates, local)
+            y, _ = disp(Tokens(x), routes(idx, gates), local)
             y.sum().backward()  # must not hang: every rank runs every backward exchange
             full.zero_grad()
             tok, exp, gate = routing_pairs(idx, gates)

@@ -2,6 +2,8 @@
 layers (the local == expert-parallel equality on one rank is tests/test_gpu_check.py's ep_fp32;
 across ranks, tests/test_layer.py, test_megatron_dispatcher.py and test_deepspeed_dispatcher.py)."""
 import ast
+import importlib
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -10,11 +12,12 @@ import torch.distributed as dist
 
 from dist_moe.dispatch.contract import Dispatcher
 from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher, LocalDispatcher, make_dispatcher
-from dist_moe.layer import MoELayer
+from dist_moe.moe.layer import MoELayer
 from placement import Placement, Topology
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ["dist_moe/layer.py", "dist_moe/integrations/megatron_layer.py", "dist_moe/integrations/deepspeed_dispatch.py"]
+LAYERS = ["dist_moe/moe/layer.py", "dist_moe/integrations/megatron_layer.py",
+          "dist_moe/integrations/deepspeed_dispatch.py"]
 
 
 def _calls(path: str) -> set:
@@ -26,18 +29,43 @@ def _calls(path: str) -> set:
     return names
 
 
-def test_every_layer_runs_the_one_forward_and_none_writes_the_prologue_again():
-    for path in LAYERS:
+HOSTS = LAYERS + ["dist_moe/integrations/transformers.py", "dist_moe/integrations/transformers_hosted.py"]
+
+
+def test_every_host_runs_the_one_staged_forward_and_none_writes_the_prologue_again():
+    stages = _calls("dist_moe/moe/host.py")
+    # the stages, once: the route inside the exchange's agreement, then the exchange's run
+    assert {"agreement", "run", "stage", "tokens", "route", "record"} <= stages
+    for path in HOSTS:
         calls = _calls(path)
-        # the stages: the route inside the exchange's agreement, then the exchange's run
-        assert {"ExpertExchange", "agreement", "run", "stage"} <= calls, path
-        # the agreement and the input check belong to dispatch/exchange.py and moe_forward.py alone
-        assert not calls & {"agreed_routing", "agree", "input_problem", "ExpertParallelDispatcher"}, path
-    # the engines' routers build their tokens with tokens_in, as MoELayer does, through the one helper
-    # that also counts their forward and keeps GAR's router input (integrations/context.py)
-    assert "tokens_in" in _calls("dist_moe/layer.py") and "tokens_in" in _calls("dist_moe/integrations/context.py")
+        assert "run_stages" in calls, path
+        # the agreement, the exchange and the input check belong to host.py, exchange.py and moe_forward.py
+        assert not calls & {"agreement", "agreed_routing", "agree", "stage", "ExpertParallelDispatcher",
+                            "make_dispatcher", "run"}, path
+    # the engines' routers build their tokens with tokens_in, as MoELayer does, through one helper
+    assert "tokens_in" in _calls("dist_moe/moe/layer.py") and "tokens_in" in _calls("dist_moe/integrations/context.py")
     for path in ("dist_moe/integrations/megatron_router.py", "dist_moe/integrations/deepspeed.py"):
         assert "context_tokens" in _calls(path) and not _calls(path) & {"tokens_in", "input_problem"}, path
+
+
+def test_every_host_class_is_an_exchanged_moe():
+    from dist_moe.integrations.transformers_hosted import HostedHFExperts
+    from dist_moe.moe.host import ChosenRoutes, ExchangedMoE
+
+    assert issubclass(MoELayer, ExchangedMoE) and issubclass(HostedHFExperts, ChosenRoutes)
+    engines = {"deepspeed_dispatch": ("deepspeed", "layer_class"), "megatron_layer": ("megatron.core", "layer_class"),
+               "transformers": ("transformers.distributed.expert_parallel", "implementation_class")}
+    for module, (engine, factory) in engines.items():
+        if _importable(engine):
+            mod = importlib.import_module(f"dist_moe.integrations.{module}")
+            assert issubclass(getattr(mod, factory)(), ExchangedMoE), module
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def test_both_dispatchers_have_the_contracts_members():

@@ -71,7 +71,9 @@ def _megatron_worker(rank, world):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
 
+    from dist_moe.dispatch.exchange import ExchangeConfig
     from dist_moe.integrations.megatron import MegatronDispatchedMoE, MegatronHostedMoE, megatron_config
+    from dist_moe.moe.layer import MoELayerConfig
     from placement import Placement
 
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
@@ -89,7 +91,7 @@ def _megatron_worker(rank, world):
             return y.float().detach(), x.grad, grads
 
         def alltoall():
-            return MegatronHostedMoE(H, F, dict(ROUTER), world, placement, "alltoall")
+            return MegatronHostedMoE(MoELayerConfig(H, F, dict(ROUTER)), world, placement, dispatcher="alltoall")
 
         megatrons = alltoall()
         _bf16_numbers(megatrons, rank, "local_experts")
@@ -103,8 +105,8 @@ def _megatron_worker(rank, world):
         bf16_run = run(reference, autocast=False)
         layers = {"alltoall": alltoall()}
         for dedup, chunks in (("rank", 1), ("none", 2)):
-            layers[f"dist_moe {dedup} x{chunks}"] = MegatronDispatchedMoE(H, F, dict(ROUTER), world, placement,
-                                                                          dedup=dedup, pipeline_chunks=chunks)
+            layers[f"dist_moe {dedup} x{chunks}"] = MegatronDispatchedMoE(
+                MoELayerConfig(H, F, dict(ROUTER), exchange=ExchangeConfig(dedup, chunks)), world, placement)
         for tag, layer in layers.items():
             layer.load_state_dict(state)
             # the engine's bf16: fp32 weights (Adam's master copy), the forward under autocast (Runtime.compute)

@@ -65,13 +65,14 @@ def _gar_worker(rank, world, host):
 
     from dist_moe.gar.step import gar_train_step
     from dist_moe.integrations.deepspeed import DeepSpeedHostedMoE, init_distributed, load_dist_moe_experts
+    from dist_moe.moe.layer import MoELayerConfig
     from dist_moe.train.steppers import DeepSpeedStepper
     from tests.engine_checks import GAR_HIDDEN, GAR_KW, Record, gar_case
 
     os.environ.setdefault("LOCAL_RANK", str(rank))  # deepspeed.initialize checks it; launchers set it
     init_distributed()
     case = gar_case(rank, world)
-    hosted = case.net(DeepSpeedHostedMoE(GAR_HIDDEN, 8, dict(case.router), world, case.placement))
+    hosted = case.net(DeepSpeedHostedMoE(MoELayerConfig(GAR_HIDDEN, 8, dict(case.router)), world, case.placement))
     case.copy_dense(hosted)
     load_dist_moe_experts(hosted.moe.moe, case.ref.moe.experts)
     if host == "own step":  # GAR's own reduction and step over DeepSpeed-hosted experts
@@ -121,6 +122,7 @@ def test_a_users_own_expert_module_is_hosted_like_deepspeed_moe_does():
     import torch
 
     from dist_moe.integrations.deepspeed import DeepSpeedHostedMoE
+    from dist_moe.moe.layer import MoELayerConfig
     from dist_moe.train.checkpoint import _expert_keys
 
     class Mine(torch.nn.Module):
@@ -132,7 +134,7 @@ def test_a_users_own_expert_module_is_hosted_like_deepspeed_moe_does():
             return torch.tanh(self.fc(x))
 
     torch.manual_seed(0)
-    layer = DeepSpeedHostedMoE(8, None, {"type": "switch", "num_experts": 4, "top_k": 2}, expert=Mine())
+    layer = DeepSpeedHostedMoE(MoELayerConfig(8, None, {"type": "switch", "num_experts": 4, "top_k": 2}), expert=Mine())
     copies = layer._local()
     assert len(copies) == 4 and all(isinstance(c, Mine) for c in copies)
     y, aux = layer(torch.randn(6, 8))

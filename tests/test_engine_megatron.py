@@ -31,7 +31,7 @@ def _equivalence_worker(rank, world, routers, dispatcher):
     try:
         for router in routers:
             ref = reference_layer(router, placement)
-            config = megatron_config(H, F, E, ref.router.top_k, ep_size=world, dispatcher=dispatcher)
+            config = megatron_config(H, F, E, ref.router.top_k, ep_size=world, moe_token_dispatcher_type=dispatcher)
             mg = megatron_moe_layer(config, dict(ROUTERS[router]), placement)
             mg.router.router.load_state_dict(ref.router.state_dict())
             load_dist_moe_experts(mg, ref.experts)
@@ -74,12 +74,14 @@ def _gar_worker(rank, world, dispatcher):
 
     from dist_moe.gar.step import gar_train_step
     from dist_moe.integrations.megatron import MegatronHostedMoE, load_dist_moe_experts
+    from dist_moe.moe.layer import MoELayerConfig
     from tests.engine_checks import GAR_HIDDEN, GAR_KW, Record, gar_case
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=world)
     try:
         case = gar_case(rank, world, even=dispatcher == "allgather")
-        hosted = case.net(MegatronHostedMoE(GAR_HIDDEN, 8, dict(case.router), world, case.placement, dispatcher))
+        hosted = case.net(MegatronHostedMoE(MoELayerConfig(GAR_HIDDEN, 8, dict(case.router)), world, case.placement,
+                                            dispatcher=dispatcher))
         case.copy_dense(hosted)
         load_dist_moe_experts(hosted.moe.moe, case.ref.moe.experts)
         opt = Record(hosted.parameters())

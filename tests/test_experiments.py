@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from dist_moe.data.text_tasks import TextSplit
-from dist_moe.layer import MoELayer
 from dist_moe.models.text import TextMoE
+from dist_moe.moe.layer import MoELayer
 from dist_moe.train.config import load_config
 from experiments import measures, plans, stats, tables
 

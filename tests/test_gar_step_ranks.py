@@ -11,8 +11,8 @@ def _step_worker(rank, world):
     import torch.distributed as dist
 
     from dist_moe.dispatch.stats import all_reduce_sum
-    from dist_moe.layer import MoELayer
     from dist_moe.models.text import TextMoE
+    from dist_moe.moe.layer import MoELayer
     from dist_moe.routing.gar import GARConfig
     from dist_moe.train.run_config import TrainConfig
     from dist_moe.train.training_step import GARStep

@@ -12,6 +12,7 @@ import torch
 
 from dist_moe.cli import main
 from dist_moe.data.local_text import local_split
+from dist_moe.dispatch.exchange import ExchangeConfig
 from dist_moe.integrations.transformers_hosted import HostedHFExperts, host_experts
 from dist_moe.models.hf_model import HFCausalLM, load_model
 from placement import Placement, Topology
@@ -27,7 +28,7 @@ def _data_dir(tmp_path, monkeypatch):
 
 def _hosted(folder: Path):
     model = load_model(folder, 0)
-    hosts = host_experts(model, lambda e: Placement.contiguous(e, 1), Topology.launched(1), None, 0, "rank", 1)
+    hosts = host_experts(model, lambda e: Placement.contiguous(e, 1), Topology.launched(1), None, ExchangeConfig())
     return model, hosts
 
 

@@ -63,8 +63,8 @@ def _deepspeed_rows(rank, plant):
     import torch
     from deepspeed.moe.layer import MoE
 
-    from dist_moe.experts import SingleExpert
     from dist_moe.integrations.deepspeed import deepspeed_moe_layer
+    from dist_moe.moe.experts import SingleExpert
 
     rows = []
     for case, capacity in (("dropless", None), ("capacity 1.25", 1.25)):
@@ -94,7 +94,7 @@ def _megatron_rows(rank, plant):
 
     rows = []
     for dispatcher in ("alltoall", "allgather"):
-        config = megatron_config(H, F, E, 2, WORLD, dispatcher, moe_aux_loss_coeff=0.01)
+        config = megatron_config(H, F, E, 2, WORLD, moe_token_dispatcher_type=dispatcher, moe_aux_loss_coeff=0.01)
         torch.manual_seed(0)
         spec = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)
         theirs = MoELayer(config, submodules=spec.submodules)  # TopKRouter
@@ -127,9 +127,9 @@ def _plant_read():
 
     original = context.context_tokens
 
-    def planted(host, h, extras, valid):
+    def planted(h, *args):
         float(h.sum())
-        return original(host, h, extras, valid)
+        return original(h, *args)
 
     for module in (deepspeed, megatron_router):
         module.context_tokens = planted

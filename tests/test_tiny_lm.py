@@ -85,7 +85,7 @@ def test_expert_parallel_lm_equals_one_process(world, router):
 def test_lm_trains_from_its_config_with_metrics_and_schedules_of_every_layer(tmp_path, monkeypatch):
     import json
 
-    from dist_moe.moe_view import moe_layers
+    from dist_moe.moe.view import moe_layers
     from dist_moe.train.config import load_config
     from dist_moe.train.trainer import train
 

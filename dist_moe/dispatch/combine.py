@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dist_moe.experts import slot_counts
+from dist_moe.moe.experts import slot_counts
 
 
 def row_places(index: Tensor, num_rows: int, per_row: int) -> Tensor:
@@ -72,8 +72,8 @@ def take_rows(x: Tensor, index: Tensor, places: Tensor, per_row: int) -> Tensor:
     return _TakeRows.apply(x, index, places, per_row)
 
 
-def apply_experts_in_order(experts, x: Tensor, pair_row: Tensor, pair_slot: Tensor, pair_gate: Tensor,
-                           per_row: int, row_tags: Tensor | None = None, counts: list[int] | None = None,
+def apply_experts_in_order(experts, x: Tensor, pairs: tuple[Tensor, Tensor, Tensor], per_row: int,
+                           row_tags: Tensor | None = None, counts: list[int] | None = None,
                            places: Tensor | None = None, **weights) -> Tensor:
     """y[r] = sum over pairs p with pair_row[p] == r of gate_p * expert_{slot_p}(x[r]), in fp32.
 
@@ -85,7 +85,9 @@ def apply_experts_in_order(experts, x: Tensor, pair_row: Tensor, pair_slot: Tens
     a loop gets ``counts`` (pairs per slot, known to the dispatcher from its exchange header), which
     saves the one host read sizing its slices takes. ``row_tags`` [rows of x] are handed to a
     tagging capture (GAR observations); ``weights=``, when given, to the experts (``Experts.forward``).
+    ``pairs``: (pair_row, pair_slot, pair_gate), one entry per pair.
     """
+    pair_row, pair_slot, pair_gate = pairs
     order = torch.argsort(pair_slot, stable=True)
     rows = pair_row[order]
     places = (row_places(pair_row, x.shape[0], per_row) if places is None else places)[order]

@@ -13,6 +13,9 @@ from typing import Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
+from dist_moe.dispatch.moe_forward import Tokens
+from dist_moe.routing.base import Routing
+
 
 class ExpertsContract(Protocol):
     """Rows grouped by local expert in, one output row per input row out."""
@@ -43,11 +46,10 @@ class Dispatcher(Protocol):
     rank: int
     metadata_bytes: int
 
-    def __call__(self, h: Tensor, expert_idx: Tensor, gates: Tensor, experts: ExpertsContract,
-                 copy_meta: Tensor | None = None, row_tags: Tensor | None = None, tag: int | None = None,
-                 problem: Tensor | None = None, chunks: int = 1,
-                 side: nn.Module | None = None) -> Tensor | tuple[Tensor, Tensor]:
-        """h [T, H], expert_idx / gates [T, K] (-1: dropped) -> y [T, H], or (y, side(h))."""
+    def __call__(self, tokens: Tokens, routing: Routing, experts: ExpertsContract, chunks: int = 1,
+                 shared: nn.Module | None = None) -> tuple[Tensor, Tensor | None]:
+        """``tokens.h`` [T, H], ``routing.expert_idx`` / ``routing.gates`` [T, K] (-1: dropped) ->
+        (y [T, H], ``shared(h)`` or None)."""
         ...
 
     @property

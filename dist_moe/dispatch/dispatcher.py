@@ -36,9 +36,11 @@ from torch import Tensor, nn
 from dist_moe.dispatch.all_to_all import Chunk, plan_hops
 from dist_moe.dispatch.combine import apply_experts_in_order, take_rows
 from dist_moe.dispatch.groups import WeakGroup, free_import_time_defaults
+from dist_moe.dispatch.moe_forward import Tokens
 from dist_moe.dispatch.pipeline import PipelineRun, chunk_bounds, run_pipeline
 from dist_moe.dispatch.stages import stage
-from dist_moe.experts import Experts, apply_experts
+from dist_moe.moe.experts import Experts, apply_experts
+from dist_moe.routing.base import Routing
 from placement import Placement, Topology, Traffic
 from placement.plan import DispatchPlan, Exchange, check_dedup
 
@@ -82,9 +84,9 @@ class LocalDispatcher:
         self.placement = placement  # its slot table maps expert ids to this rank's slots
         self.fixed_order = fixed_order
 
-    def __call__(self, h: Tensor, expert_idx: Tensor, gates: Tensor, experts, copy_meta: Tensor | None = None,
-                 row_tags: Tensor | None = None, tag: int | None = None, problem: Tensor | None = None,
-                 chunks: int = 1, side: nn.Module | None = None):
+    def __call__(self, tokens: Tokens, routing: Routing, experts, chunks: int = 1,
+                 shared: nn.Module | None = None) -> tuple[Tensor, Tensor | None]:
+        h, expert_idx, gates, row_tags = tokens.h, routing.expert_idx, routing.gates, tokens.row_tags
         t, k = expert_idx.shape
         if experts.grouped(h):  # grouped experts size their groups on the device: no host read in the local forward
             token, expert, gate = every_slot_pairs(expert_idx, gates)
@@ -95,11 +97,10 @@ class LocalDispatcher:
         slot = self.placement.slot_table(h.device)[expert]
         with stage("experts"):
             if self.fixed_order:  # a token's k outputs summed in its routing's slot order (place t * k + j)
-                y = apply_experts_in_order(experts, h, token, slot, gate, k, row_tags, places=place)
+                y = apply_experts_in_order(experts, h, (token, slot, gate), k, row_tags, places=place)
             else:  # index_add: with atomics on a GPU
                 y = apply_experts(experts, h, token, slot, gate, row_tags)
-        y = y.to(h.dtype)  # accumulated in fp32
-        return y if side is None else (y, side(h))
+        return y.to(h.dtype), None if shared is None else shared(h)  # y accumulated in fp32
 
     @property
     def traffic(self) -> Tensor:
@@ -216,22 +217,24 @@ class ExpertParallelDispatcher:
             self.rank_of, self.slot_of = self.placement.rank_table(device), self.placement.slot_table(device)
         return self.rank_of, self.slot_of
 
-    def __call__(self, h: Tensor, expert_idx: Tensor, gates: Tensor, experts: Experts,
-                 copy_meta: Tensor | None = None, row_tags: Tensor | None = None, tag: int | None = None,
-                 problem: Tensor | None = None, chunks: int = 1, side: nn.Module | None = None):
-        """h [T, H] this rank's tokens -> y [T, H] sum of gated expert outputs per token.
+    def __call__(self, tokens: Tokens, routing: Routing, experts: Experts, chunks: int = 1,
+                 shared: nn.Module | None = None) -> tuple[Tensor, Tensor | None]:
+        """``tokens.h`` [T, H] this rank's tokens -> (y [T, H] sum of gated expert outputs per token,
+        ``shared(h)`` or None).
 
-        ``copy_meta`` [T] or [T, C] integers travel with each copy (categories);
-        ``row_tags`` [T] too, and reach the experts' capture at the destination.
-        ``tag`` (the caller's forward count; default: this dispatcher's call count) and
-        ``problem`` (``agree.input_problem``) ride with the split sizes: a problem on any rank,
+        ``tokens.copy_meta`` [T] or [T, C] integers travel with each copy (categories);
+        ``tokens.row_tags`` [T] too, and reach the experts' capture at the destination.
+        ``tokens.tag`` (the caller's forward count; None: this dispatcher's call count) and
+        ``tokens.problem`` (``agree.input_problem``) ride with the split sizes: a problem on any rank,
         or ranks at different tags, raise on every rank before a token moves (``agree.py``).
         ``chunks`` > 1 pipelines the exchanges by token (``pipeline.py``; every rank of the group
-        must pass the same number); ``side`` (the shared expert) runs on h while the first chunks
-        are in flight, and is then returned as well: (y, side(h)).
+        must pass the same number); ``shared`` (the shared experts) runs on h while the first chunks
+        are in flight.
         """
+        h, expert_idx, gates = tokens.h, routing.expert_idx, routing.gates
+        copy_meta, row_tags, problem = tokens.copy_meta, tokens.row_tags, tokens.problem
         self.calls += 1
-        tag = self.calls if tag is None else tag
+        tag = self.calls if tokens.tag is None else tokens.tag
         rank_of, slot_of = self._index_tensors(h.device)
         t, k = expert_idx.shape
         parts = [(m.unsqueeze(1) if m.dim() == 1 else m).long() for m in (copy_meta, row_tags) if m is not None]
@@ -249,12 +252,9 @@ class ExpertParallelDispatcher:
             self._record(first, 0, row_bytes, 8 * meta.shape[1])
         # node dedup's stage 2 is planned from the pairs stage 1 delivers: while its payload crosses
         second = (lambda: self._second_stage(first, tag, row_bytes)) if self.dedup == "node" else None
-        params: list[Tensor] = [p for p in experts.template().values() if p.requires_grad]
-        side_params: list[Tensor] = [] if side is None else [p for p in side.parameters() if p.requires_grad]
-        run = PipelineRun(first, second, experts, slot_of, row_tags is not None, side, params, side_params, k,
-                          self.fixed_order)
-        y, side_y = run_pipeline(run, h, gates)
-        return y if side is None else (y, side_y)
+        run = PipelineRun(first, second, experts, slot_of, row_tags is not None, shared, k, self.fixed_order)
+        y, shared_y = run_pipeline(run, h, gates)
+        return y, None if shared is None else shared_y
 
     def _second_stage(self, first: list, tag: int, row_bytes: int) -> list:
         """Node dedup's stage 2 on the gateway: one copy per destination rank inside this node."""

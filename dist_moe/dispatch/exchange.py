@@ -1,13 +1,6 @@
-"""The exchange stage every MoE forward shares: its tokens to their experts and back, and the agreement
-its route stage runs inside. Each host's forward reads as its stages (``MoELayer``, DeepSpeed's and
-Megatron's layers through dist-moe's dispatcher):
-
-    tokens = self.tokens(x, ...)
-    with self.exchange.agreement(router):
-        with stage("route"):
-            routing = self.route(tokens)
-        y, shared = self.exchange.run(tokens, routing, experts, shared=...)
-    self.record(tokens, routing)
+"""The exchange stage every MoE forward shares: its tokens to their experts and back (``ExpertExchange``,
+built from an ``ExchangeConfig``), and the agreement its route stage runs inside. The staged forward
+that uses it is ``dist_moe/moe/host.py``.
 
 Agreement (``agree.py``): with an exchanging dispatcher the ranks agree on bad input and on being at
 the same forward in the header of the first exchange; ranks beyond the exchange that route their own
@@ -18,41 +11,77 @@ buffers. Alone (a local dispatcher, no wider group) the router checks its own in
 from __future__ import annotations
 
 import contextlib
+import datetime
+from dataclasses import dataclass
 
 from torch import Tensor, nn
 
 from dist_moe.dispatch.agree import agree, agreed_routing
 from dist_moe.dispatch.contract import Dispatcher, ExpertsContract
+from dist_moe.dispatch.dispatcher import make_dispatcher
+from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.dispatch.moe_forward import Tokens
+from dist_moe.dispatch.pipeline import check_chunks
+from dist_moe.routing.base import Routing
+from placement import Placement, Topology
+from placement.plan import check_dedup
+
+
+@dataclass(frozen=True)
+class ExchangeConfig:
+    """How one layer's tokens reach their experts through dist-moe's dispatcher.
+
+    ``dedup``: each token once per destination rank, once per destination node, or once per expert
+    (none). ``pipeline_chunks`` C > 1 cuts each rank's tokens into C chunks whose exchanges are in
+    flight while the experts run others (the same C on every rank). ``deterministic`` sums each
+    token's expert outputs, and the gradient rows of its copies, in a fixed order instead of with
+    index_add, whose atomics on a GPU add them in any order: a rerun repeats bit for bit, for an extra
+    pass over the [T * K, H] rows. ``timeout`` bounds the collectives of the groups the exchange
+    creates (node dedup's per-node groups; the main group's is set where it was created)."""
+
+    dedup: str = "rank"
+    pipeline_chunks: int = 1
+    deterministic: bool = False
+    timeout: datetime.timedelta | None = None
+
+    def __post_init__(self):
+        check_dedup(self.dedup)
+        check_chunks(self.pipeline_chunks)
+
+    def build(self, group, placement: Placement, topology: Topology, agree_group=None,
+              what: str = "this MoE layer") -> ExpertExchange:
+        """The exchange over ``group`` (None: every expert on this rank, nothing exchanged)."""
+        dispatcher = make_dispatcher(group, placement, topology, self.dedup, self.timeout, self.deterministic)
+        return ExpertExchange(dispatcher, self.pipeline_chunks, agree_group, what)
 
 
 class ExpertExchange:
-    """One layer's dispatcher as its forward's exchange stage (``what`` names the layer in refusals)."""
+    """One layer's dispatcher as its forward's exchange stage (``what`` names the layer in refusals).
+    ``chunks`` may change between forwards (``train/chunk_tuning.py``), the same on every rank."""
 
-    def __init__(self, dispatcher: Dispatcher, agree_group=None, what: str = "this MoE layer"):
-        self.dispatcher, self.agree_group, self.what = dispatcher, agree_group, what
+    agree_group = WeakGroup()  # held weakly: torch.distributed owns the group (groups.py)
+
+    def __init__(self, dispatcher: Dispatcher | None, chunks: int = 1, agree_group=None,
+                 what: str = "this MoE layer"):
+        self.dispatcher, self.chunks, self.what = dispatcher, check_chunks(chunks), what
+        self.agree_group = agree_group
 
     @property
     def agreed(self) -> bool:
         """Whether the route stage runs inside the agreement (anything beyond this process takes part)."""
-        return self.dispatcher.exchanges or self.agree_group is not None
+        return self.dispatcher is not None and self.dispatcher.exchanges or self.agree_group is not None
 
     def agreement(self, router) -> contextlib.AbstractContextManager:
         """The context the route and exchange stages run in: ``agreed_routing`` when ranks agree."""
         return agreed_routing(router) if self.agreed else contextlib.nullcontext()
 
-    def run(self, tokens: Tokens, routing, experts: ExpertsContract, *, chunks: int = 1,
-            shared: nn.Module | None = None, copy_meta: Tensor | None = None,
-            row_tags: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    def run(self, tokens: Tokens, routing: Routing, experts: ExpertsContract,
+            shared: nn.Module | None = None) -> tuple[Tensor, Tensor | None]:
         """(y [T, H] the gated experts' outputs summed per token, ``shared(h)`` or None). ``shared`` (the
-        shared experts) runs while the first chunks are in flight; ``copy_meta`` travels with each copy,
-        ``row_tags`` reach the experts' capture."""
+        shared experts) runs while the first chunks are in flight."""
+        if self.dispatcher is None:
+            raise ValueError(f"{self.what} has no expert-parallel group to exchange over yet")
         if self.agree_group is not None:  # ranks beyond the exchange: one small all-reduce first
+            assert tokens.problem is not None and tokens.tag is not None  # tokens_in sets both
             agree(tokens.problem, tokens.tag, self.agree_group, self.what)
-        out = self.dispatcher(tokens.h, routing.expert_idx, routing.gates, experts, copy_meta=copy_meta,
-                              row_tags=row_tags, tag=tokens.tag, problem=tokens.problem, chunks=chunks, side=shared)
-        if shared is None:
-            assert isinstance(out, Tensor)  # the dispatcher returns (y, shared(h)) only when given shared
-            return out, None
-        y, side = out
-        return y, side
+        return self.dispatcher(tokens, routing, experts, self.chunks, shared)

@@ -27,7 +27,7 @@ from torch.autograd.function import once_differentiable
 from dist_moe.dispatch.all_to_all import Hop, Pending, pairs_back
 from dist_moe.dispatch.combine import apply_experts_in_order, row_places, sum_rows
 from dist_moe.dispatch.stages import stage
-from dist_moe.experts import Experts, apply_experts, compute_dtype
+from dist_moe.moe.experts import Experts, apply_experts, compute_dtype
 
 # Every chunk is one more exchange per stage and direction, each with its latency: far below this
 # the overlap has stopped paying, and a bound keeps per-chunk lists (bounds, hops, saved graphs) small
@@ -57,16 +57,17 @@ def chunk_bounds(tokens: int, chunks: int) -> list[tuple[int, int]]:
 class PipelineRun:
     """One forward's hops and the per-chunk graphs its backward needs."""
 
-    def __init__(self, first: list[Hop], second, experts: Experts, slot_of: Tensor,
-                 tagged: bool, side: nn.Module | None, params: list[Tensor], side_params: list[Tensor],
-                 top_k: int = 1, fixed_order: bool = False):
+    def __init__(self, first: list[Hop], second, experts: Experts, slot_of: Tensor, tagged: bool,
+                 side: nn.Module | None, top_k: int = 1, fixed_order: bool = False):
         """``second``: node dedup's stage-2 hops, or what plans them (called once stage 1's payload has
         left), or None. ``fixed_order``: every sum of rows (a copy's pairs, a token's copies, their gradients) in a
         fixed order (``combine.py``), each row taking at most ``top_k``, instead of with index_add."""
         self.first, self.second = first, second
         self.top_k, self.fixed_order = top_k, fixed_order
         self.experts, self.slot_of, self.tagged, self.side = experts, slot_of, tagged, side
-        self.params, self.side_params = params, side_params
+        # the trainable tensors the backward returns gradients for
+        self.params: list[Tensor] = [p for p in experts.template().values() if p.requires_grad]
+        self.side_params: list[Tensor] = [] if side is None else [p for p in side.parameters() if p.requires_grad]
         self.train = False
         self.leaves: list[Tensor] = []  # per forward: the weights every chunk runs on (see ``_weights``)
         self.saved: list[Tensor] = []  # (h, side output) if a side; then per chunk (copies, gates, expert output)
@@ -148,7 +149,7 @@ class PipelineRun:
         with torch.set_grad_enabled(self.train), stage("experts"):
             slot = self.slot_of[hop.pair_expert]
             if self.fixed_order:  # a copy takes at most top_k pairs
-                y = apply_experts_in_order(self.experts, x, hop.pair_copy, slot, gate, self.top_k, tags,
+                y = apply_experts_in_order(self.experts, x, (hop.pair_copy, slot, gate), self.top_k, tags,
                                            counts=hop.expert_counts, **self.weights)
             else:
                 y = apply_experts(self.experts, x, hop.pair_copy, slot, gate, tags, counts=hop.expert_counts,

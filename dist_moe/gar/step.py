@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from dist_moe.dispatch.grads import all_finite, clip_global, group_size, sum_replicated_grads
 from dist_moe.dispatch.stats import all_reduce_sum_
 from dist_moe.gar.observe import Observations, collect_observations
-from dist_moe.routing.gar import gar_loss, gar_loss_gram
+from dist_moe.routing.gar import GARConfig, gar_loss, gar_loss_gram
 
 
 def equal_task_weights(tasks: Sequence[int], sizes: Sequence[int]) -> list[float]:
@@ -65,14 +65,9 @@ def gar_train_step(
     loss_fn: Callable[[nn.Module, Any], Tensor],
     optimizer: torch.optim.Optimizer,
     weights: Sequence[float],
-    lam: float,
-    eps: float = 1e-8,
-    max_grad_norm: float | None = 1.0,
-    mode: str = "materialized",
     sizes: Sequence[int] | None = None,
-    unit: str = "group",
     finish: Callable[[list, set, Any], None] | None = None,
-    share: float | None = None,
+    **settings,
 ) -> dict:
     """One GAR update (Algorithm 1).
 
@@ -81,17 +76,22 @@ def gar_train_step(
     L_task = sum_m weights[m] l_m (see ``equal_task_weights``). Under expert
     parallelism also pass ``sizes`` (this rank's examples per group); the step then
     sums replicated parameters' gradients over the group and clips by the norm of
-    every parameter on every rank. ``unit`` picks the observation unit ("group",
-    "example", "token"); ``mode`` the materialized or the Gram form. ``finish(params,
-    rank_local_ids, group)``, when given, replaces the gradient sum, clip and
-    ``optimizer.step()`` (an engine that owns them, e.g. DeepSpeed). ``share`` replaces
-    ``lam`` by the lambda that gives GAR that share of the router's gradient (``share_lambda``).
+    every parameter on every rank. ``finish(params, rank_local_ids, group)``, when given,
+    replaces the gradient sum, clip and ``optimizer.step()`` (an engine that owns them,
+    e.g. DeepSpeed). ``settings``: ``max_grad_norm`` (default 1.0; None: no clip) and GAR's
+    own, as ``gar=GARConfig(...)`` or its fields: ``lam``, ``eps``, ``unit`` (the observation
+    unit: "group", "example", "token"), ``mode`` (the materialized or the Gram form) and
+    ``share`` (instead of ``lam``, the lambda that gives GAR that share of the router's
+    gradient: ``share_lambda``).
     Returns the losses, lambda, the gradient norm and ``stepped``: False when a loss or a gradient
     was not finite on some rank, in which case no rank updated a parameter.
     """
+    max_grad_norm = settings.pop("max_grad_norm", 1.0)
+    gar = settings.pop("gar", None) or GARConfig(**settings)
+    lam, share = gar.lam, gar.share
     optimizer.zero_grad(set_to_none=True)
-    obs = collect_observations(model, groups, loss_fn, weights, mode, sizes, unit)
-    aux = gar_objective(obs, eps)
+    obs = collect_observations(model, groups, loss_fn, weights, gar.mode, sizes, gar.unit)
+    aux = gar_objective(obs, gar.eps)
     world = group_size(obs.group)
     if share is not None:
         lam = share_lambda(aux, obs, share) if aux.requires_grad else 0.0

@@ -54,10 +54,7 @@ def routing_extras(num_tokens: int, layout: tuple | None = None, layout_name: st
     return extras
 
 
-def context_tokens(host, h: Tensor, extras: dict, valid: Tensor | None) -> Tokens:
+def context_tokens(h: Tensor, extras: dict, valid: Tensor | None, tag: int, num_categories: int | None) -> Tokens:
     """The tokens an engine-hosted router routes: ``h`` [T, H] with the categories / token ids its
-    ``routing_context`` gave (``extras``), ``valid`` False for padding. Counts the host's forward (the
-    exchanges' tag) and keeps its router input for GAR's recomputation."""
-    host.last_router_input, host.last_router_extras = h.detach(), extras
-    host.forwards += 1
-    return tokens_in(h, host.forwards, host.router, extras.get("categories"), extras.get("token_ids"), valid)
+    ``routing_context`` gave (``extras``), ``valid`` False for padding, tagged with its host's forward."""
+    return tokens_in(h, tag, num_categories, extras.get("categories"), extras.get("token_ids"), valid)

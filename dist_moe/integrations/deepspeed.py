@@ -46,19 +46,20 @@ from dist_moe.dispatch.agree import agree, agreed_routing
 from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.dispatch.moe_forward import Tokens
 from dist_moe.dispatch.process_group import shutdown
-from dist_moe.experts import SingleExpert
 from dist_moe.integrations import deepspeed_patches
 from dist_moe.integrations.context import context_tokens, routing_extras
 from dist_moe.integrations.deepspeed_dispatch import per_expert, use_dist_moe_dispatcher
 from dist_moe.integrations.hosted import DispatchedHost, HostedMoE
-from dist_moe.layer import bind_to_topology
-from dist_moe.moe_view import MoEView
+from dist_moe.moe.experts import SingleExpert
+from dist_moe.moe.host import bind_to_topology
+from dist_moe.moe.layer import MoELayerConfig
+from dist_moe.moe.view import MoEView
 from dist_moe.optional_engines import engine_import
 from dist_moe.routing import Router, build_router
 from dist_moe.routing.capacity import apply_capacity, capacity_for, check_one_capacity, slot_positions
 from dist_moe.routing.registry import RouterConfig, router_config
 from dist_moe.seeding import fork_rng
-from placement import Placement
+from placement import Placement, Topology
 
 
 def deepspeed_capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float,
@@ -131,10 +132,11 @@ class DistMoEGate(nn.Module):
         if use_tutel or not sparse_routes:
             raise ValueError("DistMoEGate returns sparse routes only (use_tutel=False)")
         e = self.router.num_experts
+        self.forwards += 1
         # bad input is agreed on by every EP rank (one all-reduce that also agrees on the capacity):
         # a rank that raised alone would pair its next batch with its peers' current one
         with agreed_routing(self.router):
-            tokens = self.tokens(x, used_token)
+            tokens = self.tokens(x, used_token, self.forwards)
             routing = self.route(tokens)
             idx, gates = routing.expert_idx, routing.gates
             # capped: DeepSpeed's rule, from the largest token count; dropless: the fullest expert on any rank
@@ -153,15 +155,15 @@ class DistMoEGate(nn.Module):
         physical = torch.where(routed, self.physical_slot.to(idx.device)[idx.clamp_min(0)], -1)
         locations = torch.where(routed, slot_positions(idx, e), 0)
         exp_counts = per_expert(physical, e)
-        self._record(physical, capacity, x)
-        self.last_routing = routing.detached()
+        self._count(physical, capacity, x)
+        self.record(tokens, routing)
         return self.unscaled_aux(routing.aux_loss), capacity, e, physical.t(), locations.t(), gates.t(), exp_counts
 
-    def tokens(self, x: Tensor, used_token: Tensor | None = None) -> Tokens:
-        """Count this forward; ``x`` [S, M] with categories / token ids from ``routing_context`` and
-        tokens whose ``used_token`` is 0 out of the router's statistics."""
+    def tokens(self, x: Tensor, used_token: Tensor | None, tag: int) -> Tokens:
+        """``x`` [S, M] with categories / token ids from ``routing_context`` and tokens whose
+        ``used_token`` is 0 out of the router's statistics, tagged with their host's forward."""
         used = None if used_token is None else used_token.reshape(-1) > 0
-        return context_tokens(self, x, routing_extras(x.shape[0]), used)
+        return context_tokens(x, routing_extras(x.shape[0]), used, tag, self.router.num_categories)
 
     def route(self, tokens: Tokens):
         """The strategy's routing (logical expert ids); unused tokens routed nowhere."""
@@ -172,6 +174,11 @@ class DistMoEGate(nn.Module):
             routing.gates = torch.where(used, routing.gates, torch.zeros_like(routing.gates))
         return routing
 
+    def record(self, tokens: Tokens, routing) -> None:
+        """This forward's routing and router input (GAR's recomputation reads them)."""
+        self.last_router_input, self.last_router_extras = tokens.h.detach(), tokens.extras
+        self.last_routing = routing.detached()
+
     def unscaled_aux(self, aux: Tensor) -> Tensor:
         """DeepSpeed's convention: a gate returns l_aux without its coefficient and the training loop
         writes ``loss + coeff * l_aux``. dist-moe's strategies scale theirs (``aux_loss_coeff``), so it
@@ -179,7 +186,7 @@ class DistMoEGate(nn.Module):
         coeff = self.router.aux_loss_coeff
         return aux / coeff if coeff else aux
 
-    def _record(self, physical: Tensor, capacity: int, x: Tensor) -> None:
+    def _count(self, physical: Tensor, capacity: int, x: Tensor) -> None:
         row = x.shape[1] * x.element_size()
         per_rank = self.router.num_experts // self.ep_size
         remote = (physical >= 0) & (physical // per_rank != self._ep_rank())
@@ -249,22 +256,25 @@ def shutdown_distributed() -> None:
 
 
 class DeepSpeedHostedMoE(HostedMoE):
-    """dist-moe's layer interface over a DeepSpeed-hosted MoE: ``(y, aux) = layer(x, categories, token_ids)``.
+    """dist-moe's layer interface over a DeepSpeed-hosted MoE: ``(y, aux) = layer(x, categories, token_ids)``,
+    built from an ``MoELayerConfig`` (its exchange settings unused: DeepSpeed's all-to-all moves the
+    tokens; ``DeepSpeedDispatchedMoE`` moves them with dist-moe's dispatcher).
 
     Needs ``deepspeed.init_distributed`` (``init_distributed`` here) first when ``ep_size > 1``.
     """
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int | None, router: Router | dict, ep_size: int = 1,
-                 placement: Placement | None = None, capacity_factor: float | None = None,
-                 expert_type: str = "swiglu", *, expert: nn.Module | None = None, min_capacity: int = 8,
-                 topology=None, dispatcher: str = "deepspeed", dedup: str = "rank", pipeline_chunks: int = 1,
-                 timeout=None, **expert_kwargs):
+    dispatcher_kind = "deepspeed"  # deepspeed_moe_layer's dispatcher
+
+    def __init__(self, config: MoELayerConfig, ep_size: int = 1, placement: Placement | None = None,
+                 topology: Topology | None = None, *, expert: nn.Module | None = None, min_capacity: int = 8):
         super().__init__()
-        self.hidden_size = hidden_size
-        self.moe = deepspeed_moe_layer(hidden_size, ffn_hidden_size, router, ep_size, placement, capacity_factor,
-                                       expert_type, expert=expert, min_capacity=min_capacity, topology=topology,
-                                       dispatcher=dispatcher, dedup=dedup, pipeline_chunks=pipeline_chunks,
-                                       timeout=timeout, **expert_kwargs)
+        self.hidden_size = hidden_size = config.hidden_size
+        exchange = config.exchange
+        self.moe = deepspeed_moe_layer(hidden_size, config.ffn_hidden_size, config.router, ep_size, placement,
+                                       config.capacity_factor, config.expert_type, expert=expert,
+                                       min_capacity=min_capacity, topology=topology, dispatcher=self.dispatcher_kind,
+                                       dedup=exchange.dedup, pipeline_chunks=exchange.pipeline_chunks,
+                                       timeout=exchange.timeout, **config.expert_options)
         self._know_nodes(self.gate.placement, topology)
         rank = 0
         if torch.distributed.is_initialized():
@@ -277,8 +287,8 @@ class DeepSpeedHostedMoE(HostedMoE):
             with fork_rng():
                 torch.manual_seed(torch.initial_seed() + 1 + rank)
                 for copy in self._local():
-                    copy.load_state_dict(SingleExpert(hidden_size, ffn_hidden_size, expert_type,
-                                                      **expert_kwargs).state_dict())
+                    copy.load_state_dict(SingleExpert(hidden_size, config.ffn_hidden_size, config.expert_type,
+                                                      **config.expert_options).state_dict())
 
     def _local(self) -> list:
         return list(self.moe.deepspeed_moe.experts.deepspeed_experts)
@@ -326,12 +336,11 @@ class DeepSpeedHostedMoE(HostedMoE):
 
 
 class DeepSpeedDispatchedMoE(DispatchedHost, DeepSpeedHostedMoE):
-    """``DeepSpeedHostedMoE`` with ``dispatcher="dist_moe"`` (the trainer's ``engine: deepspeed`` with
-    ``parallel.dispatcher: dist_moe``): the layer measures its bytes (``traffic``) as
-    dist-moe's own MoELayer does."""
+    """``DeepSpeedHostedMoE`` whose tokens move through dist-moe's dispatcher as the config's ``exchange``
+    says (the trainer's ``engine: deepspeed`` with ``parallel.dispatcher: dist_moe``): the layer measures
+    its bytes (``traffic``) as dist-moe's own MoELayer does."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, dispatcher="dist_moe", **kwargs)
+    dispatcher_kind = "dist_moe"
 
     @property
     def dispatched(self):

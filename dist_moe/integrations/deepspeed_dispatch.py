@@ -20,19 +20,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dist_moe.dispatch.dispatcher import CountsTraffic, LocalDispatcher, make_dispatcher
-from dist_moe.dispatch.exchange import ExpertExchange
+from dist_moe.dispatch.dispatcher import CountsTraffic
+from dist_moe.dispatch.exchange import ExchangeConfig, ExpertExchange
 from dist_moe.dispatch.moe_forward import Tokens
-from dist_moe.dispatch.pipeline import check_chunks
-from dist_moe.dispatch.stages import stage
-from dist_moe.experts import SingleExpert, compute_dtype, grouped_ok, offsets
 from dist_moe.integrations import deepspeed_patches
 from dist_moe.integrations.stacked import grouped_mm, stack_in_place, stacked_alias, stacked_view
-from dist_moe.layer import bind_to_topology
+from dist_moe.moe.experts import SingleExpert, compute_dtype, grouped_ok, offsets
+from dist_moe.moe.host import ExchangedMoE, bind_to_topology
 from dist_moe.optional_engines import engine_import
 from dist_moe.routing import Routing
 from placement import Topology
-from placement.plan import check_dedup
 
 
 @runtime_checkable
@@ -41,7 +38,7 @@ class TokenGate(Protocol):
 
     capacity_factor: float | None
 
-    def tokens(self, x: Tensor, used_token: Tensor | None = None) -> Tokens: ...
+    def tokens(self, x: Tensor, used_token: Tensor | None, tag: int) -> Tokens: ...
 
     def route(self, tokens: Tokens) -> Routing: ...
 
@@ -118,16 +115,19 @@ def layer_class():
     deepspeed_patches.apply()
     MOELayer = engine_import("deepspeed.moe.sharded_moe", "MOELayer")
 
-    class DistMoEDispatchedMOELayer(CountsTraffic, MOELayer):
-        """DeepSpeed's MOELayer whose tokens travel through dist-moe's dispatcher."""
+    class DistMoEDispatchedMOELayer(ExchangedMoE, CountsTraffic, MOELayer):
+        """DeepSpeed's MOELayer whose tokens travel through dist-moe's dispatcher: its stages are the
+        gate's (``DistMoEGate.tokens`` / ``route`` / ``record``)."""
 
-        def configure(self, dedup: str, pipeline_chunks: int, topology: Topology | None, timeout=None) -> None:
-            self.dedup, self.pipeline_chunks, self.timeout = dedup, pipeline_chunks, timeout
+        def configure(self, exchange: ExchangeConfig, topology: Topology | None) -> None:
+            self.exchange_config, self.dedup = exchange, exchange.dedup
             self.topology_given = topology
             self.topology = topology if topology is not None else Topology.flat(self.ep_size)
             self.placement = self.gate.placement
-            # one EP rank: every expert is here; more: made once DeepSpeed names the group (_set_ep_group)
-            self.dispatcher = LocalDispatcher(self.placement) if self.ep_size == 1 else None
+            # one EP rank: every expert is here; more: its dispatcher once DeepSpeed names the group
+            local = self.ep_size == 1
+            self.exchange = (exchange.build(None, self.placement, self.topology, what="DistMoEGate") if local
+                             else ExpertExchange(None, exchange.pipeline_chunks, what="DistMoEGate"))
             self.routed_experts = DeepSpeedExperts(self.experts)
 
         def _set_ep_group(self, ep_group) -> None:
@@ -135,42 +135,52 @@ def layer_class():
             if self.ep_size > 1:
                 if self.topology_given is None:
                     self.topology = Topology.launched(self.ep_size)
-                self.dispatcher = make_dispatcher(ep_group, self.placement, self.topology, self.dedup, self.timeout)
+                chunks = self.exchange.chunks  # what chunk tuning may have set already
+                self.exchange = self.exchange_config.build(ep_group, self.placement, self.topology, what="DistMoEGate")
+                self.exchange.chunks = chunks
 
         def _apply(self, fn, *args, **kwargs):
             out = super()._apply(fn, *args, **kwargs)  # .to / .bfloat16(): a storage per parameter
             self.routed_experts.restack()
             return out
 
-        def forward(self, *input: Tensor, **kwargs) -> Tensor:
-            x, used_token = input[0], (input[1] if len(input) > 1 else None)
-            if self.dispatcher is None:
-                raise ValueError("the dist_moe dispatcher has no expert-parallel group yet: call "
-                                 "set_deepspeed_parallelism() (deepspeed.initialize does)")
+        @property
+        def strategy(self):
+            return self.gate.router
+
+        def tokens(self, x: Tensor, used_token: Tensor | None) -> Tokens:
+            return self.gate.tokens(x.reshape(-1, x.shape[-1]), used_token, self.forwards)
+
+        def route(self, tokens: Tokens) -> Routing:
+            return self.gate.route(tokens)
+
+        def record(self, tokens: Tokens, routing: Routing) -> None:
             gate = self.gate  # a DistMoEGate
-            tokens = gate.tokens(x.reshape(-1, x.shape[-1]), used_token)
-            exchange = ExpertExchange(self.dispatcher, what="DistMoEGate")
-            with exchange.agreement(gate.router):
-                with stage("route"):
-                    routing = gate.route(tokens)
-                y, _ = exchange.run(tokens, routing, self.routed_experts, chunks=self.pipeline_chunks)
-            gate.last_routing = routing.detached()
+            gate.record(tokens, routing)
             self.l_aux = gate.unscaled_aux(routing.aux_loss)
             idx = routing.expert_idx  # counted by DeepSpeed's physical slot, as its gates count
             physical = torch.where(idx >= 0, gate.physical_slot.to(idx.device)[idx.clamp_min(0)], -1)
             self.exp_counts = per_expert(physical, gate.router.num_experts)
+
+        def forward(self, *input: Tensor, **kwargs) -> Tensor:
+            x, used_token = input[0], (input[1] if len(input) > 1 else None)
+            if self.exchange.dispatcher is None:
+                raise ValueError("the dist_moe dispatcher has no expert-parallel group yet: call "
+                                 "set_deepspeed_parallelism() (deepspeed.initialize does)")
+            y, _ = self.run_stages(x, used_token)
             return y.reshape(x.shape)
 
     return DistMoEDispatchedMOELayer
 
 
 def use_dist_moe_dispatcher(moe, dedup: str = "rank", pipeline_chunks: int = 1, topology: Topology | None = None,
-                            timeout=None):
+                            timeout=None, exchange: ExchangeConfig | None = None):
     """Let a ``deepspeed.moe.layer.MoE`` whose gate is a ``DistMoEGate`` exchange through dist-moe's
     dispatcher (before or after ``set_deepspeed_parallelism()`` / ``deepspeed.initialize``). ``topology``:
-    the EP ranks' (None: the launch's); ``timeout`` (a timedelta) bounds node dedup's groups. Returns ``moe``."""
-    check_dedup(dedup)
-    check_chunks(pipeline_chunks)
+    the EP ranks' (None: the launch's); ``timeout`` (a timedelta) bounds node dedup's groups; ``exchange``
+    gives all of these settings at once instead (an ``ExchangeConfig``). Returns ``moe``."""
+    if exchange is None:
+        exchange = ExchangeConfig(dedup, pipeline_chunks, timeout=timeout)
     old = moe.deepspeed_moe
     if not isinstance(old.gate, TokenGate):
         raise ValueError(f"the dist_moe dispatcher routes with a DistMoEGate, got {type(old.gate).__name__}")
@@ -181,7 +191,7 @@ def use_dist_moe_dispatcher(moe, dedup: str = "rank", pipeline_chunks: int = 1, 
 
         bind_to_topology(old.gate.router, old.gate.placement, topology)
     layer = layer_class()(old.gate, old.experts, old.ep_group_name, old.ep_size, old.num_local_experts)
-    layer.configure(dedup, pipeline_chunks, topology, timeout)
+    layer.configure(exchange, topology)
     if old.ep_group is not None:  # DeepSpeed named the group already
         layer._set_ep_group(old.ep_group)
     moe.deepspeed_moe = layer

@@ -13,8 +13,8 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from dist_moe.integrations.context import routing_context
-from dist_moe.layer import per_token
-from dist_moe.moe_view import expert_locations
+from dist_moe.moe.host import per_token
+from dist_moe.moe.view import expert_locations
 
 
 class HostedMoE(nn.Module):

@@ -20,7 +20,8 @@ from dist_moe.integrations.hosted import DispatchedHost, HostedMoE
 from dist_moe.integrations.megatron_layer import dist_moe_mlp_spec, megatron_dist_moe_layer
 from dist_moe.integrations.megatron_patches import DISPATCHERS
 from dist_moe.integrations.megatron_router import DistMoERouter, aux_coefficient
-from dist_moe.moe_view import MoEView
+from dist_moe.moe.layer import MoELayerConfig
+from dist_moe.moe.view import MoEView
 from dist_moe.optional_engines import engine_import
 from dist_moe.routing import Router
 from dist_moe.routing.registry import RouterConfig, router_shape
@@ -32,10 +33,12 @@ __all__ = ["DISPATCHERS", "DistMoERouter", "MegatronDispatchedMoE", "MegatronHos
 
 
 def megatron_config(hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, ep_size: int = 1,
-                    dispatcher: str = "alltoall", expert_type: str = "swiglu", device: torch.device | None = None,
-                    **overrides):
+                    expert_type: str = "swiglu", device: torch.device | None = None, **overrides):
     """A TransformerConfig for one MoE layer whose experts compute dist-moe's expert math
-    (``top_k`` is the strategy's: Megatron sizes its dropless buffers with it)."""
+    (``top_k`` is the strategy's: Megatron sizes its dropless buffers with it); ``overrides``: any of
+    TransformerConfig's fields, e.g. ``moe_token_dispatcher_type`` (Megatron's dispatcher, alltoall by
+    default)."""
+    dispatcher = overrides.get("moe_token_dispatcher_type", "alltoall")
     if dispatcher not in DISPATCHERS:
         raise ValueError(f"dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
     if expert_type not in ("swiglu", "gelu"):
@@ -119,21 +122,25 @@ class MegatronHostedMoE(HostedMoE):
     its gradient twice. Needs ``parallel_state.initialize_model_parallel`` first.
     """
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, router: RouterConfig | dict, ep_size: int = 1,
-                 placement: Placement | None = None, dispatcher: str = "alltoall", expert_type: str = "swiglu",
-                 device: torch.device | None = None, topology=None):
+    def __init__(self, config: MoELayerConfig, ep_size: int = 1, placement: Placement | None = None,
+                 topology: Topology | None = None, *, dispatcher: str = "alltoall", device: torch.device | None = None):
+        """``config``'s capacity_factor and shared experts are refused (Megatron's layer here is dropless,
+        without shared experts); ``dispatcher``: Megatron's own (alltoall, allgather)."""
         super().__init__()
-        shape = router_shape(router, ("hidden_size",))  # the router itself is built once, by Megatron
-        config = megatron_config(hidden_size, ffn_hidden_size, shape.num_experts, shape.top_k, ep_size,
-                                 dispatcher, expert_type, device,
-                                 moe_aux_loss_coeff=shape.aux_loss_coeff)  # Megatron's place for it
-        self.hidden_size = hidden_size
-        self.moe = self._layer(config, router, placement, topology)
+        if config.capacity_factor is not None or config.shared_expert_hidden:
+            raise ValueError("MegatronHostedMoE is dropless without shared experts: capacity_factor None and "
+                             "shared_expert_hidden 0")
+        shape = router_shape(config.router, ("hidden_size",))  # the router itself is built once, by Megatron
+        mc = megatron_config(config.hidden_size, config.ffn_hidden_size, shape.num_experts, shape.top_k, ep_size,
+                             config.expert_type, device, moe_token_dispatcher_type=dispatcher,
+                             moe_aux_loss_coeff=shape.aux_loss_coeff)  # Megatron's place for it
+        self.hidden_size = config.hidden_size
+        self.moe = self._layer(mc, config, placement, topology)
         self._know_nodes(self.moe.router.placement, topology)
 
-    def _layer(self, config, router: RouterConfig | dict, placement, topology):
-        """Megatron's MoELayer with its own token dispatcher (``config.moe_token_dispatcher_type``)."""
-        return megatron_moe_layer(config, router, placement, topology=topology)
+    def _layer(self, mc, config: MoELayerConfig, placement, topology):
+        """Megatron's MoELayer with its own token dispatcher (``mc.moe_token_dispatcher_type``)."""
+        return megatron_moe_layer(mc, config.router, placement, topology=topology)
 
     @property
     def router(self) -> Router:
@@ -169,19 +176,14 @@ class MegatronHostedMoE(HostedMoE):
 
 class MegatronDispatchedMoE(DispatchedHost, MegatronHostedMoE):
     """``MegatronHostedMoE`` over ``dist_moe_mlp_spec``'s layer (the trainer's ``engine: megatron`` with
-    ``parallel.dispatcher: dist_moe``): dist-moe's dispatcher moves the tokens, so the layer
-    has dedup, pipeline chunks and measured bytes, as dist-moe's own MoELayer does."""
+    ``parallel.dispatcher: dist_moe``): dist-moe's dispatcher moves the tokens as the config's
+    ``exchange`` says, so the layer has dedup, pipeline chunks and measured bytes, as dist-moe's own
+    MoELayer does."""
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, router: RouterConfig | dict, ep_size: int = 1,
-                 placement: Placement | None = None, expert_type: str = "swiglu", device=None,
-                 topology: Topology | None = None, dedup: str = "rank", pipeline_chunks: int = 1, timeout=None):
-        self._dispatch = (dedup, pipeline_chunks, timeout)
-        super().__init__(hidden_size, ffn_hidden_size, router, ep_size, placement, "alltoall", expert_type, device,
-                         topology)
-
-    def _layer(self, config, router: RouterConfig | dict, placement, topology):
-        dedup, chunks, timeout = self._dispatch
-        return megatron_dist_moe_layer(config, router, dedup, chunks, placement, topology, timeout=timeout)
+    def _layer(self, mc, config: MoELayerConfig, placement, topology):
+        exchange = config.exchange
+        return megatron_dist_moe_layer(mc, config.router, exchange.dedup, exchange.pipeline_chunks, placement,
+                                       topology, timeout=exchange.timeout)
 
     @property
     def dispatched(self):

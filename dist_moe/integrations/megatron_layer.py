@@ -23,19 +23,18 @@ import functools
 import torch
 from torch import Tensor
 
-from dist_moe.dispatch.dispatcher import CountsTraffic, make_dispatcher
-from dist_moe.dispatch.exchange import ExpertExchange
-from dist_moe.dispatch.pipeline import check_chunks
-from dist_moe.dispatch.stages import stage
-from dist_moe.experts import compute_dtype, grouped_ok, offsets
+from dist_moe.dispatch.dispatcher import CountsTraffic
+from dist_moe.dispatch.exchange import ExchangeConfig
+from dist_moe.dispatch.moe_forward import Tokens
 from dist_moe.integrations import megatron_patches
 from dist_moe.integrations.megatron_router import DistMoERouter
 from dist_moe.integrations.stacked import grouped_mm, stack_in_place, stacked_alias, stacked_view
-from dist_moe.layer import bind_to_topology
+from dist_moe.moe.experts import compute_dtype, grouped_ok, offsets
+from dist_moe.moe.host import ExchangedMoE, bind_to_topology
 from dist_moe.optional_engines import engine_import
+from dist_moe.routing.base import Routing
 from dist_moe.routing.registry import RouterConfig
 from placement import Placement, Topology
-from placement.plan import check_dedup
 
 
 class MegatronExperts:
@@ -127,13 +126,14 @@ def layer_class():
     megatron_patches.apply()
     MoELayer = engine_import("megatron.core.transformer.moe.moe_layer", "MoELayer")
 
-    class DistMoEMoELayer(CountsTraffic, MoELayer):
-        """Megatron's MoELayer whose tokens travel through dist-moe's dispatcher."""
+    class DistMoEMoELayer(ExchangedMoE, CountsTraffic, MoELayer):
+        """Megatron's MoELayer whose tokens travel through dist-moe's dispatcher: its stages are the
+        router's (``DistMoERouter.prepare`` / ``routed`` / ``record``; ``route`` here replaces Megatron's,
+        which only Megatron's own forward calls)."""
 
         def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *,
-                     dedup: str = "rank", pipeline_chunks: int = 1, topology: Topology | None = None, timeout=None):
-            check_dedup(dedup)
-            check_chunks(pipeline_chunks)
+                     exchange: ExchangeConfig | None = None, topology: Topology | None = None):
+            exchange = exchange if exchange is not None else ExchangeConfig()
             _check_config(config)
             super().__init__(config, submodules, layer_number, pg_collection)
             if not isinstance(self.router, DistMoERouter):
@@ -149,16 +149,33 @@ def layer_class():
                                  f"expert-parallel group {world}")
             self.placement: Placement = self.router.placement
             bind_to_topology(self.router.router, self.placement, self.topology)
-            self.dedup, self.pipeline_chunks = dedup, pipeline_chunks
-            self.dispatcher = make_dispatcher(self.ep_group, self.placement, self.topology, dedup, timeout)
+            self.dedup = exchange.dedup
+            # ranks that route different tokens beyond this EP group (data parallelism) agree too
             agree_group = self.router.agree_group
-            self.agree_wider = agree_group is not None and agree_group.size() > world
+            wider = agree_group if agree_group is not None and agree_group.size() > world else None
+            self.exchange = exchange.build(self.ep_group, self.placement, self.topology, wider, "DistMoERouter")
             self.routed_experts = MegatronExperts(self.experts)
 
         def _apply(self, fn, *args, **kwargs):
             out = super()._apply(fn, *args, **kwargs)  # .to / .bfloat16(): a storage per parameter
             self.routed_experts.restack()
             return out
+
+        @property
+        def strategy(self):
+            return self.router.router
+
+        def shared(self):
+            return self.shared_experts if self.use_shared_expert else None
+
+        def tokens(self, hidden_states: Tensor, padding_mask: Tensor | None) -> Tokens:
+            return self.router.prepare(hidden_states, padding_mask, self.forwards)
+
+        def route(self, tokens: Tokens) -> Routing:  # type: ignore[override]
+            return self.router.routed(tokens)
+
+        def record(self, tokens: Tokens, routing: Routing) -> None:
+            self.router.record(tokens, routing)  # the tracked aux loss and last routing: once the forward went on
 
         def forward(self, hidden_states: Tensor, intermediate_tensors=None, padding_mask: Tensor | None = None):
             """hidden [S, B, H], padding_mask [B, S] (True at padding) -> (output [S, B, H], None)."""
@@ -169,20 +186,8 @@ def layer_class():
             if self.training and self.attn_tp_group.size() > 1 and not self.config.sequence_parallel:
                 raise ValueError("MoE with tensor parallelism needs sequence_parallel in training (as Megatron's "
                                  "MoELayer requires)")
-            router = self.router
-            tokens = router.prepare(hidden_states, padding_mask)
-            side = self.shared_experts if self.use_shared_expert else None
-            # ranks that route different tokens beyond this EP group (data parallelism) agree too
-            exchange = ExpertExchange(self.dispatcher, router.agree_group if self.agree_wider else None,
-                                      "DistMoERouter")
-            with exchange.agreement(router.router):
-                with stage("route"):
-                    routing = router.routed(tokens)
-                y, shared = exchange.run(tokens, routing, self.routed_experts, chunks=self.pipeline_chunks,
-                                         shared=side)
-            router.record(routing)  # the tracked aux loss and last routing: only once the forward goes on
-            out = y if shared is None else y + shared
-            return out.reshape(hidden_states.shape), None
+            y, _ = self.run_stages(hidden_states, padding_mask)
+            return y.reshape(hidden_states.shape), None
 
     return DistMoEMoELayer
 
@@ -216,7 +221,6 @@ def dist_moe_mlp_spec(router: RouterConfig | dict, dedup: str = "rank", pipeline
     MoESubmodules = engine_import("megatron.core.transformer.moe.moe_layer", "MoESubmodules")
     ModuleSpec = engine_import("megatron.core.transformer.spec_utils", "ModuleSpec")
 
-    check_dedup(dedup)
     if not isinstance(router, (dict, RouterConfig)):
         raise ValueError(f"router must be a config (built per layer), got {type(router).__name__}")
     if base is None:
@@ -228,8 +232,8 @@ def dist_moe_mlp_spec(router: RouterConfig | dict, dedup: str = "rank", pipeline
     submodules = MoESubmodules(experts=sub.experts, shared_experts=sub.shared_experts,
                                router=functools.partial(DistMoERouter, router=router, placement=placement))
     return ModuleSpec(module=layer_class(), submodules=submodules,
-                      params={"dedup": dedup, "pipeline_chunks": pipeline_chunks, "topology": topology,
-                              "timeout": timeout})
+                      params={"exchange": ExchangeConfig(dedup, pipeline_chunks, timeout=timeout),
+                              "topology": topology})
 
 
 def megatron_dist_moe_layer(config, router: RouterConfig | dict, dedup: str = "rank", pipeline_chunks: int = 1,

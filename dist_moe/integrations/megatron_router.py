@@ -33,7 +33,7 @@ from dist_moe.dispatch.moe_forward import Tokens
 from dist_moe.dispatch.stages import stage
 from dist_moe.integrations import megatron_patches
 from dist_moe.integrations.context import context_tokens, routing_extras
-from dist_moe.layer import bind_to_topology
+from dist_moe.moe.host import bind_to_topology
 from dist_moe.optional_engines import engine_import
 from dist_moe.routing import ROUTERS as ROUTER_TYPES
 from dist_moe.routing import Router, build_router
@@ -97,25 +97,26 @@ class DistMoERouter(nn.Module):
             raise ValueError(f"router capacity_factor={self.router.capacity_factor}: Megatron's dropless dispatch "
                              "needs every token routed to top_k experts; use Megatron's moe_expert_capacity_factor "
                              "for capacity, not the router's")
-        tokens = self.prepare(hidden, padding_mask)
+        self.forwards += 1
+        tokens = self.prepare(hidden, padding_mask, self.forwards)
         # Megatron's own exchange follows: one small all-reduce agrees first (None: this process alone), as a
         # rank that raised alone would leave Megatron's collective order
         with agreed_routing(self.router):
             with stage("route"):
                 routing = self.routed(tokens)
             agree(tokens.problem, tokens.tag, self.agree_group, "DistMoERouter")
-        self.record(routing)
+        self.record(tokens, routing)
         probs = routing.dense_gates()  # [T, E], gates at the selected experts (the aux loss rides on them)
         routing_map = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, routing.expert_idx, True)
         return probs[:, self.logical_at], routing_map[:, self.logical_at]
 
-    def prepare(self, hidden: Tensor, padding_mask: Tensor | None) -> Tokens:
-        """Count this forward and flatten its tokens ([S, B] order; categories / token ids from
-        ``routing_context``; padding out of the statistics)."""
+    def prepare(self, hidden: Tensor, padding_mask: Tensor | None, tag: int) -> Tokens:
+        """This forward's tokens, flat ([S, B] order; categories / token ids from ``routing_context``;
+        padding out of the statistics), tagged with its host's forward count."""
         h = hidden.reshape(-1, hidden.shape[-1])
         extras = routing_extras(h.shape[0], tuple(hidden.shape[:-1]), "[S, B]")
         valid = None if padding_mask is None else ~padding_mask.reshape(-1).bool()  # padding: out of statistics
-        return context_tokens(self, h, extras, valid)
+        return context_tokens(h, extras, valid, tag, self.router.num_categories)
 
     def routed(self, tokens: Tokens):
         """The strategy's ``Routing`` (logical expert ids) with padding's gates at zero and the aux loss
@@ -130,9 +131,11 @@ class DistMoERouter(nn.Module):
         routing.gates = self._attach_aux(routing.gates, aux)
         return routing
 
-    def record(self, routing) -> None:
+    def record(self, tokens: Tokens, routing) -> None:
         """Once the ranks agreed and the forward goes on: the aux loss, unscaled, into Megatron's
-        per-layer tracker (what ``track_moe_metrics`` logs), and this forward's routing."""
+        per-layer tracker (what ``track_moe_metrics`` logs), this forward's routing and its router input
+        (GAR's recomputation)."""
+        self.last_router_input, self.last_router_extras = tokens.h.detach(), tokens.extras
         coeff = self.router.aux_loss_coeff
         if coeff:
             layers = self.config.num_layers + (getattr(self.config, "mtp_num_layers", None) or 0)

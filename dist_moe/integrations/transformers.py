@@ -27,14 +27,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dist_moe.dispatch.agree import input_problem
-from dist_moe.dispatch.dispatcher import make_dispatcher
-from dist_moe.dispatch.pipeline import check_chunks
-from dist_moe.experts import compute_dtype, grouped_ok, offsets
+from dist_moe.dispatch.exchange import ExchangeConfig
 from dist_moe.integrations.stacked import grouped_mm
+from dist_moe.moe.experts import compute_dtype, grouped_ok, offsets
+from dist_moe.moe.host import ChosenRouter, ChosenRoutes
 from dist_moe.optional_engines import engine_import
 from placement import Placement, Topology, Traffic
-from placement.plan import check_dedup
 
 NAME = "dist_moe"  # the ep_implementation a DistributedConfig names
 
@@ -56,8 +54,7 @@ def use(dedup: str = "rank", pipeline_chunks: int = 1, topology: Topology | None
     """Register the ``"dist_moe"`` EP implementation with these settings; models loaded afterwards with
     ``DistributedConfig(..., ep_implementation="dist_moe")`` exchange their tokens through dist-moe."""
     global _settings
-    check_dedup(dedup)
-    check_chunks(pipeline_chunks)
+    ExchangeConfig(dedup, pipeline_chunks)  # checks both
     if topology is not None and not isinstance(topology, Topology):
         raise ValueError(f"topology must be a placement.Topology or None, got {type(topology).__name__}")
     if timeout is not None and not isinstance(timeout, datetime.timedelta):
@@ -182,7 +179,7 @@ def implementation_class():
     """``DistMoEEP``, transformers' ``EPImplementation`` subclass (built on first use)."""
     EPImplementation = engine_import("transformers.distributed.expert_parallel", "EPImplementation")
 
-    class DistMoEEP(EPImplementation):
+    class DistMoEEP(ChosenRoutes, EPImplementation):
         """transformers' plug-in point for how tokens reach the experts, filled with dist-moe's dispatcher."""
 
         def __init__(self, experts, ep_mesh, tp_mesh):
@@ -199,18 +196,16 @@ def implementation_class():
             if self.topology.world_size != world:
                 raise ValueError(f"topology {self.topology.describe()} has {self.topology.world_size} ranks, the "
                                  f"expert-parallel mesh {world}")
-            self.placement = contiguous_placement(settings.placement, self.num_local_experts * world, self.topology)
-            self.dedup, self.pipeline_chunks = settings.dedup, settings.pipeline_chunks
-            self.dispatcher = make_dispatcher(ep_mesh.get_group(), self.placement, self.topology, settings.dedup,
-                                              settings.timeout)
+            self.num_experts = self.num_local_experts * world
+            self.placement = contiguous_placement(settings.placement, self.num_experts, self.topology)
+            self.dedup = settings.dedup
+            exchange = ExchangeConfig(settings.dedup, settings.pipeline_chunks, timeout=settings.timeout)
+            self.exchange = exchange.build(ep_mesh.get_group(), self.placement, self.topology)
+            self.router = ChosenRouter(type(experts).__name__, self.num_experts)
             self.routed_experts = StackedExperts(experts, self.experts_forward)
-            self.forwards = 0  # the tag every EP rank agrees on (dist_moe/dispatch/agree.py)
             experts._dist_moe_ep = self  # where traffic(model) finds it
 
         def __call__(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-            self.forwards += 1
-            return self.dispatcher(hidden_states, top_k_index, top_k_weights, self.routed_experts,
-                                   tag=self.forwards, problem=input_problem(hidden_states),
-                                   chunks=self.pipeline_chunks)
+            return self.run_stages(hidden_states, top_k_index, top_k_weights)[0]
 
     return DistMoEEP

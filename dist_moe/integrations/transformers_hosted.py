@@ -16,38 +16,29 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dist_moe.dispatch.agree import input_problem
-from dist_moe.dispatch.dispatcher import CountsTraffic, make_dispatcher
+from dist_moe.dispatch.dispatcher import CountsTraffic
+from dist_moe.dispatch.exchange import ExchangeConfig
+from dist_moe.dispatch.moe_forward import Tokens
 from dist_moe.dispatch.stats import all_gather_rows
 from dist_moe.integrations.transformers import StackedExperts
-from dist_moe.moe_view import MoEView, expert_locations
-from dist_moe.routing.base import Routing, expert_load
+from dist_moe.moe.host import ChosenRouter, ChosenRoutes
+from dist_moe.moe.view import MoEView, expert_locations
+from dist_moe.routing.base import Routing
 from placement import Placement, Topology
 
 
-class ModelsRouter:
-    """The model's own router as the trainer sees a dist-moe router: nothing scheduled, no extra
-    inputs (its parameters train with the rest of the model)."""
-
-    scheduled = False
-    inputs: tuple = ()
-
-    def __init__(self, gate: nn.Module, num_experts: int):
-        self.name = type(gate).__name__
-        self.num_experts = num_experts
-
-
-class HostedHFExperts(CountsTraffic, nn.Module):
+class HostedHFExperts(ChosenRoutes, CountsTraffic, nn.Module):
     """One MoE block's experts: this rank's rows of the stacked expert tensors, behind dist-moe's
     dispatcher. ``forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K])`` as the
     experts module it replaces."""
 
     def __init__(self, experts: nn.Module, gate: nn.Module, placement: Placement, topology: Topology, group,
-                 rank: int, dedup: str = "rank", pipeline_chunks: int = 1, timeout=None, fixed_order: bool = False):
+                 exchange: ExchangeConfig):
         super().__init__()
         self.num_experts = experts.num_experts
         self.hidden_size = _hidden_size(experts)
-        self.local_expert_ids = placement.local_experts(rank)
+        self.rank = torch.distributed.get_rank(group) if placement.world_size > 1 else 0
+        self.local_expert_ids = placement.local_experts(self.rank)
         rows = torch.tensor(self.local_expert_ids, dtype=torch.long)
         self.expert_slots = []  # names of the stacked [E, ...] tensors, cut to this rank's rows
         with torch.no_grad():
@@ -65,24 +56,18 @@ class HostedHFExperts(CountsTraffic, nn.Module):
         # the original module computes (its gate layout, activation); not a submodule: its tensors are ours
         object.__setattr__(self, "_hf_experts", experts)
         self.routed_experts = StackedExperts(experts, experts.forward)
-        self.router = ModelsRouter(gate, self.num_experts)
-        self.placement, self.topology, self.dedup, self.pipeline_chunks = placement, topology, dedup, pipeline_chunks
-        self.group, self.rank = group, rank
-        self.dispatcher = make_dispatcher(group, placement, topology, dedup, timeout, fixed_order)
+        self.router = ChosenRouter(type(gate).__name__, self.num_experts)
+        self.placement, self.topology, self.dedup, self.group = placement, topology, exchange.dedup, group
+        self.exchange = exchange.build(group, placement, topology)
         self.expert_node, self.expert_rank = expert_locations(placement, topology)
         self.last_routing = None
-        self.forwards = 0  # the tag every rank agrees on (dist_moe/dispatch/agree.py)
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        self.forwards += 1
-        idx = top_k_index.long()
-        gates = top_k_weights.detach().float()
-        dense = gates.new_zeros(idx.shape[0], self.num_experts).scatter(1, idx, gates)
-        # the model's router keeps its full distribution to itself: its chosen weights stand for it
-        load = expert_load(idx, self.num_experts)
-        self.last_routing = Routing(dense, idx, gates, gates.new_zeros(()), {"load": load})
-        return self.dispatcher(hidden_states, idx, top_k_weights, self.routed_experts, tag=self.forwards,
-                               problem=input_problem(hidden_states), chunks=self.pipeline_chunks)
+        return self.run_stages(hidden_states, top_k_index, top_k_weights)[0]
+
+    def record(self, tokens: Tokens, routing: Routing) -> None:
+        self.last_routing = Routing(routing.probs, routing.expert_idx, routing.gates.detach().float(),
+                                    routing.aux_loss, routing.stats)
 
     # what the trainer, metrics and checkpoints ask of every MoE layer (moe_view.MoEHost)
 
@@ -141,15 +126,14 @@ def _stacked(experts: nn.Module) -> bool:
             and down.dim() == 3 and down.shape[0] == experts.num_experts)
 
 
-def host_experts(model: nn.Module, placement_of, topology: Topology, group, rank: int, dedup: str,
-                 pipeline_chunks: int, timeout=None, fixed_order: bool = False) -> list[HostedHFExperts]:
+def host_experts(model: nn.Module, placement_of, topology: Topology, group,
+                 exchange: ExchangeConfig) -> list[HostedHFExperts]:
     """Replace every MoE block's experts in ``model`` with a ``HostedHFExperts`` (``placement_of(E)``
-    gives each block's placement; ``fixed_order``: the dispatcher's, for deterministic runs); returns
-    them in module order."""
+    gives each block's placement); returns them in module order."""
     hosts = []
     for block, gate in moe_blocks(model):
         host = HostedHFExperts(block.experts, gate, placement_of(block.experts.num_experts), topology, group,
-                               rank, dedup, pipeline_chunks, timeout, fixed_order)
+                               exchange)
         block.experts = host
         hosts.append(host)
     return hosts

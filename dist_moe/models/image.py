@@ -13,12 +13,12 @@ from dist_moe.models.tabular import TabularMoE
 
 
 class ImageMoE(TabularMoE):
-    def __init__(self, num_features: int, num_classes: int, router: dict, d_model: int = 64, **kwargs):
+    def __init__(self, num_features: int, num_classes: int, moe, d_model: int = 64, **kwargs):
         if num_features != 28 * 28:
             raise ValueError(f"ImageMoE takes 28 x 28 images (784 features), got {num_features}")
         if not d_model:
             raise ValueError("ImageMoE needs model.d_model > 0 (the stem's output width)")
-        super().__init__(num_features, num_classes, router, d_model=d_model, **kwargs)
+        super().__init__(num_features, num_classes, moe, d_model=d_model, **kwargs)
         self.input = nn.Sequential(
             nn.Unflatten(1, (1, 28, 28)),
             nn.Conv2d(1, 16, 3, stride=2, padding=1), nn.ReLU(),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dist_moe.layer import MoELayer
+from dist_moe.moe.layer import MoELayer
 
 
 class MoERegressor(nn.Module):

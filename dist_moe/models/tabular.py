@@ -12,27 +12,17 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from dist_moe.layer import MoELayer
+from dist_moe.moe.layer import MoELayerConfig
 from dist_moe.routing.hashing import hash_rows
 
 
 class TabularMoE(nn.Module):
-    def __init__(
-        self,
-        num_features: int,
-        num_classes: int,
-        router: dict,
-        ffn_hidden_size: int = 32,
-        d_model: int = 0,
-        capacity_factor: float | None = None,
-        expert_type: str = "swiglu",
-        post_norm: bool = False,
-        class_category: Tensor | None = None,
-        label_mask: bool = False,
-        moe: nn.Module | None = None,
-    ):
-        """``moe``: an engine-hosted layer with MoELayer's interface (``dist_moe.train.engines``);
-        by default a local MoELayer built from ``router``."""
+    def __init__(self, num_features: int, num_classes: int, moe: nn.Module | MoELayerConfig | dict,
+                 d_model: int = 0, post_norm: bool = False, class_category: Tensor | None = None,
+                 label_mask: bool = False):
+        """``moe``: the MoE layer (an engine-hosted one with MoELayer's interface, ``dist_moe.train.engines``),
+        its ``MoELayerConfig`` (built here, locally), or a router config (a local MoELayer with 32-wide
+        SwiGLU experts, dropless)."""
         super().__init__()
         if label_mask and class_category is None:
             raise ValueError("model.label_mask needs categories: set data.categories")
@@ -40,8 +30,11 @@ class TabularMoE(nn.Module):
         self.register_buffer("class_category", class_category, persistent=False)
         hidden = d_model or num_features
         self.input = nn.Linear(num_features, d_model) if d_model else nn.Identity()
-        if moe is None:
-            moe = MoELayer(hidden, ffn_hidden_size, router, capacity_factor=capacity_factor, expert_type=expert_type)
+        if not isinstance(moe, nn.Module):
+            config = moe if isinstance(moe, MoELayerConfig) else MoELayerConfig(hidden, 32, moe)
+            if config.hidden_size != hidden:
+                raise ValueError(f"the MoE layer's hidden_size {config.hidden_size} != the model's {hidden}")
+            moe = config.build()
         self.moe = moe
         self.norm = nn.LayerNorm(hidden) if post_norm else nn.Identity()
         self.head = nn.Linear(hidden, num_classes)

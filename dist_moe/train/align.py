@@ -17,8 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from dist_moe.dispatch.stats import all_reduce_sum
-from dist_moe.layer import MoELayer
-from dist_moe.moe_view import moe_layers
+from dist_moe.moe.layer import MoELayer
+from dist_moe.moe.view import moe_layers
 
 
 @contextlib.contextmanager

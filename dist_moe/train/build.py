@@ -8,11 +8,12 @@ from dist_moe.data.corpus import lm_split
 from dist_moe.data.local_text import is_local, local_split
 from dist_moe.data.tabular import tabular_split
 from dist_moe.data.text_tasks import text_split
-from dist_moe.experts import expert_parameters
 from dist_moe.models import TabularMoE
 from dist_moe.models.image import ImageMoE
 from dist_moe.models.text import TextMoE
 from dist_moe.models.tiny_lm import VOCAB, TinyMoELM
+from dist_moe.moe.experts import expert_parameters
+from dist_moe.moe.layer import MoELayerConfig
 from dist_moe.routing.registry import RouterKeyError
 from dist_moe.train.build_hf import hf_data_and_model
 from dist_moe.train.rank_memory import available_per_rank
@@ -72,8 +73,7 @@ def _data_and_model(cfg, rt):
             data = lm_split(dcfg.seq_len, dcfg.per_domain, dcfg.val_fraction, seed, dcfg.categories)
         check_model_fits(cfg, rt.world)
         router = categorised_router(cfg, data)
-        build = lambda i: rt.build_moe(mcfg.d_model, mcfg.ffn_hidden_size, router,  # noqa: E731
-                                       mcfg.capacity_factor, mcfg.expert_type)
+        build = lambda i: rt.build_moe(layer_config(mcfg, mcfg.d_model, router))  # noqa: E731
         model = TinyMoELM(build, mcfg.d_model, mcfg.layers, mcfg.heads, max_len=dcfg.seq_len)
         model.class_category = None  # categories come from the data, not from classes
         return data, model
@@ -83,17 +83,20 @@ def _data_and_model(cfg, rt):
         data = text_split(dcfg.per_domain, dcfg.seq_len, dcfg.val_fraction, seed)
         check_model_fits(cfg, rt.world, classes=sum(data.task_classes))
         router = categorised_router(cfg, data)
-        moe = rt.build_moe(TEXT_HIDDEN, mcfg.ffn_hidden_size, router, mcfg.capacity_factor, mcfg.expert_type)
+        moe = rt.build_moe(layer_config(mcfg, TEXT_HIDDEN, router))
         return data, TextMoE(moe, data.task_classes)
     data = tabular_split(dcfg.name, dcfg.val_fraction, seed, dcfg.max_rows, dcfg.categories)
     router = categorised_router(cfg, data)
     features = data.x_train.shape[1]
     check_model_fits(cfg, rt.world, features, data.num_classes)
-    moe = rt.build_moe(mcfg.d_model or features, mcfg.ffn_hidden_size, router, mcfg.capacity_factor,
-                       mcfg.expert_type)
+    moe = rt.build_moe(layer_config(mcfg, mcfg.d_model or features, router))
     model_cls = ImageMoE if kind == "image" else TabularMoE
-    return data, model_cls(features, data.num_classes, router, class_category=data.class_category, moe=moe,
-                           **mcfg.block_keys())
+    return data, model_cls(features, data.num_classes, moe, class_category=data.class_category, **mcfg.block_keys())
+
+
+def layer_config(mcfg, hidden: int, router) -> MoELayerConfig:
+    """The MoE layer of the config's ``model`` section (``router``: the run's ``RouterConfig``)."""
+    return MoELayerConfig(hidden, mcfg.ffn_hidden_size, router, mcfg.capacity_factor, expert_type=mcfg.expert_type)
 
 
 def training_bytes(cfg, world: int, features: int = 0, classes: int = 0) -> int:

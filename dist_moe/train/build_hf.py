@@ -2,7 +2,6 @@
 sharded over the launched world and dispatched by dist-moe."""
 from __future__ import annotations
 
-import datetime
 import sys
 
 from dist_moe.data.local_text import is_local, local_split
@@ -44,8 +43,7 @@ def hf_data_and_model(cfg, rt):
     if rt.is_main and not has_weights(folder):
         print(f"dist-moe: model.path={str(folder)!r} holds no weights: training starts from random ones (seed "
               f"{cfg.seed})", file=sys.stderr)
-    host_experts(hf, rt.placement, rt.topology(), rt.group if rt.world > 1 else None, rt.rank, cfg.parallel.dedup,
-                 cfg.parallel.start_chunks, datetime.timedelta(seconds=rt.timeout_s), rt.deterministic)
+    host_experts(hf, rt.placement, rt.topology(), rt.moe_group, rt.exchange)
     return data, HFCausalLM(hf, folder)
 
 

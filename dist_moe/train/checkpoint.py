@@ -39,7 +39,7 @@ from torch import nn
 from dist_moe.dispatch.agree import agree_on_errors
 from dist_moe.dispatch.process_group import barrier
 from dist_moe.errors import first_line
-from dist_moe.moe_view import MoEHost
+from dist_moe.moe.view import MoEHost
 from dist_moe.train.checkpoint_files import (
     CONFIG,
     MANIFEST,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+from dataclasses import replace
 
 from torch import nn
 
@@ -34,7 +35,7 @@ from dist_moe.integrations.deepspeed import DeepSpeedDispatchedMoE, DeepSpeedHos
 from dist_moe.integrations.deepspeed_patches import release_groups
 from dist_moe.integrations.megatron import MegatronDispatchedMoE, MegatronHostedMoE
 from dist_moe.integrations.megatron_patches import DISPATCHERS, release_parallel_state
-from dist_moe.layer import MoELayer
+from dist_moe.moe.layer import MoELayerConfig
 from dist_moe.optional_engines import engine_import
 from dist_moe.train.steppers import DeepSpeedStepper, LocalStepper
 
@@ -83,9 +84,9 @@ class Engine:
     def after_group(self, rt) -> None:
         """What needs the process group (``rt``: the ``Runtime``)."""
 
-    def build_moe(self, rt, hidden: int, ffn: int, router, capacity_factor, expert_type: str,
-                  placement) -> nn.Module:
-        """One MoE layer (``router``: the run's ``RouterConfig``; ``rt.parallel``: its ``ParallelConfig``)."""
+    def build_moe(self, rt, config: MoELayerConfig) -> nn.Module:
+        """One MoE layer of ``config`` over the runtime ``rt``'s group, its experts placed by
+        ``parallel.placement`` and exchanged as ``rt.exchange`` says where dist-moe's dispatcher moves them."""
         raise NotImplementedError
 
     def stepper(self, rt, model: nn.Module, lr: float, max_grad_norm, micro_batch: int):
@@ -104,12 +105,9 @@ class TorchEngine(Engine):
     def dispatches(parallel):
         return True
 
-    def build_moe(self, rt, hidden, ffn, router, capacity_factor, expert_type, placement):
-        return MoELayer(hidden, ffn, router, placement=placement, topology=rt.topology(),
-                        group=rt.group if rt.world > 1 else None, dedup=rt.parallel.dedup,
-                        timeout=datetime.timedelta(seconds=rt.timeout_s), capacity_factor=capacity_factor,
-                        expert_type=expert_type, pipeline_chunks=rt.parallel.start_chunks,
-                        deterministic=rt.deterministic)
+    def build_moe(self, rt, config):
+        return replace(config, exchange=rt.exchange).build(rt.moe_group, rt.placement(config.num_experts),
+                                                            rt.topology())
 
 
 class DeepSpeedEngine(Engine):
@@ -125,16 +123,12 @@ class DeepSpeedEngine(Engine):
     def before_group(self, timeout_s, device):
         init_distributed(timeout_s, device)
 
-    def build_moe(self, rt, hidden, ffn, router, capacity_factor, expert_type, placement):
+    def build_moe(self, rt, config):
+        placement = rt.placement(config.num_experts)
         if self.dispatches(rt.parallel):  # DeepSpeed's MoE module and experts, dist-moe's dispatcher (dropless)
-
-            return DeepSpeedDispatchedMoE(hidden, ffn, router, rt.world, placement, None, expert_type,
-                                          topology=rt.topology(), dedup=rt.parallel.dedup,
-                                          pipeline_chunks=rt.parallel.start_chunks,
-                                          timeout=datetime.timedelta(seconds=rt.timeout_s))
-
-        return DeepSpeedHostedMoE(hidden, ffn, router, rt.world, placement, capacity_factor, expert_type,
-                                  min_capacity=4, topology=rt.topology())  # min: deepspeed MoE's default
+            config = replace(config, capacity_factor=None, exchange=replace(rt.exchange, deterministic=False))
+            return DeepSpeedDispatchedMoE(config, rt.world, placement, rt.topology())
+        return DeepSpeedHostedMoE(config, rt.world, placement, rt.topology(), min_capacity=4)  # min: MoE's default
 
     def stepper(self, rt, model, lr, max_grad_norm, micro_batch):
         return DeepSpeedStepper(model, lr, max_grad_norm, micro_batch, precision=rt.precision)
@@ -156,16 +150,15 @@ class MegatronEngine(Engine):
 
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=rt.world)
 
-    def build_moe(self, rt, hidden, ffn, router, capacity_factor, expert_type, placement):  # dropless
+    def build_moe(self, rt, config):
+        placement = rt.placement(config.num_experts)
+        config = replace(config, capacity_factor=None)  # dropless (the config checks refuse a capacity)
         if self.dispatches(rt.parallel):  # Megatron's layer and experts, dist-moe's dispatcher
-
-            return MegatronDispatchedMoE(hidden, ffn, router, rt.world, placement, expert_type, rt.device,
-                                         rt.topology(), rt.parallel.dedup, rt.parallel.start_chunks,
-                                         datetime.timedelta(seconds=rt.timeout_s))
-
+            config = replace(config, exchange=replace(rt.exchange, deterministic=False))
+            return MegatronDispatchedMoE(config, rt.world, placement, rt.topology(), device=rt.device)
         own = rt.parallel.dispatcher  # auto or engine: Megatron's default, alltoall
-        return MegatronHostedMoE(hidden, ffn, router, rt.world, placement, own if own in DISPATCHERS else "alltoall",
-                                 expert_type, device=rt.device, topology=rt.topology())
+        return MegatronHostedMoE(config, rt.world, placement, rt.topology(), device=rt.device,
+                                 dispatcher=own if own in DISPATCHERS else "alltoall")
 
     def shutdown(self):
         release_parallel_state()

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from dist_moe.moe_view import moe_layers
+from dist_moe.moe.view import moe_layers
 from dist_moe.train.align import specdrop_align
 from dist_moe.train.metrics import layers_metrics, routing_metrics
 from dist_moe.train.training_step import loss_of

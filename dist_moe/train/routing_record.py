@@ -7,7 +7,7 @@ import torch
 
 from dist_moe.dispatch.contract import CountsBytes
 from dist_moe.dispatch.stats import all_gather_rows
-from dist_moe.moe_view import moe_layers
+from dist_moe.moe.view import moe_layers
 from placement.simulate import RoutingRecord, recorded_layers, routing_file
 
 

@@ -17,8 +17,8 @@ from dist_moe.config_types import fits, hints, kinds, optional, wanted
 from dist_moe.dispatch.pipeline import MAX_PIPELINE_CHUNKS
 from dist_moe.dispatch.process_group import DEVICES, MAX_TIMEOUT_S, MIN_TIMEOUT_S
 from dist_moe.errors import shown
-from dist_moe.experts import KINDS as EXPERT_KINDS
 from dist_moe.integrations.megatron_patches import DISPATCHERS
+from dist_moe.moe.experts import KINDS as EXPERT_KINDS
 from dist_moe.routing.capacity import MAX_CAPACITY_FACTOR
 from dist_moe.routing.gar import GARConfig
 from dist_moe.routing.registry import GAR_MOVED, RouterConfig, RouterKeyError, router_config, router_shape
@@ -120,9 +120,8 @@ class ModelConfig:
     heads: int = _positive(4)
 
     def block_keys(self) -> dict:
-        """What the one-block models (tabular, image) take: every key but the kind and the LM's own."""
-        own = ("kind", "layers", "heads", "path")
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in own}
+        """What the one-block models (tabular, image) take beside their MoE layer."""
+        return {"d_model": self.d_model, "post_norm": self.post_norm, "label_mask": self.label_mask}
 
 
 @dataclass

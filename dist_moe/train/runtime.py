@@ -2,17 +2,19 @@
 engine (``dist_moe.train.engines``) that builds its MoE layers and steps."""
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 
 import torch
 from torch import nn
 
+from dist_moe.dispatch.exchange import ExchangeConfig
 from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.dispatch.process_group import init_from_env, launched_world_size, resolve_device, shutdown
 from dist_moe.dispatch.rank_line import say_rank_line
 from dist_moe.dispatch.stats import all_reduce_sum
-from dist_moe.routing.registry import RouterConfig
+from dist_moe.moe.layer import MoELayerConfig
 from dist_moe.train.engines import ENGINES
 from dist_moe.train.precision import compute_context, restore, set_up
 from dist_moe.train.run_config import ParallelConfig
@@ -63,11 +65,20 @@ class Runtime:
             return placement
         return Placement.named(kind, num_experts, self.topology())
 
-    def build_moe(self, hidden: int, ffn: int, router: RouterConfig, capacity_factor, expert_type: str) -> nn.Module:
+    @property
+    def exchange(self) -> ExchangeConfig:
+        """How this run's MoE layers exchange their tokens where dist-moe's dispatcher moves them."""
+        return ExchangeConfig(self.parallel.dedup, self.parallel.start_chunks, self.deterministic,
+                              datetime.timedelta(seconds=self.timeout_s))
+
+    @property
+    def moe_group(self):
+        """The expert-parallel group of this run's MoE layers (None: one rank, every expert here)."""
+        return self.group if self.world > 1 else None
+
+    def build_moe(self, config: MoELayerConfig) -> nn.Module:
         """One MoE layer, built by the engine, its experts placed by ``parallel.placement``."""
-        num_experts = router.num_experts  # the layer builds the router
-        return self.engine.build_moe(self, hidden, ffn, router, capacity_factor, expert_type,
-                                     self.placement(num_experts))
+        return self.engine.build_moe(self, config)
 
     def stepper(self, model: nn.Module, lr: float, max_grad_norm, micro_batch: int):
         return self.engine.stepper(self, model, lr, max_grad_norm, micro_batch)

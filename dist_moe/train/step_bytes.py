@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from dist_moe.dispatch.contract import CountsBytes
-from dist_moe.moe_view import moe_layers
+from dist_moe.moe.view import moe_layers
 from placement import Topology, Traffic
 from placement.files import write_atomic
 

@@ -17,7 +17,7 @@ from dist_moe.dispatch.grad_overlap import overlapped_grad_sum
 from dist_moe.dispatch.grads import all_finite, clip_to, global_norm, group_size, scale_grads
 from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.gar.step import rank_local_param_ids
-from dist_moe.moe_view import moe_views
+from dist_moe.moe.view import moe_views
 from dist_moe.optional_engines import engine_import
 
 

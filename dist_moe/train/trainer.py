@@ -28,7 +28,7 @@ from tqdm import tqdm
 from dist_moe.dispatch.agree import agree_on_errors
 from dist_moe.dispatch.all_to_all import blocked_seconds
 from dist_moe.dispatch.process_group import collective_failure
-from dist_moe.moe_view import moe_layers
+from dist_moe.moe.view import moe_layers
 from dist_moe.routing.base import Scheduled
 from dist_moe.train import checkpoint
 from dist_moe.train.build import data_and_model

@@ -119,8 +119,8 @@ class GARStep:
             return (loss_of(logits, group[1]) if group[1].numel() else logits.sum() * 0.0) + aux
 
         # DeepSpeed owns reduction, clip and step: GAR hands it the accumulated gradients
-        out = gar_train_step(model, groups, loss_fn, step_fn.opt, weights, gar.lam, gar.eps, tcfg.max_grad_norm,
-                             gar.mode, sizes=sizes, unit=gar.unit, finish=step_fn.finish_external, share=gar.share)
+        out = gar_train_step(model, groups, loss_fn, step_fn.opt, weights, sizes, step_fn.finish_external, gar=gar,
+                             max_grad_norm=tcfg.max_grad_norm)
         if not out["stepped"]:  # a skipped step leaves no trace but its count
             put_back(model, saved)
         record = {"loss": out["task_loss"], "gar_loss": out["gar_loss"], "skipped": 0.0 if out["stepped"] else 1.0}

@@ -12,7 +12,7 @@ from dist_moe.data.corpus import load_corpus
 from dist_moe.data.tabular import load_keel, tabular_split
 from dist_moe.data.text_tasks import text_split
 from dist_moe.errors import report
-from dist_moe.layer import MoELayer
+from dist_moe.moe.layer import MoELayer
 from dist_moe.routing import build_router
 from dist_moe.train.build import data_and_model
 from dist_moe.train.config import load_config
@@ -257,7 +257,7 @@ def test_sequences_longer_than_the_data_or_the_model_are_refused(capsys, tmp_pat
 
 def test_every_rank_needs_a_training_row():
     cfg = load_config(None, ["data.max_rows=10", "router.num_experts=8", "router.top_k=2"])
-    build = lambda h, f, router, cf, kind: MoELayer(h, f, router, capacity_factor=cf, expert_type=kind)  # noqa: E731
+    build = lambda config: config.build()  # noqa: E731
     data, _ = data_and_model(cfg, types.SimpleNamespace(world=8, build_moe=build))
     assert len(data.x_train) == 8
     with pytest.raises(ValueError, match="leaves 8 training rows for 9 ranks"):

@@ -1,6 +1,15 @@
 """Zero-token ranks, one rank with an empty batch, all tokens to one expert: no hang, and the
 results of a single process with the same weights."""
+import torch
+
+from dist_moe.dispatch.moe_forward import Tokens
+from dist_moe.routing.base import Routing
 from tests.dist_utils import run_workers
+
+
+def routes(idx, gates) -> Routing:
+    """What the dispatcher reads of a routing: its expert ids and gates."""
+    return Routing(torch.empty(0), idx, gates, torch.zeros(()))
 
 
 def _empty_rank_trainer(rank, world, out):
@@ -24,7 +33,7 @@ def _one_expert_worker(rank, world):
     import torch.distributed as dist
 
     from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher, routing_pairs
-    from dist_moe.experts import Experts, apply_experts
+    from dist_moe.moe.experts import Experts, apply_experts
     from placement import Placement, Topology
 
     torch.manual_seed(0)
@@ -41,7 +50,7 @@ def _one_expert_worker(rank, world):
         x = torch.randn(t, H, requires_grad=True)
         idx = torch.full((t, 1), 5)  # every token of every rank to expert 5 (rank 2's)
         gates = torch.rand(t, 1)
-        y = disp(x, idx, gates, local)
+        y, _ = disp(Tokens(x), routes(idx, gates), local)
         y.square().sum().backward()
         tok, exp, gate = routing_pairs(idx, gates)
         x_ref = x.detach().clone().requires_grad_()
