@@ -50,11 +50,11 @@ from dist_moe import MoELayer
 from dist_moe.dispatch.calibrate import replay, slowest
 from dist_moe.dispatch.contract import CountsBytes  # noqa: E402
 from dist_moe.dispatch.process_group import launched_world_size
-from dist_moe.integrations import megatron_patches
 from dist_moe.integrations.deepspeed import deepspeed_moe_layer, init_distributed, load_dist_moe_experts
 from dist_moe.integrations.megatron import load_dist_moe_experts as load_megatron
 from dist_moe.integrations.megatron import megatron_config, megatron_moe_layer, sent_bytes
-from dist_moe.integrations.megatron_layer import megatron_dist_moe_layer
+from dist_moe.integrations.megatron import patches as megatron_patches
+from dist_moe.integrations.megatron.layer import megatron_dist_moe_layer
 from placement import Placement, Topology
 from tests.dist_utils import run_workers  # noqa: E402
 

@@ -24,7 +24,7 @@ from deepspeed.moe.layer import MoE
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
 from dist_moe.integrations.deepspeed import DistMoEGate, init_distributed, shutdown_distributed
-from dist_moe.integrations.deepspeed_dispatch import use_dist_moe_dispatcher
+from dist_moe.integrations.deepspeed.dispatch import use_dist_moe_dispatcher
 
 HIDDEN, EXPERTS, STEPS, BATCH, AUX = 16, 4, 5, 32, 0.01
 

@@ -18,7 +18,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from dist_moe.integrations import megatron_patches
+from dist_moe.integrations.megatron import patches as megatron_patches
 
 megatron_patches.apply()  # CPU: no CUDA streams, no Transformer Engine (a no-op on GPUs)
 from megatron.core import parallel_state  # noqa: E402

@@ -58,7 +58,7 @@ def _entry(rank, fn, world_size, store, args):
         world = dist.distributed_c10d._world
         groups = [(weakref.ref(g), world.pg_names.get(g, '?')) for g in world.pg_map]
         if "deepspeed.utils.groups" in sys.modules:  # what a DeepSpeed job's teardown does (shutdown_distributed)
-            from dist_moe.integrations.deepspeed_patches import release_groups
+            from dist_moe.integrations.deepspeed.patches import release_groups
 
             release_groups()
         release_node_groups()

@@ -16,7 +16,7 @@ def test_calibrate_writes_a_topology_that_plan_reads(tmp_path, capsys):
     # --standalone: torchrun takes a free port itself (a port picked here first could be taken meanwhile)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "dist_moe.cli", "calibrate",
-           "--topology", "node=2,gpu=1", "--repeats", "1", "--out", str(out)]
+           "--topology", "node=2,gpu=1", "--repeats", "3", "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
     assert r.returncode == 0, ([line for line in r.stderr.splitlines() if "dist-moe: error" in line], r.stderr[-2000:])

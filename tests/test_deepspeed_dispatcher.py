@@ -69,7 +69,7 @@ def _worker(rank, world, cases):
     import torch
 
     from dist_moe.integrations.deepspeed import init_distributed
-    from dist_moe.integrations.deepspeed_dispatch import use_dist_moe_dispatcher
+    from dist_moe.integrations.deepspeed.dispatch import use_dist_moe_dispatcher
 
     init_distributed()
     g = torch.Generator().manual_seed(10 + rank)

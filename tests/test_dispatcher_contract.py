@@ -16,8 +16,8 @@ from dist_moe.moe.layer import MoELayer
 from placement import Placement, Topology
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ["dist_moe/moe/layer.py", "dist_moe/integrations/megatron_layer.py",
-          "dist_moe/integrations/deepspeed_dispatch.py"]
+LAYERS = ["dist_moe/moe/layer.py", "dist_moe/integrations/megatron/layer.py",
+          "dist_moe/integrations/deepspeed/dispatch.py"]
 
 
 def _calls(path: str) -> set:
@@ -29,7 +29,7 @@ def _calls(path: str) -> set:
     return names
 
 
-HOSTS = LAYERS + ["dist_moe/integrations/transformers.py", "dist_moe/integrations/transformers_hosted.py"]
+HOSTS = LAYERS + ["dist_moe/integrations/transformers/ep.py", "dist_moe/integrations/transformers/hosted.py"]
 
 
 def test_every_host_runs_the_one_staged_forward_and_none_writes_the_prologue_again():
@@ -44,17 +44,17 @@ def test_every_host_runs_the_one_staged_forward_and_none_writes_the_prologue_aga
                             "make_dispatcher", "run"}, path
     # the engines' routers build their tokens with tokens_in, as MoELayer does, through one helper
     assert "tokens_in" in _calls("dist_moe/moe/layer.py") and "tokens_in" in _calls("dist_moe/integrations/context.py")
-    for path in ("dist_moe/integrations/megatron_router.py", "dist_moe/integrations/deepspeed.py"):
+    for path in ("dist_moe/integrations/megatron/router.py", "dist_moe/integrations/deepspeed/layer.py"):
         assert "context_tokens" in _calls(path) and not _calls(path) & {"tokens_in", "input_problem"}, path
 
 
 def test_every_host_class_is_an_exchanged_moe():
-    from dist_moe.integrations.transformers_hosted import HostedHFExperts
+    from dist_moe.integrations.transformers.hosted import HostedHFExperts
     from dist_moe.moe.host import ChosenRoutes, ExchangedMoE
 
     assert issubclass(MoELayer, ExchangedMoE) and issubclass(HostedHFExperts, ChosenRoutes)
-    engines = {"deepspeed_dispatch": ("deepspeed", "layer_class"), "megatron_layer": ("megatron.core", "layer_class"),
-               "transformers": ("transformers.distributed.expert_parallel", "implementation_class")}
+    engines = {"deepspeed.dispatch": ("deepspeed", "layer_class"), "megatron.layer": ("megatron.core", "layer_class"),
+               "transformers.ep": ("transformers.distributed.expert_parallel", "implementation_class")}
     for module, (engine, factory) in engines.items():
         if _importable(engine):
             mod = importlib.import_module(f"dist_moe.integrations.{module}")
@@ -101,9 +101,10 @@ def test_engine_slots_are_where_contiguous_engines_hold_each_expert():
 
 def test_the_design_names_import_where_it_puts_them():
     pytest.importorskip("megatron.core")
-    from dist_moe.integrations import megatron_layer, megatron_router
     from dist_moe.integrations.deepspeed import deepspeed_moe_layer  # noqa: F401
     from dist_moe.integrations.megatron import DistMoERouter, dist_moe_mlp_spec, megatron_dist_moe_layer
+    from dist_moe.integrations.megatron import layer as megatron_layer
+    from dist_moe.integrations.megatron import router as megatron_router
 
     assert dist_moe_mlp_spec is megatron_layer.dist_moe_mlp_spec
     assert megatron_dist_moe_layer is megatron_layer.megatron_dist_moe_layer

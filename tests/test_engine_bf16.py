@@ -63,7 +63,7 @@ def _check(tag, rank, y, gx, grads, bf16_run, fp32_run) -> None:
 
 
 def _megatron_worker(rank, world):
-    from dist_moe.integrations import megatron_patches
+    from dist_moe.integrations.megatron import patches as megatron_patches
 
     megatron_patches.apply()
     import torch

@@ -58,14 +58,14 @@ def _check_paths(tag, layer, experts, expert_params, run, rank):
 
 
 def _megatron_worker(rank, world):
-    from dist_moe.integrations import megatron_patches
+    from dist_moe.integrations.megatron import patches as megatron_patches
 
     megatron_patches.apply()
     import torch
     from megatron.core import parallel_state
 
     from dist_moe.integrations.megatron import megatron_config
-    from dist_moe.integrations.megatron_layer import megatron_dist_moe_layer
+    from dist_moe.integrations.megatron.layer import megatron_dist_moe_layer
 
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
     try:

@@ -10,7 +10,7 @@ STRATEGIES = ["switch", "deepseek_v3", "skywork", "hash", "uniform", "branch", "
 
 
 def _equivalence_worker(rank, world, routers, dispatcher):
-    from dist_moe.integrations import megatron_patches
+    from dist_moe.integrations.megatron import patches as megatron_patches
 
     megatron_patches.apply()
     from megatron.core import parallel_state
@@ -67,7 +67,7 @@ class _Grad:
 
 
 def _gar_worker(rank, world, dispatcher):
-    from dist_moe.integrations import megatron_patches
+    from dist_moe.integrations.megatron import patches as megatron_patches
 
     megatron_patches.apply()
     from megatron.core import parallel_state
@@ -111,7 +111,7 @@ def test_padding_mask_follows_megatrons_convention_true_is_padding():
     """megatron-core 0.16.1 treats padding_mask True as padding (its code inverts the mask; two
     docstrings say otherwise): padded tokens get no weight, valid ones keep theirs, exactly the rows
     Megatron's own compute_routing_scores_for_aux_loss zeroes."""
-    from dist_moe.integrations import megatron_patches
+    from dist_moe.integrations.megatron import patches as megatron_patches
 
     megatron_patches.apply()
     import torch
@@ -139,7 +139,7 @@ def test_padding_mask_follows_megatrons_convention_true_is_padding():
 def test_megatron_conventions_coefficient_from_config_and_category_layout():
     """The aux-loss coefficient comes from config.moe_aux_loss_coeff (a conflicting router value, or one
     for a router without an aux loss, is refused), and categories must be in Megatron's [S, B] order."""
-    from dist_moe.integrations import megatron_patches
+    from dist_moe.integrations.megatron import patches as megatron_patches
 
     megatron_patches.apply()
     import torch

@@ -203,7 +203,7 @@ def test_deepseek_top1_router_trains_and_normalises_only_above_one(k):
     assert r.normalize_gates == (k > 1)
     assert r.node_map.weight.grad.abs().sum() > 0
     pytest.importorskip("megatron.core")
-    from dist_moe.integrations import megatron_patches
+    from dist_moe.integrations.megatron import patches as megatron_patches
 
     megatron_patches.apply()
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function

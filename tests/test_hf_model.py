@@ -13,7 +13,7 @@ import torch
 from dist_moe.cli import main
 from dist_moe.data.local_text import local_split
 from dist_moe.dispatch.exchange import ExchangeConfig
-from dist_moe.integrations.transformers_hosted import HostedHFExperts, host_experts
+from dist_moe.integrations.transformers.hosted import HostedHFExperts, host_experts
 from dist_moe.models.hf_model import HFCausalLM, load_model
 from placement import Placement, Topology
 from tests.hf_models import KINDS, config, model_folder, text, word_tokenizer

@@ -127,7 +127,7 @@ def _router_swap(base):
 
 
 def _worker(rank, world, topology_spec, cases, ckpt_dir):
-    from dist_moe.integrations import megatron_patches
+    from dist_moe.integrations.megatron import patches as megatron_patches
 
     megatron_patches.apply()
     import torch
@@ -177,7 +177,7 @@ def test_gpt_model_through_dist_moe_dispatcher_trains_like_megatrons_alltoall(wo
 def test_megatron_configs_the_layer_cannot_honour_are_refused_by_name():
     from types import SimpleNamespace
 
-    from dist_moe.integrations.megatron_layer import _check_config
+    from dist_moe.integrations.megatron.layer import _check_config
 
     for key, value in (("moe_expert_capacity_factor", 1.0), ("moe_apply_probs_on_input", True),
                        ("moe_latent_size", 8), ("moe_shared_expert_overlap", True),

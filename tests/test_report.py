@@ -238,7 +238,7 @@ def test_report_shows_every_layer_and_the_summary_says_it_averages(tmp_path, cap
     """Two MoE layers that route differently: the report prints each layer's node share and tree distance
     (not layer 0's alone, unnamed); the training summary says its numbers are the mean over the layers,
     and which slots its node share counts."""
-    from dist_moe.cli import _print_summary
+    from dist_moe.cli.train import print_summary as _print_summary
 
     RoutingRecord(torch.tensor([[0, 1], [0, 2], [3, 1], [3, -1]]), torch.arange(4), 4, 4, 16).save(tmp_path, 0)
     RoutingRecord(torch.tensor([[0, 1], [0, 1], [0, 1], [2, 3]]), torch.arange(4), 4, 4, 16).save(tmp_path, 1)

@@ -273,7 +273,7 @@ def test_the_engine_hosts_resolve_the_limit_from_their_topology():
     """DeepSpeed's gate and Megatron's router, given the EP group's topology, bind the limit as
     MoELayer does (the node level: depth 1 on 2 x 2) and refuse a placement whose subtrees are not nodes."""
     pytest.importorskip("megatron.core")
-    from dist_moe.integrations import megatron_patches
+    from dist_moe.integrations.megatron import patches as megatron_patches
 
     megatron_patches.apply()
     from dist_moe.integrations.deepspeed import DistMoEGate

@@ -32,7 +32,7 @@ OWN_BUDGET = {"deepspeed dropless": 2, "deepspeed capacity 1.25": 1, "megatron a
               "megatron allgather": 1}
 PLANTED_ON = 1
 # frames that count as the engine's: its own code, and the CPU stand-in for its split sizes' device-to-host copy
-ENGINE_CODE = ("?", "dist_moe/integrations/megatron_patches.py")
+ENGINE_CODE = ("?", "dist_moe/integrations/megatron/patches.py")
 
 
 def _count(rank, run):
@@ -123,7 +123,9 @@ def _counted_pair(rank, ours, theirs, plant):
 def _plant_read():
     """One extra host read at the start of every engine-hosted router's forward (both engines' hosts
     flatten their tokens through ``context_tokens``)."""
-    from dist_moe.integrations import context, deepspeed, megatron_router
+    from dist_moe.integrations import context
+    from dist_moe.integrations.deepspeed import layer as deepspeed
+    from dist_moe.integrations.megatron import router as megatron_router
 
     original = context.context_tokens
 
@@ -141,7 +143,7 @@ def _plant_read():
 
 
 def _worker(rank, world, out_dir):
-    from dist_moe.integrations import megatron_patches
+    from dist_moe.integrations.megatron import patches as megatron_patches
 
     megatron_patches.apply()
     from megatron.core import parallel_state

@@ -47,7 +47,7 @@ def test_stacked_experts_compute_what_the_models_own_forward_computes(kind, hidd
     ids = torch.repeat_interleave(torch.arange(4), counts).unsqueeze(1)
     want = experts(x, ids, torch.ones(x.shape[0], 1))
     adapter = StackedExperts(experts, experts.forward)
-    with mock.patch("dist_moe.integrations.transformers.grouped_mm", wraps=grouped_mm) as kernels:
+    with mock.patch("dist_moe.integrations.transformers.ep.grouped_mm", wraps=grouped_mm) as kernels:
         got = adapter(x, counts)
     assert kernels.call_count == (2 if hidden == 32 else 0)  # grouped GEMMs, or the experts' own forward
     assert got.shape == want.shape

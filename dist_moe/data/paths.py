@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from placement.files import read_npz
+from placement import read_npz
 
 
 def data_dir() -> Path:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from dist_moe.errors import first_line
-from dist_moe.integrations.transformers_hosted import HostedHFExperts, moe_blocks
+from dist_moe.integrations.transformers.hosted import HostedHFExperts, moe_blocks
 from dist_moe.optional_engines import engine_import
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

@@ -99,6 +99,14 @@ class Router(nn.Module):
         """A subtree limit by topology level (BRANCH) whose depths the layer has yet to resolve."""
         return False
 
+    def set_expert_groups(self, expert_group: Tensor) -> None:
+        """[E] each expert's node, for a router with ``node_limit`` (DeepSeek-V3's)."""
+        raise NotImplementedError(f"{type(self).__name__} has no node limit")
+
+    def resolve_subtree_levels(self, levels: tuple, sizes: tuple, tree_prefix: bool) -> None:
+        """The tree depth of each topology level's units, for a router that ``needs_topology`` (BRANCH's)."""
+        raise NotImplementedError(f"{type(self).__name__} has no subtree limit by level")
+
     def __init__(self, num_experts: int, top_k: int, stats_group=None):
         super().__init__()
         self.num_experts, self.top_k = check_shape(num_experts, top_k)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from dist_moe.data.local_text import is_local, local_split
-from dist_moe.integrations.transformers_hosted import host_experts
+from dist_moe.integrations.transformers.hosted import host_experts
 from dist_moe.models.hf_model import (
     HFCausalLM,
     has_tokenizer,

@@ -53,7 +53,7 @@ from dist_moe.train.checkpoint_files import (
     verify,
     write_manifest,
 )
-from placement.files import write_atomic
+from placement import write_atomic
 
 __all__ = ["CONFIG", "LATEST", "MANIFEST", "SAFE_GLOBALS", "CheckpointError", "latest", "load", "save",
            "saved_config", "state_of", "verify", "write_manifest"]

@@ -32,7 +32,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from placement.files import write_atomic
+from placement import write_atomic
 
 MANIFEST = "manifest.json"
 CONFIG = "config.json"  # the run's config at the save: a resume that would change the model is refused

@@ -18,7 +18,7 @@ from dist_moe.errors import shown
 from dist_moe.routing.registry import ROUTERS, accepted_keys
 from dist_moe.train.engines import ENGINES
 from dist_moe.train.run_config import OLD_DISPATCHER_KEYS, RunConfig
-from placement.files import parse_yaml, read_yaml, yaml_problem
+from placement import parse_yaml, read_yaml, yaml_problem
 
 DEFAULT_CONFIG: dict = RunConfig().to_dict()  # the embedded default, as a mapping (configs/demo.yaml writes it out)
 _OPEN_SECTIONS = {"router", "train.gar"}  # a mapping per router type / GAR: checked when parsed, not against defaults

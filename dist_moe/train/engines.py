@@ -30,11 +30,11 @@ from dataclasses import replace
 
 from torch import nn
 
-from dist_moe.integrations import megatron_patches
 from dist_moe.integrations.deepspeed import DeepSpeedDispatchedMoE, DeepSpeedHostedMoE, init_distributed
-from dist_moe.integrations.deepspeed_patches import release_groups
+from dist_moe.integrations.deepspeed.patches import release_groups
 from dist_moe.integrations.megatron import MegatronDispatchedMoE, MegatronHostedMoE
-from dist_moe.integrations.megatron_patches import DISPATCHERS, release_parallel_state
+from dist_moe.integrations.megatron import patches as megatron_patches
+from dist_moe.integrations.megatron.patches import DISPATCHERS, release_parallel_state
 from dist_moe.moe.layer import MoELayerConfig
 from dist_moe.optional_engines import engine_import
 from dist_moe.train.steppers import DeepSpeedStepper, LocalStepper

@@ -17,10 +17,10 @@ from dist_moe.config_types import fits, hints, kinds, optional, wanted
 from dist_moe.dispatch.pipeline import MAX_PIPELINE_CHUNKS
 from dist_moe.dispatch.process_group import DEVICES, MAX_TIMEOUT_S, MIN_TIMEOUT_S
 from dist_moe.errors import shown
-from dist_moe.integrations.megatron_patches import DISPATCHERS
+from dist_moe.gar.objective import GARConfig
+from dist_moe.integrations.megatron.patches import DISPATCHERS
 from dist_moe.moe.experts import KINDS as EXPERT_KINDS
 from dist_moe.routing.capacity import MAX_CAPACITY_FACTOR
-from dist_moe.routing.gar import GARConfig
 from dist_moe.routing.registry import GAR_MOVED, RouterConfig, RouterKeyError, router_config, router_shape
 from dist_moe.train.build import MODEL_KINDS
 from dist_moe.train.engines import ENGINES

@@ -14,7 +14,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from placement.files import write_atomic
+from placement import write_atomic
 
 LOCK = ".dist-moe.lock"
 METRICS = "metrics.jsonl"

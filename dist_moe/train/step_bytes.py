@@ -15,8 +15,7 @@ import torch
 
 from dist_moe.dispatch.contract import CountsBytes
 from dist_moe.moe.view import moe_layers
-from placement import Topology, Traffic
-from placement.files import write_atomic
+from placement import Topology, Traffic, write_atomic
 
 TRAFFIC_FILE = "train_traffic.json"
 

@@ -43,8 +43,7 @@ from dist_moe.train.runtime import Runtime
 from dist_moe.train.step_bytes import StepBytes
 from dist_moe.train.training_state import DataCursor, restore_state, save_state
 from dist_moe.train.training_step import step_strategy
-from placement import random_pair_tree_distance
-from placement.files import write_atomic
+from placement import random_pair_tree_distance, write_atomic
 
 
 def json_safe(value):

@@ -7,7 +7,8 @@ import shutil
 import numpy as np
 import pytest
 
-from dist_moe import cli_calibrate, cli_cost
+from dist_moe.cli import calibrate as cli_calibrate
+from dist_moe.cli import report as cli_report
 from dist_moe.train.rundir import RunLock
 from tests.faults.test_user_errors import TINY, _cli, _one_line
 
@@ -167,7 +168,7 @@ def test_a_topology_file_out_of_range_is_refused_at_load(capsys, trained, tmp_pa
 
 
 def test_place_refuses_a_folder_as_out_before_the_work(capsys, trained, tmp_path, monkeypatch):
-    monkeypatch.setattr(cli_cost.RoutingRecord, "load", lambda *a: pytest.fail("read the record first"))
+    monkeypatch.setattr(cli_report.RoutingRecord, "load", lambda *a: pytest.fail("read the record first"))
     code, err = _cli(capsys, "place", "--topology", "node=2,gpu=2", "--stats", str(trained), "--out", str(tmp_path))
     assert code == 2
     _one_line(err, f"--out {str(tmp_path)!r} is a folder")
@@ -182,7 +183,7 @@ def test_report_refuses_a_report_file_it_cannot_write_before_the_work(capsys, ru
 
 
 def test_plan_refuses_a_folder_as_plot_before_the_work(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr("dist_moe.cli_plan.forecast", lambda *a, **k: pytest.fail("planned first"))
+    monkeypatch.setattr("dist_moe.cli.plan.forecast", lambda *a, **k: pytest.fail("planned first"))
     code, err = _cli(capsys, *PLAN, "--plot", str(tmp_path))
     assert code == 2
     _one_line(err, f"--plot {str(tmp_path)!r} is a folder")

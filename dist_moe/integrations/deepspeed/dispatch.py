@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+import dist_moe.integrations.deepspeed.patches as deepspeed_patches
 from dist_moe.dispatch.dispatcher import CountsTraffic
 from dist_moe.dispatch.exchange import ExchangeConfig, ExpertExchange
 from dist_moe.dispatch.moe_forward import Tokens
-from dist_moe.integrations import deepspeed_patches
 from dist_moe.integrations.stacked import grouped_mm, stack_in_place, stacked_alias, stacked_view
 from dist_moe.moe.experts import SingleExpert, compute_dtype, grouped_ok, offsets
 from dist_moe.moe.host import ExchangedMoE, bind_to_topology
@@ -34,7 +34,7 @@ from placement import Topology
 
 @runtime_checkable
 class TokenGate(Protocol):
-    """What the dispatched ``MOELayer`` asks of its gate: ``DistMoEGate``'s (deepspeed.py) routing steps."""
+    """What the dispatched ``MOELayer`` asks of its gate: ``DistMoEGate``'s (``layer.py``) routing steps."""
 
     capacity_factor: float | None
 

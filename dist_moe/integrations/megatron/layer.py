@@ -9,7 +9,7 @@ The layer is Megatron's ``MoELayer``: its experts (``SequentialMLP``; ``GroupedM
 ``TEGroupedMLP`` where installed), shared experts, aux-loss tracker, ``sharded_state_dict`` and
 ``moe_*`` config fields stay Megatron's. The router is a ``DistMoERouter`` at ``mlp.router`` and the
 experts stay at ``mlp.experts``, so the state-dict keys are those of the router swap
-(``megatron.py``, ``megatron_router.py``) and a checkpoint moves between the two. Only the tokens move another way:
+(``hosts.py``, ``router.py``) and a checkpoint moves between the two. Only the tokens move another way:
 dist-moe's expert-parallel dispatcher (rank or node dedup, pipelined chunks, bytes measured per
 topology level) in place of Megatron's token dispatcher. Megatron's experts scale by the gate
 inside (``per_token_scale``); here they run with a scale of 1 and the dispatcher gates their
@@ -23,11 +23,11 @@ import functools
 import torch
 from torch import Tensor
 
+import dist_moe.integrations.megatron.patches as megatron_patches
 from dist_moe.dispatch.dispatcher import CountsTraffic
 from dist_moe.dispatch.exchange import ExchangeConfig
 from dist_moe.dispatch.moe_forward import Tokens
-from dist_moe.integrations import megatron_patches
-from dist_moe.integrations.megatron_router import DistMoERouter
+from dist_moe.integrations.megatron.router import DistMoERouter
 from dist_moe.integrations.stacked import grouped_mm, stack_in_place, stacked_alias, stacked_view
 from dist_moe.moe.experts import compute_dtype, grouped_ok, offsets
 from dist_moe.moe.host import ExchangedMoE, bind_to_topology

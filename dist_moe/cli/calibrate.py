@@ -15,8 +15,7 @@ from dist_moe.dispatch.process_group import (
     resolve_device,
     shutdown,
 )
-from placement import Topology
-from placement.files import check_output_file
+from placement import Topology, check_output_file
 
 
 def add_parser(sub, debug) -> None:

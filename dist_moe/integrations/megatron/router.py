@@ -27,11 +27,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+import dist_moe.integrations.megatron.patches as megatron_patches
 from dist_moe.dispatch.agree import agree, agreed_routing
 from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.dispatch.moe_forward import Tokens
 from dist_moe.dispatch.stages import stage
-from dist_moe.integrations import megatron_patches
 from dist_moe.integrations.context import context_tokens, routing_extras
 from dist_moe.moe.host import bind_to_topology
 from dist_moe.optional_engines import engine_import

@@ -1,12 +1,7 @@
-"""dist-moe inside megatron-core (written against 0.16.1): the public names.
-
-* ``dist_moe_mlp_spec`` / ``megatron_dist_moe_layer`` (``megatron_layer.py``): Megatron's MoE layer
-  with dist-moe's router and dispatcher (the one-line change of a GPT layer spec).
-* ``DistMoERouter`` (``megatron_router.py``): any strategy as Megatron's router, Megatron's own
-  token dispatcher moving the tokens (the router swap).
-* Here: a ``TransformerConfig`` for one MoE layer (``megatron_config``), Megatron's layer with the
-  router swap (``megatron_moe_layer``), weight and gradient converters, and the trainer's hosts
-  (``MegatronHostedMoE``, ``MegatronDispatchedMoE``).
+"""dist-moe's hosts inside megatron-core (written against 0.16.1), beside the layer spec (``layer.py``)
+and the router swap (``router.py``): a ``TransformerConfig`` for one MoE layer (``megatron_config``),
+Megatron's layer with the router swap (``megatron_moe_layer``), weight and gradient converters, and
+the trainer's hosts (``MegatronHostedMoE``, ``MegatronDispatchedMoE``).
 """
 from __future__ import annotations
 
@@ -15,21 +10,17 @@ import functools
 import torch
 from torch import Tensor
 
-from dist_moe.integrations import megatron_patches
+import dist_moe.integrations.megatron.patches as megatron_patches
 from dist_moe.integrations.hosted import DispatchedHost, HostedMoE
-from dist_moe.integrations.megatron_layer import dist_moe_mlp_spec, megatron_dist_moe_layer
-from dist_moe.integrations.megatron_patches import DISPATCHERS
-from dist_moe.integrations.megatron_router import DistMoERouter, aux_coefficient
+from dist_moe.integrations.megatron.layer import megatron_dist_moe_layer
+from dist_moe.integrations.megatron.patches import DISPATCHERS
+from dist_moe.integrations.megatron.router import DistMoERouter
 from dist_moe.moe.layer import MoELayerConfig
 from dist_moe.moe.view import MoEView
 from dist_moe.optional_engines import engine_import
 from dist_moe.routing import Router
 from dist_moe.routing.registry import RouterConfig, router_shape
 from placement import Placement, Topology
-
-__all__ = ["DISPATCHERS", "DistMoERouter", "MegatronDispatchedMoE", "MegatronHostedMoE", "aux_coefficient",
-           "dist_moe_mlp_spec", "expert_grads_as_dist_moe", "load_dist_moe_experts", "megatron_config",
-           "megatron_dist_moe_layer", "megatron_moe_layer", "sent_bytes"]
 
 
 def megatron_config(hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, ep_size: int = 1,

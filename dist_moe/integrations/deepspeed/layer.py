@@ -42,13 +42,13 @@ import struct
 import torch
 from torch import Tensor, nn
 
+import dist_moe.integrations.deepspeed.patches as deepspeed_patches
 from dist_moe.dispatch.agree import agree, agreed_routing
 from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.dispatch.moe_forward import Tokens
 from dist_moe.dispatch.process_group import shutdown
-from dist_moe.integrations import deepspeed_patches
 from dist_moe.integrations.context import context_tokens, routing_extras
-from dist_moe.integrations.deepspeed_dispatch import per_expert, use_dist_moe_dispatcher
+from dist_moe.integrations.deepspeed.dispatch import per_expert, use_dist_moe_dispatcher
 from dist_moe.integrations.hosted import DispatchedHost, HostedMoE
 from dist_moe.moe.experts import SingleExpert
 from dist_moe.moe.host import bind_to_topology
@@ -205,7 +205,7 @@ def deepspeed_moe_layer(hidden_size: int, ffn_hidden_size: int | None, router: R
     the user's own ``expert`` module, which DeepSpeed copies into every local slot.
     ``min_capacity`` is DeepSpeed's (``MoE(min_capacity=8)``). ``dispatcher="dist_moe"`` moves the
     tokens with dist-moe's dropless dispatcher (``dedup``, ``pipeline_chunks``;
-    ``deepspeed_dispatch.py``) instead of DeepSpeed's capacity-padded all-to-all.
+    ``dispatch.py``) instead of DeepSpeed's capacity-padded all-to-all.
 
     Call ``set_deepspeed_parallelism()`` (or let ``deepspeed.initialize`` do it) after
     ``deepspeed.init_distributed``; the layer returns (output, l_aux unscaled as DeepSpeed's gates

@@ -9,7 +9,7 @@ chooses (``gate``, GPT-OSS's ``router``: softmax top-k, DeepSeek-V3's group-limi
 and calls the host with ``(hidden_states, top_k_index, top_k_weights)``; the host sends the tokens through dist-moe's
 dispatcher (dedup, pipelined chunks, bytes counted per topology level) to the experts' grouped GEMMs
 (``StackedExperts``) and returns the weighted sum per token. It is also what the trainer, metrics and
-checkpoints ask of every MoE layer (``moe_view.MoEHost``), with the model's router seen read-only.
+checkpoints ask of every MoE layer (``dist_moe.moe.view.MoEHost``), with the model's router seen read-only.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from dist_moe.dispatch.dispatcher import CountsTraffic
 from dist_moe.dispatch.exchange import ExchangeConfig
 from dist_moe.dispatch.moe_forward import Tokens
 from dist_moe.dispatch.stats import all_gather_rows
-from dist_moe.integrations.transformers import StackedExperts
+from dist_moe.integrations.transformers.ep import StackedExperts
 from dist_moe.moe.host import ChosenRouter, ChosenRoutes
 from dist_moe.moe.view import MoEView, expert_locations
 from dist_moe.routing.base import Routing
@@ -69,7 +69,7 @@ class HostedHFExperts(ChosenRoutes, CountsTraffic, nn.Module):
         self.last_routing = Routing(routing.probs, routing.expert_idx, routing.gates.detach().float(),
                                     routing.aux_loss, routing.stats)
 
-    # what the trainer, metrics and checkpoints ask of every MoE layer (moe_view.MoEHost)
+    # what the trainer, metrics and checkpoints ask of every MoE layer (dist_moe.moe.view.MoEHost)
 
     def moe_view(self) -> MoEView:
         params = {name: [getattr(self, name)] for name in self.expert_slots}

@@ -1,0 +1,27 @@
+"""dist-moe inside megatron-core (written against 0.16.1): the public names.
+
+* ``dist_moe_mlp_spec`` / ``megatron_dist_moe_layer`` (``layer.py``): Megatron's MoE layer with
+  dist-moe's router and dispatcher (the one-line change of a GPT layer spec).
+* ``DistMoERouter`` (``router.py``): any strategy as Megatron's router, Megatron's own token
+  dispatcher moving the tokens (the router swap).
+* ``hosts.py``: a ``TransformerConfig`` for one MoE layer (``megatron_config``), Megatron's layer with
+  the router swap (``megatron_moe_layer``), weight and gradient converters, and the trainer's hosts
+  (``MegatronHostedMoE``, ``MegatronDispatchedMoE``).
+* ``patches.py``: the CPU patches this release needs (applied on first use).
+"""
+from dist_moe.integrations.megatron.hosts import (
+    MegatronDispatchedMoE,
+    MegatronHostedMoE,
+    expert_grads_as_dist_moe,
+    load_dist_moe_experts,
+    megatron_config,
+    megatron_moe_layer,
+    sent_bytes,
+)
+from dist_moe.integrations.megatron.layer import dist_moe_mlp_spec, megatron_dist_moe_layer
+from dist_moe.integrations.megatron.patches import DISPATCHERS
+from dist_moe.integrations.megatron.router import DistMoERouter, aux_coefficient
+
+__all__ = ["DISPATCHERS", "DistMoERouter", "MegatronDispatchedMoE", "MegatronHostedMoE", "aux_coefficient",
+           "dist_moe_mlp_spec", "expert_grads_as_dist_moe", "load_dist_moe_experts", "megatron_config",
+           "megatron_dist_moe_layer", "megatron_moe_layer", "sent_bytes"]
