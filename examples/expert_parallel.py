@@ -9,7 +9,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from dist_moe import MoELayer
+from dist_moe import MoELayerConfig
+from dist_moe.dispatch.exchange import ExchangeConfig
 from placement import Placement, Topology, Traffic, dispatch_traffic
 
 os.environ.setdefault("DIST_MOE_TOPOLOGY", f"node=2,gpu={int(os.environ['WORLD_SIZE']) // 2}")
@@ -17,8 +18,9 @@ dist.init_process_group("gloo")  # under torchrun; "nccl" on GPUs
 rank, world = dist.get_rank(), dist.get_world_size()
 topo = Topology.from_env()  # node x gpu from the launcher's variables (or DIST_MOE_TOPOLOGY)
 torch.manual_seed(0)  # the same router on every rank; each rank's experts draw their own weights
-layer = MoELayer(64, 256, {"type": "branch", "num_experts": 16, "top_k": 4}, group=dist.group.WORLD,
-                 topology=topo, placement=Placement.tree_prefix(16, topo), dedup="node")
+config = MoELayerConfig(64, 256, {"type": "branch", "num_experts": 16, "top_k": 4},
+                        exchange=ExchangeConfig(dedup="node"))  # the layer; the cluster comes from the launch
+layer = config.build(dist.group.WORLD, Placement.tree_prefix(16, topo), topo)
 x = torch.randn(128, 64, generator=torch.Generator().manual_seed(rank))  # this rank's tokens
 y, aux = layer(x)
 y.square().mean().backward()  # gradients flow back through the exchanges

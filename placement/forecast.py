@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from placement.cost import in_range
-from placement.placement import MAX_EXPERTS, NAMED, Placement
+from placement.names import MAX_EXPERTS, NAMED
+from placement.placement import Placement
 from placement.plan import DEDUP_MODES, DispatchPlan
 from placement.simulate import check_memory
 from placement.topology import Topology

@@ -36,9 +36,8 @@ import torch
 import yaml
 
 from placement.files import read_yaml_mapping
+from placement.names import NAMED
 from placement.topology import Topology
-
-MAX_EXPERTS = 1 << 16  # any router's and placement's: 65,536 is far beyond published MoE models (DeepSeek-V3: 256)
 
 
 class Placement:
@@ -197,10 +196,6 @@ def symmetric_coactivation(coactivation) -> torch.Tensor:
     c = (c + c.t()) / 2
     c.fill_diagonal_(0)
     return c
-
-
-# the strategies a training config or `dist-moe simulate` names (optimized needs co-activation: a file)
-NAMED = ("contiguous", "round_robin", "tree_prefix")
 
 
 def shares_of(experts: list[int], parts, n: int) -> list[list[int]]:

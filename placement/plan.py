@@ -23,10 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from placement.names import DEDUP_MODES
 from placement.placement import Placement
 from placement.topology import Topology
-
-DEDUP_MODES = ("none", "rank", "node")
 
 
 def check_dedup(dedup: str) -> str:

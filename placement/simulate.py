@@ -23,7 +23,8 @@ import psutil
 import torch
 
 from placement.files import read_npz, replacing, write_atomic
-from placement.placement import MAX_EXPERTS, Placement, coactivation
+from placement.names import MAX_EXPERTS
+from placement.placement import Placement, coactivation
 from placement.subtree import check_limits, limited_top_k
 from placement.topology import Topology
 from placement.traffic import DEDUP_MODES, dispatch_traffic

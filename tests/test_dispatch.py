@@ -27,8 +27,9 @@ def _property_worker(rank, world):
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import strategies as st
 
+    from dist_moe.dispatch.combine import apply_experts
     from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher, routing_pairs
-    from dist_moe.moe.experts import Experts, apply_experts
+    from dist_moe.moe.experts import Experts
     from dist_moe.routing.capacity import apply_capacity, capacity_for
     from placement import Placement, Topology, dispatch_traffic
 
@@ -98,8 +99,9 @@ def _edge_worker(rank, world):
     import torch.distributed as dist
 
     from dist_moe import MoELayer
+    from dist_moe.dispatch.combine import apply_experts
     from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher, routing_pairs
-    from dist_moe.moe.experts import Experts, apply_experts
+    from dist_moe.moe.experts import Experts
     from placement import Placement, Topology
 
     H, E = 4, 8

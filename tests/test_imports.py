@@ -2,6 +2,7 @@
 imports, lazy ones inside functions included (the data modules once did: data -> wordnet_glosses
 -> corpus -> data)."""
 import ast
+import importlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,3 +112,65 @@ def test_routing_is_pure_tensor_math():
     flat = ROOT / "dist_moe" / "routing" / "flat.py"
     for planted in ("from torch import distributed", "from torch import optim", "import torch.distributed as d"):
         assert calls(flat, flat.read_text() + f"\n{planted}\n"), planted
+
+
+# what the config schema and the config package may import: the config vocabulary, the router and GAR
+# configs (the strategies' own), the error helper, placement's names
+CONFIG_READS = ("dist_moe.config", "dist_moe.errors", "dist_moe.routing.gar", "dist_moe.routing.registry",
+                "placement.names")
+
+
+def config_imports(graph: dict) -> list:
+    """Imports of the schema's and the config package's modules that reach an implementation module."""
+    return [f"{m} -> {d}" for m in sorted(graph) if m.startswith(("dist_moe.config", "dist_moe.train.run_config"))
+            for d in sorted(graph[m]) if not d.startswith(CONFIG_READS)]
+
+
+def test_the_config_schema_is_a_leaf_that_imports_no_implementation():
+    graph = import_graph()
+    assert {"dist_moe.train.run_config", "dist_moe.config.choices", "dist_moe.config.types"} <= set(graph)
+    assert not config_imports(graph), config_imports(graph)
+    # the names it checks are the implementations' own: one source, read from config/choices.py
+    from dist_moe.config import choices
+    from dist_moe.integrations.megatron.patches import DISPATCHERS
+    from dist_moe.moe.experts import KINDS
+    from dist_moe.train.build import MODEL_KINDS
+    from dist_moe.train.engines import ENGINES
+    assert tuple(ENGINES) == choices.ENGINES and MODEL_KINDS == choices.MODEL_KINDS
+    assert KINDS is choices.EXPERT_KINDS and DISPATCHERS is choices.MEGATRON_DISPATCHERS
+    # planted: the schema reading the engines again is caught
+    schema = (ROOT / "dist_moe" / "train" / "run_config.py").read_text()
+    planted = import_graph({"dist_moe.train.run_config": schema + "\nfrom dist_moe.train.engines import ENGINES\n"})
+    assert config_imports(planted) == ["dist_moe.train.run_config -> dist_moe.train.engines"]
+
+
+# the layout by stage, and the public names where users import them
+LAYOUT = ["dist_moe/moe/layer.py", "dist_moe/moe/host.py", "dist_moe/moe/experts.py", "dist_moe/moe/view.py",
+          "dist_moe/dispatch/contract.py", "dist_moe/dispatch/exchange.py", "dist_moe/dispatch/pipeline.py",
+          "dist_moe/dispatch/agree.py", "dist_moe/train/run_config.py", "dist_moe/config/choices.py",
+          "dist_moe/routing/gar.py", "dist_moe/gar/step.py", "dist_moe/integrations/deepspeed/patches.py",
+          "dist_moe/integrations/megatron/patches.py", "dist_moe/integrations/transformers/ep.py",
+          *(f"dist_moe/cli/{c}.py" for c in ("train", "report", "place", "simulate", "plan", "calibrate"))]
+
+
+def test_the_layout_is_by_stage_and_the_public_names_import_where_users_import_them():
+    missing = [p for p in LAYOUT if not (ROOT / p).is_file()]
+    assert not missing, missing
+    gone = [p for p in ("layer.py", "experts.py", "moe_view.py", "config_types.py", "cli.py", "cli_cost.py")
+            if (ROOT / "dist_moe" / p).exists()]
+    assert not gone, gone
+    import dist_moe
+    import dist_moe.routing
+    import dist_moe.routing.gar
+    import placement
+    from dist_moe.cli import main
+    from dist_moe.moe.layer import MoELayer, MoELayerConfig
+    assert dist_moe.MoELayer is MoELayer and dist_moe.MoELayerConfig is MoELayerConfig and callable(main)
+    assert {"Router", "Routing", "build_router"} <= set(dir(dist_moe.routing))
+    assert {"gar_loss", "gar_loss_gram", "GARConfig"} <= set(dir(dist_moe.routing.gar))
+    assert {"Topology", "Placement", "dispatch_traffic", "tree_distance", "DispatchPlan"} <= set(dir(placement))
+    engines = {"dist_moe.integrations.megatron": ("dist_moe_mlp_spec", "DistMoERouter", "megatron_config"),
+               "dist_moe.integrations.deepspeed": ("deepspeed_moe_layer", "DistMoEGate", "use_dist_moe_dispatcher"),
+               "dist_moe.integrations.transformers": ("use", "traffic", "reset_traffic")}
+    for module, names in engines.items():
+        assert set(names) <= set(dir(importlib.import_module(module))), module

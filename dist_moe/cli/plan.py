@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from dist_moe.cli.topology_arg import topology_of
-from dist_moe.dispatch.pipeline import MAX_PIPELINE_CHUNKS
+from dist_moe.config.choices import MAX_PIPELINE_CHUNKS
 from dist_moe.errors import shown
 from placement import check_output_file
 from placement.cost import in_bounds

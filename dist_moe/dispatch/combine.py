@@ -7,13 +7,22 @@ last bits. No float sum here depends on that order, nor on torch's deterministic
 contribution gets a place of its own in a dense [rows, per_row, ...] buffer (a plain write, never
 two to one place) and each row's places are summed in order (``sum_rows``). ``take_rows`` is the
 gather whose backward is that sum. The same code runs on CPU and CUDA, forward and backward.
+
+The experts stage's drivers live here too: ``apply_experts`` (the index_add sum) and
+``apply_experts_in_order`` (the fixed-order one) run each local expert once on its slice of the
+pairs; ``compute_dtype`` is the dtype the experts compute in.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from dist_moe.moe.experts import slot_counts
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype experts compute in: autocast's (bf16 under train.precision bf16), else ``x``'s.
+    ``F.grouped_mm`` is not on autocast's lists, so the experts cast their rows themselves."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 def row_places(index: Tensor, num_rows: int, per_row: int) -> Tensor:
@@ -96,3 +105,33 @@ def apply_experts_in_order(experts, x: Tensor, pairs: tuple[Tensor, Tensor, Tens
                   **weights)
     gates = take_rows(pair_gate, order, order, 1)  # a permutation: one gradient per gate
     return sum_rows(out.float() * gates.float().unsqueeze(1), places, x.shape[0], per_row)
+
+
+def apply_experts(experts, x: Tensor, pair_row: Tensor, pair_slot: Tensor, pair_gate: Tensor,
+                  row_tags: Tensor | None = None, counts: list[int] | None = None, **weights) -> Tensor:
+    """y[r] = sum over pairs p with pair_row[p] == r of gate_p * expert_{slot_p}(x[r]), in fp32.
+
+    Pairs are grouped by local expert slot with one stable sort, so each expert runs
+    once on a contiguous slice; gated outputs are reduced per row with index_add, in
+    fp32 whatever the activations' dtype (the caller casts once). Grouped experts get their
+    counts from the pairs on the device; a loop gets ``counts`` (pairs per slot, known to the
+    dispatcher from its exchange header), which saves the one host read sizing its slices takes.
+    ``row_tags`` [rows of x] are handed to a tagging capture (GAR observations); ``weights=``, when
+    given, to the experts (``Experts.forward``).
+    """
+    order = torch.argsort(pair_slot, stable=True)
+    rows, gates = pair_row[order], pair_gate[order]
+    sized = slot_counts(experts, x, pair_slot, counts)
+    out = experts(x[rows], sized, None if row_tags is None else row_tags[rows], **weights)
+    y = torch.zeros(x.shape[0], out.shape[1], dtype=torch.float32, device=x.device)
+    return y.index_add(0, rows, out.float() * gates.float().unsqueeze(1))
+
+
+def slot_counts(experts, x: Tensor, pair_slot: Tensor, counts: list[int] | None = None) -> list[int] | Tensor:
+    """Pairs per local expert slot, as ``experts`` take them: grouped experts a tensor counted on the
+    device (bincount would read its max back on CUDA), a loop a list (``counts`` when the caller knows
+    them, else the one host read that sizing its slices takes)."""
+    if experts.grouped(x):
+        return torch.zeros(experts.num_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, pair_slot, torch.ones_like(pair_slot))
+    return counts if counts is not None else torch.bincount(pair_slot, minlength=experts.num_experts).tolist()

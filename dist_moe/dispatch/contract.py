@@ -14,7 +14,14 @@ from typing import Protocol, runtime_checkable
 from torch import Tensor, nn
 
 from dist_moe.dispatch.moe_forward import Tokens
-from dist_moe.routing.base import Routing
+
+
+class Routes(Protocol):
+    """What an exchange reads of a routing (``dist_moe.routing.Routing`` has it): [T, K] expert ids, highest
+    first, -1 for a slot dropped by capacity, and the gates applied to the selected experts' outputs."""
+
+    expert_idx: Tensor
+    gates: Tensor
 
 
 class ExpertsContract(Protocol):
@@ -22,6 +29,8 @@ class ExpertsContract(Protocol):
 
     num_experts: int  # local experts on this rank
     capture: object | None  # GAR's factor capture (dist-moe's Experts only), else None
+    # (optional, default False) whether a call takes ``weights={slot: tensor}``, copies of its weights to run
+    # on: the pipeline casts dist-moe's experts' weights once per forward for all chunks
 
     def __call__(self, x: Tensor, counts: list[int] | Tensor, tags: Tensor | None = None) -> Tensor:
         """``counts``: rows per local expert: an int tensor on x's device where ``grouped(x)``, else a list."""
@@ -46,7 +55,7 @@ class Dispatcher(Protocol):
     rank: int
     metadata_bytes: int
 
-    def __call__(self, tokens: Tokens, routing: Routing, experts: ExpertsContract, chunks: int = 1,
+    def __call__(self, tokens: Tokens, routing: Routes, experts: ExpertsContract, chunks: int = 1,
                  shared: nn.Module | None = None) -> tuple[Tensor, Tensor | None]:
         """``tokens.h`` [T, H], ``routing.expert_idx`` / ``routing.gates`` [T, K] (-1: dropped) ->
         (y [T, H], ``shared(h)`` or None)."""

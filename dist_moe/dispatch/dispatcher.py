@@ -34,13 +34,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dist_moe.dispatch.all_to_all import Chunk, plan_hops
-from dist_moe.dispatch.combine import apply_experts_in_order, take_rows
+from dist_moe.dispatch.combine import apply_experts, apply_experts_in_order, take_rows
+from dist_moe.dispatch.contract import ExpertsContract, Routes
 from dist_moe.dispatch.groups import WeakGroup, free_import_time_defaults
 from dist_moe.dispatch.moe_forward import Tokens
 from dist_moe.dispatch.pipeline import PipelineRun, chunk_bounds, run_pipeline
 from dist_moe.dispatch.stages import stage
-from dist_moe.moe.experts import Experts, apply_experts
-from dist_moe.routing.base import Routing
 from placement import Placement, Topology, Traffic
 from placement.plan import DispatchPlan, Exchange, check_dedup
 
@@ -84,7 +83,7 @@ class LocalDispatcher:
         self.placement = placement  # its slot table maps expert ids to this rank's slots
         self.fixed_order = fixed_order
 
-    def __call__(self, tokens: Tokens, routing: Routing, experts, chunks: int = 1,
+    def __call__(self, tokens: Tokens, routing: Routes, experts, chunks: int = 1,
                  shared: nn.Module | None = None) -> tuple[Tensor, Tensor | None]:
         h, expert_idx, gates, row_tags = tokens.h, routing.expert_idx, routing.gates, tokens.row_tags
         t, k = expert_idx.shape
@@ -217,7 +216,7 @@ class ExpertParallelDispatcher:
             self.rank_of, self.slot_of = self.placement.rank_table(device), self.placement.slot_table(device)
         return self.rank_of, self.slot_of
 
-    def __call__(self, tokens: Tokens, routing: Routing, experts: Experts, chunks: int = 1,
+    def __call__(self, tokens: Tokens, routing: Routes, experts: ExpertsContract, chunks: int = 1,
                  shared: nn.Module | None = None) -> tuple[Tensor, Tensor | None]:
         """``tokens.h`` [T, H] this rank's tokens -> (y [T, H] sum of gated expert outputs per token,
         ``shared(h)`` or None).

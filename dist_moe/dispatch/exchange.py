@@ -17,12 +17,11 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from dist_moe.dispatch.agree import agree, agreed_routing
-from dist_moe.dispatch.contract import Dispatcher, ExpertsContract
+from dist_moe.dispatch.contract import Dispatcher, ExpertsContract, Routes
 from dist_moe.dispatch.dispatcher import make_dispatcher
 from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.dispatch.moe_forward import Tokens
 from dist_moe.dispatch.pipeline import check_chunks
-from dist_moe.routing.base import Routing
 from placement import Placement, Topology
 from placement.plan import check_dedup
 
@@ -75,7 +74,7 @@ class ExpertExchange:
         """The context the route and exchange stages run in: ``agreed_routing`` when ranks agree."""
         return agreed_routing(router) if self.agreed else contextlib.nullcontext()
 
-    def run(self, tokens: Tokens, routing: Routing, experts: ExpertsContract,
+    def run(self, tokens: Tokens, routing: Routes, experts: ExpertsContract,
             shared: nn.Module | None = None) -> tuple[Tensor, Tensor | None]:
         """(y [T, H] the gated experts' outputs summed per token, ``shared(h)`` or None). ``shared`` (the
         shared experts) runs while the first chunks are in flight."""

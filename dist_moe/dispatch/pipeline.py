@@ -24,15 +24,11 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from dist_moe.config.choices import MAX_PIPELINE_CHUNKS
 from dist_moe.dispatch.all_to_all import Hop, Pending, pairs_back
-from dist_moe.dispatch.combine import apply_experts_in_order, row_places, sum_rows
+from dist_moe.dispatch.combine import apply_experts, apply_experts_in_order, compute_dtype, row_places, sum_rows
+from dist_moe.dispatch.contract import ExpertsContract
 from dist_moe.dispatch.stages import stage
-from dist_moe.moe.experts import Experts, apply_experts, compute_dtype
-
-# Every chunk is one more exchange per stage and direction, each with its latency: far below this
-# the overlap has stopped paying, and a bound keeps per-chunk lists (bounds, hops, saved graphs) small
-# whatever the config says.
-MAX_PIPELINE_CHUNKS = 64
 
 
 def check_chunks(chunks) -> int:
@@ -57,7 +53,7 @@ def chunk_bounds(tokens: int, chunks: int) -> list[tuple[int, int]]:
 class PipelineRun:
     """One forward's hops and the per-chunk graphs its backward needs."""
 
-    def __init__(self, first: list[Hop], second, experts: Experts, slot_of: Tensor, tagged: bool,
+    def __init__(self, first: list[Hop], second, experts: ExpertsContract, slot_of: Tensor, tagged: bool,
                  side: nn.Module | None, top_k: int = 1, fixed_order: bool = False):
         """``second``: node dedup's stage-2 hops, or what plans them (called once stage 1's payload has
         left), or None. ``fixed_order``: every sum of rows (a copy's pairs, a token's copies, their gradients) in a
@@ -133,7 +129,7 @@ class PipelineRun:
         cast to the compute dtype once per forward (bf16 under autocast), so a chunk's backward gives
         the gradient of that copy alone, which ``backward`` adds into one fp32 buffer per weight."""
         self.leaves = []
-        if not isinstance(self.experts, Experts):  # an engine's experts keep their own parameters
+        if not getattr(self.experts, "takes_weights", False):  # an engine's experts keep their own parameters
             return {}
         dtype = compute_dtype(h)
         slots = [n for n, p in self.experts.template().items() if p.requires_grad]

@@ -7,6 +7,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from dist_moe.config.choices import DEVICES
 from dist_moe.dispatch.dispatcher import release_node_groups
 from dist_moe.errors import CollectiveError
 
@@ -23,11 +24,6 @@ def launched_world_size() -> int:
     return world
 
 
-DEVICES = ("auto", "cpu", "cuda")
-# How long a collective may wait for a peer: below a second the group's own start-up (the store's
-# rendezvous) times out before any peer could answer; beyond a week a hung peer is never reported,
-# and far beyond, the backends' own timers overflow.
-MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 7 * 24 * 3600
 
 
 def local_rank() -> int:

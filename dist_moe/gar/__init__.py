@@ -1,8 +1,9 @@
 """GAR (Li et al., "Routing in Gradient Space: Balanced Usage Is Not Expert Specialization"):
 an auxiliary router objective built from gradient observations, for any differentiable router.
 
-objective.py  the criterion L_norm (section 5.2, appendix G.2) and the ``train.gar`` settings (``GARConfig``)
-observe.py    the (g_m, p_m) observations, collected during task-gradient accumulation
-factors.py    observations from expert block factors (appendix G.2)
-step.py       one GAR update (Algorithm 1): task gradients, L_norm's gradient, clip, step
+observe.py   the (g_m, p_m) observations, collected during task-gradient accumulation
+factors.py   observations from expert block factors (appendix G.2)
+step.py      one GAR update (Algorithm 1): task gradients, L_norm's gradient, clip, step
+
+The criterion and the ``train.gar`` settings (``GARConfig``) are in ``dist_moe.routing.gar``.
 """

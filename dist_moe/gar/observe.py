@@ -33,9 +33,9 @@ from torch import Tensor
 
 from dist_moe.dispatch.stats import all_reduce_sum, all_reduce_sum_, group_size
 from dist_moe.gar.factors import SlotRows, factor_gram, factor_observations
-from dist_moe.gar.objective import MODES, UNITS
 from dist_moe.moe.experts import FactorCapture
 from dist_moe.moe.view import MoEView, moe_views
+from dist_moe.routing.gar import MODES, UNITS
 
 _TAG_BITS = 32  # a row tag is (source rank << 32) | local unit index; -1: no unit
 

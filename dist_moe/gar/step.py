@@ -35,8 +35,8 @@ from torch import Tensor, nn
 
 from dist_moe.dispatch.grads import all_finite, clip_global, group_size, sum_replicated_grads
 from dist_moe.dispatch.stats import all_reduce_sum_
-from dist_moe.gar.objective import GARConfig, gar_loss, gar_loss_gram
 from dist_moe.gar.observe import Observations, collect_observations
+from dist_moe.routing.gar import GARConfig, gar_loss, gar_loss_gram
 
 
 def equal_task_weights(tasks: Sequence[int], sizes: Sequence[int]) -> list[float]:

@@ -4,7 +4,7 @@
 weights it loads them (never pickled weights, never the folder's own code, and every weight of the
 model must be there), else it starts from random weights drawn with the run's seed (the same on every
 rank). Its MoE blocks' experts are sharded over the launched world and dispatched by dist-moe
-(``integrations/transformers_hosted``); everything else is the model's own and replicated.
+(``integrations/transformers/hosted.py``); everything else is the model's own and replicated.
 ``HFCausalLM`` gives the trainer its usual ``(logits, aux) = model(tokens, categories)``; ``export``
 writes the trained model where ``AutoModelForCausalLM.from_pretrained`` reads it, tokenizer included.
 """

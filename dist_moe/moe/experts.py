@@ -17,15 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-KINDS = ("swiglu", "gelu", "lora")
+from dist_moe.config.choices import EXPERT_KINDS
+from dist_moe.dispatch.combine import compute_dtype
+
+KINDS = EXPERT_KINDS
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what F.grouped_mm takes here (CPU and CUDA)
-
-
-def compute_dtype(x: Tensor) -> torch.dtype:
-    """The dtype experts compute in: autocast's (bf16 under train.precision bf16), else ``x``'s.
-    ``F.grouped_mm`` is not on autocast's lists, so the experts cast their rows themselves."""
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 def grouped_ok(x: Tensor, weights: list[Tensor], dtype: torch.dtype | None = None) -> bool:
@@ -102,6 +98,8 @@ class FactorCapture:
 
 
 class Experts(nn.Module):
+    takes_weights = True  # forward(..., weights={slot: tensor}) runs on those copies (dispatch/pipeline.py)
+
     def __init__(
         self,
         num_experts: int,
@@ -210,36 +208,6 @@ class Experts(nn.Module):
                 self.capture.current_tags = tags[:0]
             return self.expert(0, x_sorted[:0], {n: v[0] for n, v in views.items()})
         return torch.cat(outs)
-
-
-def apply_experts(experts: Experts, x: Tensor, pair_row: Tensor, pair_slot: Tensor, pair_gate: Tensor,
-                  row_tags: Tensor | None = None, counts: list[int] | None = None, **weights) -> Tensor:
-    """y[r] = sum over pairs p with pair_row[p] == r of gate_p * expert_{slot_p}(x[r]), in fp32.
-
-    Pairs are grouped by local expert slot with one stable sort, so each expert runs
-    once on a contiguous slice; gated outputs are reduced per row with index_add, in
-    fp32 whatever the activations' dtype (the caller casts once). Grouped experts get their
-    counts from the pairs on the device; a loop gets ``counts`` (pairs per slot, known to the
-    dispatcher from its exchange header), which saves the one host read sizing its slices takes.
-    ``row_tags`` [rows of x] are handed to a tagging capture (GAR observations); ``weights=``, when
-    given, to the experts (``Experts.forward``).
-    """
-    order = torch.argsort(pair_slot, stable=True)
-    rows, gates = pair_row[order], pair_gate[order]
-    counts = slot_counts(experts, x, pair_slot, counts)
-    out = experts(x[rows], counts, None if row_tags is None else row_tags[rows], **weights)
-    y = torch.zeros(x.shape[0], out.shape[1], dtype=torch.float32, device=x.device)
-    return y.index_add(0, rows, out.float() * gates.float().unsqueeze(1))
-
-
-def slot_counts(experts, x: Tensor, pair_slot: Tensor, counts: list[int] | None = None) -> list[int] | Tensor:
-    """Pairs per local expert slot, as ``experts`` take them: grouped experts a tensor counted on the
-    device (bincount would read its max back on CUDA), a loop a list (``counts`` when the caller knows
-    them, else the one host read that sizing its slices takes)."""
-    if experts.grouped(x):
-        return torch.zeros(experts.num_experts, dtype=torch.long, device=x.device).scatter_add_(
-            0, pair_slot, torch.ones_like(pair_slot))
-    return counts if counts is not None else torch.bincount(pair_slot, minlength=experts.num_experts).tolist()
 
 
 class SingleExpert(nn.Module):

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from dist_moe.dispatch.combine import take_rows
 from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.dispatch.stats import all_reduce_sum
-from placement.placement import MAX_EXPERTS
+from placement.names import MAX_EXPERTS
 
 
 @dataclass

@@ -12,11 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-from placement.placement import MAX_EXPERTS
-
-# A factor of E / K already lets every expert take every token (nothing drops), and E <= MAX_EXPERTS:
-# larger factors change nothing but can overflow ceil(factor * T * K / E) to inf.
-MAX_CAPACITY_FACTOR = float(MAX_EXPERTS)
+from dist_moe.config.choices import MAX_CAPACITY_FACTOR
 
 
 def capacity_for(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field, make_dataclass, replace
 from dataclasses import fields as dataclass_fields
 from typing import ClassVar
 
-from dist_moe.config_types import fits, hints, wanted
+from dist_moe.config.types import fits, hints, wanted
 from dist_moe.errors import shown
-from dist_moe.gar.objective import GARConfig
 from dist_moe.routing.base import Router, check_shape
 from dist_moe.routing.branch import BranchRouter
 from dist_moe.routing.flat import DeepSeekV3Router, HashRouter, SkyworkRouter, SwitchRouter, UniformRouter
+from dist_moe.routing.gar import GARConfig
 from dist_moe.routing.specdrop import SpecDropRouter
 
 ROUTERS: dict[str, type[Router]] = {

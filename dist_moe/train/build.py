@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from dist_moe.config.choices import MODEL_KINDS
 from dist_moe.data.corpus import lm_split
 from dist_moe.data.local_text import is_local, local_split
 from dist_moe.data.tabular import tabular_split
@@ -38,7 +39,7 @@ TEXT_HIDDEN = 384  # MiniLM's states, which the text model's MoE reads
 
 # model.kind -> the dataset it trains on (tabular: any keel dataset; hf: a local text or token file)
 DATA_OF_KIND = {"tabular": None, "image": "fashion_mnist", "lm": "corpus", "text": "text_tasks"}
-MODEL_KINDS = (*DATA_OF_KIND, "hf")
+assert (*DATA_OF_KIND, "hf") == MODEL_KINDS  # the schema's names (config/choices.py) are these
 
 
 def data_and_model(cfg, rt):

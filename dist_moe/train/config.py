@@ -1,5 +1,5 @@
 """Loading a training config: the embedded default, a YAML file, then key=value overrides, merged
-as mappings and parsed once into the typed ``RunConfig`` (its schema: ``train/run_config.py``).
+as mappings and parsed once into the typed ``RunConfig`` (its schema: ``dist_moe/train/run_config.py``).
 
 Every section is merged against the default's keys, so a typo fails with the key's name instead of
 being ignored. Router keys are checked at load as far as they can be before the data and the layer

@@ -10,7 +10,7 @@ megatron   Megatron-core's MoELayer with dist-moe's router; its tokens move thro
            ``parallel.dispatcher``: Megatron's alltoall (engine) or allgather, or dist_moe (dist-moe's
            dispatcher: ``parallel.dedup``, ``parallel.pipeline_chunks``); plain Adam.
            The key defaults to auto: dist_moe when the config asks for node dedup or pipelined
-           chunks (``chooses_dist_moe``), else the engine's own.
+           chunks (``ParallelConfig.dispatches``), else the engine's own.
 
 ``train.precision: bf16`` is each engine's own: DeepSpeed's ``bf16.enabled`` (bf16 module, fp32 masters
 and Adam state in its optimizer; ``DeepSpeedStepper``); for megatron, as for torch, fp32 weights and
@@ -43,13 +43,6 @@ from dist_moe.train.steppers import DeepSpeedStepper, LocalStepper
 SUPPORTED = {"deepspeed": ("deepspeed", "0.19."), "megatron": ("megatron-core", "0.16.")}
 
 
-def chooses_dist_moe(choice: str, parallel) -> bool:
-    """``parallel.dispatcher`` for an engine: dist_moe, or auto when the config's ``parallel`` section
-    asks for what only dist-moe's dispatcher does (node dedup, pipelined chunks)."""
-    asked = parallel.pipeline_chunks not in (1, "auto")  # auto measures where dist-moe's dispatcher runs anyway
-    return choice == "dist_moe" or (choice == "auto" and (parallel.dedup == "node" or asked))
-
-
 class Engine:
     """The contract: set up (``before_group``, ``after_group``), build the MoE layer, step, shut down."""
 
@@ -57,11 +50,6 @@ class Engine:
     needs_group = True  # a process group even on one rank (a one-rank group on localhost)
     resume_keys: tuple[str, ...] = ()  # config keys beyond the model's whose change its checkpoints cannot carry
 
-    @staticmethod
-    def dispatches(parallel) -> bool:
-        """Whether this config's MoE layers exchange through dist-moe's dispatcher (which dedups
-        by node and pipelines chunks) rather than the engine's own."""
-        return False
 
     def check_version(self) -> None:
         """Refuse a release the adapters were not written for (before any collective)."""
@@ -101,10 +89,6 @@ class TorchEngine(Engine):
     name = "torch"
     needs_group = False
 
-    @staticmethod
-    def dispatches(parallel):
-        return True
-
     def build_moe(self, rt, config):
         return replace(config, exchange=rt.exchange).build(rt.moe_group, rt.placement(config.num_experts),
                                                             rt.topology())
@@ -116,16 +100,12 @@ class DeepSpeedEngine(Engine):
     # the weights themselves: their checkpoints keep different tensors
     resume_keys = ("train.precision",)
 
-    @staticmethod
-    def dispatches(parallel):
-        return chooses_dist_moe(parallel.dispatcher, parallel)
-
     def before_group(self, timeout_s, device):
         init_distributed(timeout_s, device)
 
     def build_moe(self, rt, config):
         placement = rt.placement(config.num_experts)
-        if self.dispatches(rt.parallel):  # DeepSpeed's MoE module and experts, dist-moe's dispatcher (dropless)
+        if rt.parallel.dispatches(self.name):  # DeepSpeed's MoE module and experts, dist-moe's dispatcher (dropless)
             config = replace(config, capacity_factor=None, exchange=replace(rt.exchange, deterministic=False))
             return DeepSpeedDispatchedMoE(config, rt.world, placement, rt.topology())
         return DeepSpeedHostedMoE(config, rt.world, placement, rt.topology(), min_capacity=4)  # min: MoE's default
@@ -140,10 +120,6 @@ class DeepSpeedEngine(Engine):
 class MegatronEngine(Engine):
     name = "megatron"
 
-    @staticmethod
-    def dispatches(parallel):
-        return chooses_dist_moe(parallel.dispatcher, parallel)
-
     def after_group(self, rt):
         megatron_patches.apply(cpu=rt.device.type == "cpu")
         parallel_state = engine_import("megatron.core", "parallel_state")
@@ -153,7 +129,7 @@ class MegatronEngine(Engine):
     def build_moe(self, rt, config):
         placement = rt.placement(config.num_experts)
         config = replace(config, capacity_factor=None)  # dropless (the config checks refuse a capacity)
-        if self.dispatches(rt.parallel):  # Megatron's layer and experts, dist-moe's dispatcher
+        if rt.parallel.dispatches(self.name):  # Megatron's layer and experts, dist-moe's dispatcher
             config = replace(config, exchange=replace(rt.exchange, deterministic=False))
             return MegatronDispatchedMoE(config, rt.world, placement, rt.topology(), device=rt.device)
         own = rt.parallel.dispatcher  # auto or engine: Megatron's default, alltoall

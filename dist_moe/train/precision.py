@@ -13,8 +13,6 @@ import os
 
 import torch
 
-PRECISIONS = ("fp32", "bf16")
-
 
 def compute_context(device: torch.device, precision: str):
     """What a forward runs under: autocast to bfloat16 for ``bf16``, nothing for ``fp32``."""

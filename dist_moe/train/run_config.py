@@ -6,28 +6,36 @@ returns is what the trainer, ``Runtime``, the engines and the layers read (``cfg
 Adding a key is one line in its section (a field with its default and rule): YAML files, dotted
 overrides, ``DEFAULT_CONFIG`` and the error naming the key follow from it. The router section is
 the strategy's own typed config (``routing.registry.config_class``: its constructor's parameters),
-``train.gar`` is ``GARConfig`` (null: no GAR). Files are read by ``train/config.py``.
+``train.gar`` is ``GARConfig`` (null: no GAR). Files are read by ``train/config.py``. It imports no
+implementation: the names and bounds its keys take come from ``dist_moe/config/choices.py``, not from
+the modules that implement them (engines, models, dispatch, run directory); only the router and GAR
+configs, which are the strategies' own.
 """
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
 
-from dist_moe.config_types import fits, hints, kinds, optional, wanted
-from dist_moe.dispatch.pipeline import MAX_PIPELINE_CHUNKS
-from dist_moe.dispatch.process_group import DEVICES, MAX_TIMEOUT_S, MIN_TIMEOUT_S
+from dist_moe.config.choices import (
+    DEVICES,
+    ENGINES,
+    EXPERT_KINDS,
+    MAX_CAPACITY_FACTOR,
+    MAX_PIPELINE_CHUNKS,
+    MAX_TIMEOUT_S,
+    MIN_TIMEOUT_S,
+    MODEL_KINDS,
+    PRECISIONS,
+)
+from dist_moe.config.choices import MEGATRON_DISPATCHERS as DISPATCHERS
+from dist_moe.config.types import fits, hints, kinds, optional, wanted
 from dist_moe.errors import shown
-from dist_moe.gar.objective import GARConfig
-from dist_moe.integrations.megatron.patches import DISPATCHERS
-from dist_moe.moe.experts import KINDS as EXPERT_KINDS
-from dist_moe.routing.capacity import MAX_CAPACITY_FACTOR
+from dist_moe.routing.gar import GARConfig
 from dist_moe.routing.registry import GAR_MOVED, RouterConfig, RouterKeyError, router_config, router_shape
-from dist_moe.train.build import MODEL_KINDS
-from dist_moe.train.engines import ENGINES
-from dist_moe.train.precision import PRECISIONS
-from dist_moe.train.rundir import output_dir
-from placement.placement import NAMED as PLACEMENTS
-from placement.plan import DEDUP_MODES
+from placement.names import DEDUP_MODES
+from placement.names import NAMED as PLACEMENTS
 
 DISPATCHER_CHOICES = ("auto", "dist_moe", "engine", *DISPATCHERS)
 # the keys parallel.dispatcher replaced, one per engine, and what their values name now
@@ -75,6 +83,16 @@ class ParallelConfig:
     # measure C in chunk_tuning.CANDIDATES where a node boundary is crossed, and the run keeps the fastest
     pipeline_chunks: int | str = key(1, f"an int in [1, {MAX_PIPELINE_CHUNKS}] or auto",
                                      lambda v: v == "auto" if isinstance(v, str) else 1 <= v <= MAX_PIPELINE_CHUNKS)
+
+    def dispatches(self, engine: str) -> bool:
+        """Whether ``engine``'s MoE layers exchange through dist-moe's dispatcher (which dedups by node and
+        pipelines chunks) rather than the engine's own: always for torch; for deepspeed and megatron,
+        ``dispatcher`` dist_moe, or auto when this section asks for what only dist-moe's dispatcher does
+        (node dedup, pipelined chunks; auto chunks measure where dist-moe's dispatcher runs anyway)."""
+        if engine == "torch":
+            return True
+        asked = self.pipeline_chunks not in (1, "auto")
+        return self.dispatcher == "dist_moe" or (self.dispatcher == "auto" and (self.dedup == "node" or asked))
 
     @property
     def start_chunks(self) -> int:
@@ -172,7 +190,7 @@ class RunConfig:
                     lambda v: bool(v.strip()) and not any(c in v for c in ("/", "\\", "..", "\0")))
     seed: int = key(0, "an int in [0, 2**63 - 1]", lambda v: 0 <= v < 2**63)
     # which MoE layer hosts the router: dist-moe's own ("torch"), DeepSpeed's or Megatron-core's
-    engine: str = one_of("torch", tuple(ENGINES))
+    engine: str = one_of("torch", ENGINES)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -295,7 +313,7 @@ def _check_engine_dispatch(cfg: RunConfig) -> None:
     if engine == "megatron" and cfg.model.capacity_factor is not None:  # Megatron's own dispatchers too
         raise ValueError(f"engine megatron runs dropless: set model.capacity_factor: null "
                          f"(got {cfg.model.capacity_factor})")
-    if ENGINES[engine].dispatches(parallel):
+    if parallel.dispatches(engine):
         if cfg.model.capacity_factor is not None:
             raise ValueError(f"engine {engine} through dist-moe's dispatcher ({key_}: {choice}, with parallel.dedup="
                              f"{parallel.dedup}, parallel.pipeline_chunks={parallel.pipeline_chunks}) "
@@ -354,6 +372,15 @@ def _move_router_gar(d: dict, warn: bool) -> dict:
         warnings.warn(GAR_MOVED, FutureWarning, stacklevel=4)
     router = dict(router)
     return {**d, "router": router, "train": {**train, "gar": router.pop("gar")}}
+
+
+def output_dir(cfg: RunConfig) -> Path:
+    """A ``RunConfig``'s output.dir with ``{name}`` filled in and ``~`` expanded (never a literal ``./~``)."""
+    raw = cfg.output.dir.format(name=cfg.name)
+    path = os.path.expanduser(raw)
+    if path.startswith("~"):
+        raise ValueError(f"output.dir {raw!r}: {path.split('/')[0]!r} is no known user's home folder")
+    return Path(path)
 
 
 def _plain(obj, full: bool):

@@ -31,15 +31,6 @@ def _ours(name: str) -> bool:
     return name in RUN_FILES or name in RUN_DIRS or name == LOCK or bool(_ROUTING.fullmatch(name))
 
 
-def output_dir(cfg) -> Path:
-    """A ``RunConfig``'s output.dir with ``{name}`` filled in and ``~`` expanded (never a literal ``./~``)."""
-    raw = cfg.output.dir.format(name=cfg.name)
-    path = os.path.expanduser(raw)
-    if path.startswith("~"):
-        raise ValueError(f"output.dir {raw!r}: {path.split('/')[0]!r} is no known user's home folder")
-    return Path(path)
-
-
 class RunLock:
     """An exclusive ``flock`` on ``<dir>/.dist-moe.lock`` holding the owner's pid, for the run's life.
 

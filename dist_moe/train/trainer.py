@@ -37,8 +37,8 @@ from dist_moe.train.config import model_changes
 from dist_moe.train.evaluate import evaluate
 from dist_moe.train.metrics import host_layer_metrics, layers_metrics, routing_tensors
 from dist_moe.train.routing_record import record_routing
-from dist_moe.train.run_config import RunConfig
-from dist_moe.train.rundir import RunDir, check_writable, open_metrics, output_dir, truncate_metrics
+from dist_moe.train.run_config import RunConfig, output_dir
+from dist_moe.train.rundir import RunDir, check_writable, open_metrics, truncate_metrics
 from dist_moe.train.runtime import Runtime
 from dist_moe.train.step_bytes import StepBytes
 from dist_moe.train.training_state import DataCursor, restore_state, save_state

@@ -32,8 +32,9 @@ def _one_expert_worker(rank, world):
     import torch
     import torch.distributed as dist
 
+    from dist_moe.dispatch.combine import apply_experts
     from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher, routing_pairs
-    from dist_moe.moe.experts import Experts, apply_experts
+    from dist_moe.moe.experts import Experts
     from placement import Placement, Topology
 
     torch.manual_seed(0)

@@ -13,10 +13,11 @@ import sys
 import torch
 from torch.distributed import ProcessGroup
 
+from dist_moe.config.choices import MEGATRON_DISPATCHERS
 from dist_moe.optional_engines import engine_import
 
 # Megatron's token dispatchers (config.moe_token_dispatcher_type) that host dist-moe's router
-DISPATCHERS = ("alltoall", "allgather")
+DISPATCHERS = MEGATRON_DISPATCHERS
 _APPLIED = False
 
 

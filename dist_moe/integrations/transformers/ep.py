@@ -27,9 +27,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dist_moe.dispatch.combine import compute_dtype
 from dist_moe.dispatch.exchange import ExchangeConfig
 from dist_moe.integrations.stacked import grouped_mm
-from dist_moe.moe.experts import compute_dtype, grouped_ok, offsets
+from dist_moe.moe.experts import grouped_ok, offsets
 from dist_moe.moe.host import ChosenRouter, ChosenRoutes
 from dist_moe.optional_engines import engine_import
 from placement import Placement, Topology, Traffic
