@@ -116,10 +116,10 @@ def stage_seconds(per_level: dict, topology: Topology, scale: float, token_bytes
 
 
 def forecast(shape: ModelShape, topology: Topology, routing=None, ep: int | None = None, tflops: float = 400.0,
-             sample: int | None = None, placements=PLACEMENTS, seed: int = 0, chunks=(1,)) -> dict:
+             sample: int | None = None, placements=PLACEMENTS, chunks=(1,)) -> dict:
     """Bytes per token per level and predicted seconds per placement x dedup x pipeline chunks.
     ``routing``: None (uniform), or a callable (tokens, generator) -> [T, K] expert ids (e.g. a
-    recorded run's)."""
+    recorded run's); the ``sample`` tokens are drawn with a fixed seed, so a plan repeats."""
     in_range(tflops, *TFLOPS_RANGE, "--tflops", " (TFLOP/s per rank)")
     if ep is not None and (isinstance(ep, bool) or not isinstance(ep, int) or ep < 1):
         raise ValueError(f"--ep must be an int >= 1, got {ep!r}")
@@ -133,7 +133,7 @@ def forecast(shape: ModelShape, topology: Topology, routing=None, ep: int | None
     # about 200 B per sampled (token, expert) pair: ids, sort keys, the plan's copies
     check_memory(ep * sample * shape.top_k * 200, f"planning {ep} ranks x {sample} sampled tokens x top-{shape.top_k}",
                  "lower --sample")
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(0)
     t = ep * sample
     idx = routing(t, g) if routing is not None else uniform_routing(t, shape.experts, shape.top_k, g)
     src = torch.arange(ep).repeat_interleave(sample)

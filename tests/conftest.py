@@ -1,4 +1,5 @@
 import os
+import types
 
 import pytest
 import torch
@@ -19,11 +20,12 @@ _ENGINES = ("deepspeed", "megatron")
 
 def pytest_collection_modifyitems(config, items):
     """Markers from what a test calls, so `make test-fast` needs no list kept by hand: ``multiprocess``
-    when the test function calls a launcher itself, ``engine`` when its module or name is DeepSpeed's
-    or Megatron's. A file may also set ``pytestmark`` (``slow``: minutes of CPU in one process)."""
+    when the test function calls a launcher, itself or through its module's helpers, ``engine`` when
+    its module or name is DeepSpeed's or Megatron's. A file may also set ``pytestmark`` (``slow``: many
+    seconds of CPU in one process)."""
     for item in items:
         function = getattr(item, "function", None)
-        if function is not None and _names(function.__code__) & _LAUNCHERS:
+        if function is not None and _reached(function) & _LAUNCHERS:
             item.add_marker(pytest.mark.multiprocess)
         name = getattr(item, "originalname", item.name)  # not its parameters' ids
         where = f"{item.module.__name__} {name}".lower() if getattr(item, "module", None) else name
@@ -37,4 +39,16 @@ def _names(code) -> set:
     for const in code.co_consts:
         if hasattr(const, "co_names"):
             names |= _names(const)
+    return names
+
+
+def _reached(function, seen=None) -> set:
+    """The names ``function`` uses, and those of the functions of its own module that it calls, transitively."""
+    seen = set() if seen is None else seen
+    seen.add(function)
+    names = _names(function.__code__)
+    for name in list(names):
+        helper = function.__globals__.get(name)
+        if isinstance(helper, types.FunctionType) and helper.__module__ == function.__module__ and helper not in seen:
+            names |= _reached(helper, seen)
     return names

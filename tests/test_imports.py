@@ -174,3 +174,42 @@ def test_the_layout_is_by_stage_and_the_public_names_import_where_users_import_t
                "dist_moe.integrations.transformers": ("use", "traffic", "reset_traffic")}
     for module, names in engines.items():
         assert set(names) <= set(dir(importlib.import_module(module))), module
+
+
+# routers take their hyperparameters as a torch module does; deepspeed_moe_layer mirrors deepspeed.moe.layer.MoE
+WIDE_ALLOWED = {"dist_moe/integrations/deepspeed/layer.py:deepspeed_moe_layer"}
+MAX_PARAMETERS = 8
+
+
+def wide_signatures(planted: dict | None = None) -> list:
+    """Public functions and methods of dist_moe and placement with more than MAX_PARAMETERS parameters
+    (self and cls not counted; *args and **kwargs counted), but the routers' constructors."""
+    out = []
+    for root in ("dist_moe", "placement"):
+        for path in sorted((ROOT / root).rglob("*.py")):
+            rel = str(path.relative_to(ROOT))
+            tree = ast.parse((planted or {}).get(rel) or path.read_text())
+            for node in ast.walk(tree):
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                if node.name.startswith("_") and node.name != "__init__":
+                    continue
+                a = node.args
+                n = len(a.posonlyargs + a.args + a.kwonlyargs) + (a.vararg is not None) + (a.kwarg is not None)
+                n -= bool(a.args and a.args[0].arg in ("self", "cls"))
+                router = rel.startswith("dist_moe/routing/") and node.name == "__init__"
+                if n > MAX_PARAMETERS and not router and f"{rel}:{node.name}" not in WIDE_ALLOWED:
+                    out.append(f"{rel}:{node.lineno} {node.name} ({n})")
+    return out
+
+
+def test_no_public_signature_takes_more_than_eight_parameters():
+    assert not wide_signatures(), wide_signatures()
+    planted = "\n\ndef too_wide(a, b, c, d, e, f, g, h, i):\n    pass\n"
+    path = "placement/forecast.py"
+    found = wide_signatures({path: (ROOT / path).read_text() + planted})
+    assert found == [f"{path}:{_last_line(path) + 3} too_wide (9)"]
+
+
+def _last_line(path: str) -> int:
+    return len((ROOT / path).read_text().splitlines())

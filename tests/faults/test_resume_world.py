@@ -10,6 +10,8 @@ import torch
 from dist_moe.train.training_state import DataCursor
 from tests.dist_utils import run_workers
 
+pytestmark = pytest.mark.slow  # two resumed runs per case: 10-15 s each in one process
+
 N, EPOCHS, BATCH = 400, 2, 32  # training rows (data.max_rows=500, 20% held out), per-rank batch
 
 
