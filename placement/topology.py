@@ -244,3 +244,8 @@ class Topology:
 
     def describe(self) -> str:
         return ",".join(f"{n}={s}" for n, s in zip(self.levels, self.sizes))
+
+    def check_ranks(self, world: int, what: str = "the group") -> None:
+        """Refuse a topology of another size than the ranks it describes (``what``: those ranks, named)."""
+        if self.world_size != world:
+            raise ValueError(f"topology {self.describe()} has {self.world_size} ranks, {what} {world}")

@@ -171,8 +171,7 @@ class ExpertParallelDispatcher:
         self.fixed_order = fixed_order  # the pipeline's sums of rows (LocalDispatcher's)
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        if topology.world_size != self.world:
-            raise ValueError(f"topology {topology.describe()} has {topology.world_size} ranks, the group {self.world}")
+        topology.check_ranks(self.world)
         placement.check(placement.num_experts, self.world)
         # the mode it runs: node dedup on one node (or one rank per node) is rank dedup, no second stage
         self.dedup = topology.effective_dedup(check_dedup(dedup))

@@ -19,10 +19,9 @@ import contextlib
 
 from torch import Tensor, nn
 
-from dist_moe.dispatch.agree import input_problem
 from dist_moe.dispatch.contract import ExpertsContract
 from dist_moe.dispatch.exchange import ExpertExchange
-from dist_moe.dispatch.moe_forward import Tokens
+from dist_moe.dispatch.moe_forward import Tokens, tokens_in
 from dist_moe.dispatch.stages import stage
 from dist_moe.routing.base import Router, Routing, expert_load
 from placement import Placement, Topology
@@ -116,8 +115,9 @@ class ChosenRoutes(ExchangedMoE):
         return self.router
 
     def tokens(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tokens:
-        return Tokens(hidden_states, problem=input_problem(hidden_states), tag=self.forwards,
-                      chosen=(top_k_index, top_k_weights))
+        tokens = tokens_in(hidden_states, self.forwards)
+        tokens.chosen = (top_k_index, top_k_weights)
+        return tokens
 
     def route(self, tokens: Tokens) -> Routing:
         """The model's choice as a ``Routing``; its chosen weights stand for the full distribution,

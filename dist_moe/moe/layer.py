@@ -32,9 +32,9 @@ from dist_moe.dispatch.moe_forward import Tokens, tokens_in
 from dist_moe.moe.experts import KINDS, Experts, SharedExpert
 from dist_moe.moe.host import ExchangedMoE, bind_to_topology, per_token
 from dist_moe.moe.view import MoEView, expert_locations
-from dist_moe.routing import Router, Routing, build_router
+from dist_moe.routing import Router, Routing
 from dist_moe.routing.capacity import capacity_for, capacity_step, check_one_capacity
-from dist_moe.routing.registry import RouterConfig, router_config
+from dist_moe.routing.registry import RouterConfig, layer_router, router_config
 from dist_moe.seeding import fork_rng
 from placement import Placement, Topology
 
@@ -108,15 +108,14 @@ class MoELayer(ExchangedMoE, CountsTraffic, nn.Module):
             given = router_config(router, given_later=("hidden_size",))
             if given.hidden_size not in (None, hidden_size):
                 raise ValueError(f"router hidden_size {given.hidden_size} != layer hidden_size {hidden_size}")
-            router = build_router(given.given(hidden_size=hidden_size), stats_group=group if world > 1 else None)
+            router = layer_router(given, hidden_size, group if world > 1 else None)
         if not isinstance(router, Router):
             raise ValueError(f"router must be a Router or a config, got {type(router).__name__}")
         check_one_capacity(router, config.capacity_factor)
         e = router.num_experts
         # every check below happens before the first collective
         topology = topology if topology is not None else Topology.launched(world)
-        if topology.world_size != world:
-            raise ValueError(f"topology {topology.describe()} has {topology.world_size} ranks, the group {world}")
+        topology.check_ranks(world)
         placement = placement if placement is not None else Placement.contiguous(e, world)
         placement.check(e, world)
         self.config = config

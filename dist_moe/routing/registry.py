@@ -210,6 +210,12 @@ def router_shape(cfg: dict | RouterConfig, given_later=()) -> RouterShape:
     return RouterShape(num_experts, top_k, float(getattr(config, "aux_loss_coeff", 0.0) or 0.0))
 
 
+def layer_router(config, hidden_size: int, stats_group=None) -> Router:
+    """The router a layer of ``hidden_size`` builds from a strategy's config (a dict or ``RouterConfig``
+    without its hidden size, which is the layer's to give); ``stats_group``: where its statistics sum."""
+    return build_router(router_config(config, ("hidden_size",)).given(hidden_size=hidden_size), stats_group=stats_group)
+
+
 def build_router(cfg: dict | RouterConfig, stats_group=None) -> Router:
     """The router ``cfg`` describes (a dict, as ``build_router`` takes it, or a ``RouterConfig``); a bad key
     raises ValueError naming it (a RouterKeyError when the message names one key)."""

@@ -55,9 +55,9 @@ from dist_moe.moe.host import bind_to_topology
 from dist_moe.moe.layer import MoELayerConfig
 from dist_moe.moe.view import MoEView
 from dist_moe.optional_engines import engine_import
-from dist_moe.routing import Router, build_router
+from dist_moe.routing import Router
 from dist_moe.routing.capacity import apply_capacity, capacity_for, check_one_capacity, slot_positions
-from dist_moe.routing.registry import RouterConfig, router_config
+from dist_moe.routing.registry import RouterConfig, layer_router
 from dist_moe.seeding import fork_rng
 from placement import Placement, Topology
 
@@ -84,7 +84,7 @@ class DistMoEGate(nn.Module):
         the node boundary is (``node_limit``, ``subtree_limit`` by level)."""
         super().__init__()
         if isinstance(router, (dict, RouterConfig)):
-            router = build_router(router_config(router, ("hidden_size",)).given(hidden_size=hidden_size))
+            router = layer_router(router, hidden_size)
             self._owns_stats = True  # reduce its statistics over the EP group once DeepSpeed names it
         else:
             self._owns_stats = False

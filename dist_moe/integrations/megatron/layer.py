@@ -145,9 +145,7 @@ def layer_class():
                                  "dispatch; dist-moe's dispatcher keeps its own chunk graphs: leave them out")
             world = self.ep_group.size()
             self.topology = topology if topology is not None else Topology.launched(world)
-            if self.topology.world_size != world:
-                raise ValueError(f"topology {self.topology.describe()} has {self.topology.world_size} ranks, the "
-                                 f"expert-parallel group {world}")
+            self.topology.check_ranks(world, "the expert-parallel group")
             self.placement: Placement = self.router.placement
             bind_to_topology(self.router.router, self.placement, self.topology)
             self.dedup = exchange.dedup

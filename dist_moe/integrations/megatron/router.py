@@ -36,8 +36,8 @@ from dist_moe.integrations.context import context_tokens, routing_extras
 from dist_moe.moe.host import bind_to_topology
 from dist_moe.optional_engines import engine_import
 from dist_moe.routing import ROUTERS as ROUTER_TYPES
-from dist_moe.routing import Router, build_router
-from dist_moe.routing.registry import RouterConfig, accepted_keys, router_config
+from dist_moe.routing import Router
+from dist_moe.routing.registry import RouterConfig, accepted_keys, layer_router
 from placement import Placement
 
 
@@ -61,8 +61,7 @@ class DistMoERouter(nn.Module):
             # every rank that routes its own tokens; tensor-parallel ranks repeat the same tokens,
             # which scales BRANCH's and DeepSeek-V3's sums uniformly and leaves their ratios as they are
             stats = getattr(pg_collection, "tp_dp_cp", None) if pg_collection is not None else None
-            router = build_router(router_config(router, ("hidden_size",)).given(hidden_size=config.hidden_size),
-                                  stats_group=stats)
+            router = layer_router(router, config.hidden_size, stats)
         elif aux_coefficient(config) and aux_coefficient(config) != router.aux_loss_coeff:
             raise ValueError(f"config.moe_aux_loss_coeff={aux_coefficient(config)} but the router's aux_loss_coeff "
                              f"is {router.aux_loss_coeff}: set one of them")

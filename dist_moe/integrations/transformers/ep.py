@@ -194,9 +194,7 @@ def implementation_class():
                 raise ValueError(f"dedup='node' needs the expert-parallel mesh to be the whole world (ep_size={world} "
                                  f"of {torch.distributed.get_world_size()} ranks); use dedup='rank'")
             self.topology = settings.topology if settings.topology is not None else Topology.launched(world)
-            if self.topology.world_size != world:
-                raise ValueError(f"topology {self.topology.describe()} has {self.topology.world_size} ranks, the "
-                                 f"expert-parallel mesh {world}")
+            self.topology.check_ranks(world, "the expert-parallel mesh")
             self.num_experts = self.num_local_experts * world
             self.placement = contiguous_placement(settings.placement, self.num_experts, self.topology)
             self.dedup = settings.dedup
