@@ -84,3 +84,13 @@ def stacked_view(params: list[Tensor]) -> Tensor | None:
 def grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     """Rows of group e (ending at ``offs[e]``) times ``w[e]`` [in, out]."""
     return F.grouped_mm(x, w, offs=offs)
+
+
+class RestacksExperts:
+    """Mixed into an engine's MoE layer whose ``routed_experts`` see its weights stacked: ``module.to`` and
+    ``.bfloat16()`` give every parameter a storage of its own, so the layout is made again after them."""
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)  # type: ignore[misc]
+        self.routed_experts.restack()  # type: ignore[attr-defined]
+        return out

@@ -25,7 +25,7 @@ from dist_moe.dispatch.combine import compute_dtype
 from dist_moe.dispatch.dispatcher import CountsTraffic
 from dist_moe.dispatch.exchange import ExchangeConfig, ExpertExchange
 from dist_moe.dispatch.moe_forward import Tokens
-from dist_moe.integrations.stacked import grouped_mm, stack_in_place, stacked_alias, stacked_view
+from dist_moe.integrations.stacked import RestacksExperts, grouped_mm, stack_in_place, stacked_alias, stacked_view
 from dist_moe.moe.experts import SingleExpert, grouped_ok, offsets
 from dist_moe.moe.host import ExchangedMoE, bind_to_topology
 from dist_moe.optional_engines import engine_import
@@ -116,7 +116,7 @@ def layer_class():
     deepspeed_patches.apply()
     MOELayer = engine_import("deepspeed.moe.sharded_moe", "MOELayer")
 
-    class DistMoEDispatchedMOELayer(ExchangedMoE, CountsTraffic, MOELayer):
+    class DistMoEDispatchedMOELayer(RestacksExperts, ExchangedMoE, CountsTraffic, MOELayer):
         """DeepSpeed's MOELayer whose tokens travel through dist-moe's dispatcher: its stages are the
         gate's (``DistMoEGate.tokens`` / ``route`` / ``record``)."""
 
@@ -139,11 +139,6 @@ def layer_class():
                 chunks = self.exchange.chunks  # what chunk tuning may have set already
                 self.exchange = self.exchange_config.build(ep_group, self.placement, self.topology, what="DistMoEGate")
                 self.exchange.chunks = chunks
-
-        def _apply(self, fn, *args, **kwargs):
-            out = super()._apply(fn, *args, **kwargs)  # .to / .bfloat16(): a storage per parameter
-            self.routed_experts.restack()
-            return out
 
         @property
         def strategy(self):

@@ -29,7 +29,7 @@ from dist_moe.dispatch.dispatcher import CountsTraffic
 from dist_moe.dispatch.exchange import ExchangeConfig
 from dist_moe.dispatch.moe_forward import Tokens
 from dist_moe.integrations.megatron.router import DistMoERouter
-from dist_moe.integrations.stacked import grouped_mm, stack_in_place, stacked_alias, stacked_view
+from dist_moe.integrations.stacked import RestacksExperts, grouped_mm, stack_in_place, stacked_alias, stacked_view
 from dist_moe.moe.experts import grouped_ok, offsets
 from dist_moe.moe.host import ExchangedMoE, bind_to_topology
 from dist_moe.optional_engines import engine_import
@@ -127,7 +127,7 @@ def layer_class():
     megatron_patches.apply()
     MoELayer = engine_import("megatron.core.transformer.moe.moe_layer", "MoELayer")
 
-    class DistMoEMoELayer(ExchangedMoE, CountsTraffic, MoELayer):
+    class DistMoEMoELayer(RestacksExperts, ExchangedMoE, CountsTraffic, MoELayer):
         """Megatron's MoELayer whose tokens travel through dist-moe's dispatcher: its stages are the
         router's (``DistMoERouter.prepare`` / ``routed`` / ``record``; ``route`` here replaces Megatron's,
         which only Megatron's own forward calls)."""
@@ -154,11 +154,6 @@ def layer_class():
             wider = agree_group if agree_group is not None and agree_group.size() > world else None
             self.exchange = exchange.build(self.ep_group, self.placement, self.topology, wider, "DistMoERouter")
             self.routed_experts = MegatronExperts(self.experts)
-
-        def _apply(self, fn, *args, **kwargs):
-            out = super()._apply(fn, *args, **kwargs)  # .to / .bfloat16(): a storage per parameter
-            self.routed_experts.restack()
-            return out
 
         @property
         def strategy(self):
