@@ -50,8 +50,8 @@ def first_line(e: BaseException) -> str:
 
 
 def _line(e: BaseException) -> tuple[str, int]:
-    if isinstance(e, KeyboardInterrupt):
-        return "interrupted", INTERRUPTED
+    if isinstance(e, KeyboardInterrupt):  # its message, when there is one, says how to go on
+        return f"interrupted; {e}" if str(e) else "interrupted", INTERRUPTED
     if isinstance(e, ValueError):
         return str(e), USER
     if isinstance(e, CollectiveError):

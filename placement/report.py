@@ -9,7 +9,7 @@ report.json        everything below, as numbers
 report.md          the tables, linking the plots
 traffic_heatmap.png   rank x rank dispatch bytes (the run's placement, rank dedup)
 bytes_by_level.png    bytes per token at each topology level, per placement and dedup mode
-expert_load.png       tokens per expert
+expert_load.png       tokens per expert, every MoE layer
 tree_distance.png     normalised tree distance of co-selected experts over training
 
 Bytes are exact (``dispatch_traffic``) for the recorded tokens on ``topology``;
@@ -269,7 +269,7 @@ def _markdown(report: dict, topology: Topology) -> str:
         lines.append("Measured during training (all ranks, all MoE layers, all logged steps): "
                      + ", ".join(f"{k} {v:,} B" for k, v in measured.items()) + ".")
     lines += ["", f"![{report['heatmap']['title']}](traffic_heatmap.png)", "![bytes per level](bytes_by_level.png)",
-              "![expert load, layer 0](expert_load.png)", "![tree distance](tree_distance.png)", ""]
+              "![tokens per expert, every MoE layer](expert_load.png)", "![tree distance](tree_distance.png)", ""]
     return "\n".join(lines)
 
 
@@ -300,13 +300,28 @@ def _plots(run_dir: Path, report: dict, topology: Topology) -> None:
     heat = report["heatmap"]
     matrix = torch.tensor(report["placements"][heat["placement"]]["modes"][heat["dedup"]]["matrix"],
                           dtype=torch.float64)
-    fig, ax = plt.subplots(figsize=(5, 4))
-    im = ax.imshow((matrix / 1024).numpy(), cmap="viridis")
-    ax.set(title=heat["title"], xlabel="destination rank", ylabel="source rank")
+    kib = (matrix / 1024).numpy()
+    fig, ax = plt.subplots(figsize=(6.5, 5.5))
+    im = ax.imshow(kib, cmap="viridis")
+    title, _, rest = heat["title"].partition(", ")  # two lines: a long placement name is not cut off
+    ax.set_title(f"{title}\n{rest}", fontsize=10)
+    ax.set(xlabel="destination rank", ylabel="source rank")
     ticks = range(0, matrix.shape[0], max(1, matrix.shape[0] // 16))  # whole ranks, at most 16 labels
     ax.set_xticks(ticks)
     ax.set_yticks(ticks)
-    fig.colorbar(im, ax=ax)
+    if matrix.shape[0] <= 16:  # each cell's KiB written in it, dark on light cells and light on dark
+        top = float(kib.max()) or 1.0
+        for i, row in enumerate(kib.tolist()):
+            for j, value in enumerate(row):
+                ax.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=8,
+                        color="black" if value > 0.6 * top else "white")
+    per_node = topology.world_size // topology.num_nodes if topology.world_size == matrix.shape[0] else 0
+    for edge in range(per_node, matrix.shape[0], per_node or matrix.shape[0]):  # node boundaries
+        ax.axhline(edge - 0.5, color="white", lw=1.5)
+        ax.axvline(edge - 0.5, color="white", lw=1.5)
+    if 0 < per_node < matrix.shape[0]:
+        ax.set_xlabel("destination rank (white lines: node boundaries)")
+    fig.colorbar(im, ax=ax, label="KiB sent")
     fig.tight_layout()
     _save(fig, run_dir / "traffic_heatmap.png")
     plt.close(fig)
@@ -328,8 +343,14 @@ def _plots(run_dir: Path, report: dict, topology: Topology) -> None:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 3))
-    ax.bar(range(report["num_experts"]), report["expert_load"])
-    ax.set(title="tokens per expert (validation, layer 0)", xlabel="expert", ylabel="tokens")
+    loads = [layer["expert_load"] for layer in report["layers"]]
+    width = 0.8 / len(loads)
+    for li, load in enumerate(loads):  # every MoE layer, side by side
+        ax.bar([e + (li - (len(loads) - 1) / 2) * width for e in range(len(load))], load, width, label=f"layer {li}")
+    which = "its one MoE layer" if len(loads) == 1 else f"each of its {len(loads)} MoE layers"
+    ax.set(title=f"tokens per expert, validation, {which}", xlabel="expert", ylabel="tokens")
+    if len(loads) > 1:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     _save(fig, run_dir / "expert_load.png")
     plt.close(fig)
@@ -342,7 +363,10 @@ def _plots(run_dir: Path, report: dict, topology: Topology) -> None:
         ax.plot(*zip(*pts), label=f"co-selected experts, mean of {n} layers" if n > 1 else "co-selected experts")
     if "random_pair_tree_distance" in report:
         ax.axhline(report["random_pair_tree_distance"], color="k", ls="--", lw=1, label="random pairs")
-    ax.set(title="normalised tree distance, training batches", xlabel="step", ylabel="tree distance")
+    ax.set_title("normalised tree distance of co-selected experts, training batches\n"
+                 "(lower: closer in the expert tree, so fewer bytes cross nodes under tree-prefix placement)",
+                 fontsize=9)
+    ax.set(xlabel="step", ylabel="tree distance (lower is better)")
     ax.legend()
     fig.tight_layout()
     _save(fig, run_dir / "tree_distance.png")

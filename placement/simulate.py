@@ -73,6 +73,9 @@ class RoutingRecord:
     @classmethod
     def load(cls, run_dir: str | Path, layer: int = 0) -> RoutingRecord:
         path = Path(run_dir) / routing_file(layer)
+        if not Path(run_dir).is_dir():
+            raise ValueError(f"run directory {str(run_dir)!r} does not exist" if not Path(run_dir).exists() else
+                             f"{str(run_dir)!r} is a file, not a run directory (give the folder dist-moe train wrote)")
         if not path.exists():
             raise ValueError(f"{path} not found: train with dist-moe (it writes {ROUTING_FILE} at the end of a run)")
         arrays = {"expert_idx": ("iu", 2), "src_rank": ("iu", 1), "meta": ("iu", 1), "probs": ("f", 2)}

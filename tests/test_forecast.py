@@ -119,3 +119,23 @@ def test_plan_cli_prints_json_and_a_plot_and_names_bad_values(tmp_path, capsys):
         assert main(args + bad) == 2
         err = capsys.readouterr().err.strip()
         assert word in err and len(err.splitlines()) == 1, err
+
+
+def test_the_plan_says_why_rows_agree_and_only_when_they_do(capsys):
+    from dist_moe.cli import main
+    from dist_moe.cli.plan import why_rows_agree
+
+    base = ["plan", "--topology", "node=4,gpu=8", "--hidden", "512", "--ffn", "256", "--experts", "32",
+            "--top-k", "4", "--tokens-per-rank", "256", "--pipeline-chunks", "1"]
+    assert main(base) == 0  # 32 experts on 32 ranks, uniform routing: placements agree, rank = none
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 2 and "every placement moves the same bytes" in notes[0], notes
+    assert "32 experts on 32 ranks is one expert per rank" in notes[1], notes
+    assert main([*base, "--ep", "8"]) == 0  # 4 experts per rank: rank dedup saves bytes, no note about it
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
+    assert not [n for n in notes if "dedup rank" in n], notes
+    # planted: rows that differ by placement get no note
+    row = {"dedup": "rank", "chunks": 1, "bytes_per_token_by_level": {"node": 100.0, "gpu": 10.0}}
+    rows = [{**row, "placement": "contiguous"},
+            {**row, "placement": "tree_prefix", "bytes_per_token_by_level": {"node": 50.0, "gpu": 10.0}}]
+    assert why_rows_agree(rows, 32, 8, "uniform") == []

@@ -156,7 +156,37 @@ def run(args) -> int:
     print(f"exchange ms = one exchange, of the 4 per layer per step; step = {shape.layers} MoE layer(s) x "
           f"(4 exchanges + experts, C > 1 overlapped); comm = the exchanges' share of the layer; planned in "
           f"{out['seconds_to_plan']} s" + (f"; plot: {args.plot}" if args.plot else ""))
+    for note in why_rows_agree(out["rows"], shape.experts, out["ep"], args.routing):
+        print(f"note: {note}")
     return 0
+
+
+def why_rows_agree(rows: list[dict], experts: int, ep: int, routing: str) -> list[str]:
+    """What makes rows of the table equal, said where it happens (1% apart or less: sampling noise)."""
+    def bytes_of(r) -> tuple:
+        return tuple(r["bytes_per_token_by_level"].values())
+
+    def close(a: tuple, b: tuple) -> bool:
+        return all(abs(x - y) <= 0.01 * max(abs(x), abs(y), 1e-9) for x, y in zip(a, b))
+
+    notes = []
+    by_setting: dict = {}
+    for r in rows:
+        by_setting.setdefault((r["dedup"], r["chunks"]), []).append(bytes_of(r))
+    if len(rows) > len(by_setting) and all(close(v[0], w) for v in by_setting.values() for w in v):
+        notes.append("every placement moves the same bytes (within 1%): "
+                     + ("under uniform routing each expert draws the same share of tokens wherever it sits; "
+                        "--routing RUN_DIR (a recorded run's routing) tells placements apart" if routing == "uniform"
+                        else "the recorded routing's co-activation does not favour one placement here"))
+    same = [r for r in rows if r["dedup"] == "rank"]
+    none = {(r["placement"], r["chunks"]): bytes_of(r) for r in rows if r["dedup"] == "none"}
+    if same and all((r["placement"], r["chunks"]) in none and close(bytes_of(r), none[r["placement"], r["chunks"]])
+                    for r in same):
+        notes.append("dedup rank sends what none sends: "
+                     + (f"{experts} experts on {ep} ranks is one expert per rank, so no token has two experts "
+                        "on one rank" if experts <= ep else
+                        f"with {experts} experts on {ep} ranks few tokens have two experts on one rank"))
+    return notes
 
 
 def _plot(out: dict, path: Path) -> None:

@@ -99,7 +99,7 @@ class RunDir:
                 pass
             self.before = set(os.listdir(self.path))
         except OSError as e:
-            raise ValueError(f"output.dir {d!r} is not writable: {e.strerror or e}") from None
+            raise not_writable(self.path, e) from None
         for name in sorted(self.before):
             if _ours(name) and (self.path / name).is_symlink():
                 raise _link_refused(self.path, name)
@@ -162,7 +162,14 @@ def check_writable(directory: Path) -> None:
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise ValueError(f"output.dir {str(directory)!r} is not writable: {e.strerror or e}") from None
+        raise not_writable(directory, e) from None
+
+
+def not_writable(directory: Path, e: OSError) -> ValueError:
+    """The error for an output.dir that cannot be made or written: a parent that is a file is named."""
+    blocker = next((p for p in (Path(directory), *Path(directory).parents) if p.exists() and not p.is_dir()), None)
+    why = f"{str(blocker)!r} is a file, not a folder" if blocker is not None else e.strerror or e
+    return ValueError(f"output.dir {str(directory)!r} is not writable: {why}")
 
 
 def open_metrics(path: Path, append: bool):

@@ -69,8 +69,8 @@ class JsonlLogger:
                 # tensorboard: optional, only with output.tensorboard
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:  # torch's writer imports the tensorboard package
-                raise ValueError(f"output.tensorboard needs the tensorboard package (pip install tensorboard): "
-                                 f"{e}") from None
+                raise ValueError(f"output.tensorboard needs the tensorboard package: .venv/bin/pip install -e "
+                                 f"'.[tensorboard]' ({e})") from None
             self._tb = SummaryWriter(str(path.parent / "tensorboard"))
         self._f = open_metrics(path, append)
 
@@ -152,13 +152,24 @@ def _train(cfg: RunConfig, rt: Runtime, quiet: bool, after=None) -> dict:
         resume_from = _open_run(cfg, rt, run_dir)
         run = _TrainingRun(cfg, rt, output_dir(cfg), resume_from, quiet)
         return _train_in(run, after)
-    except BaseException:
+    except BaseException as e:
         if run_dir is not None and (run is None or run.step == run.first_step):
             run_dir.discard()  # stopped before its first step: leave nothing it created behind
+        newest = _newest_checkpoint(output_dir(cfg)) if isinstance(e, KeyboardInterrupt) else None
+        if newest is not None and rt.is_main:  # Ctrl-C: where the run goes on from
+            raise KeyboardInterrupt(f"train.resume=true continues from {newest}") from None
         raise
     finally:
         if run_dir is not None:
             run_dir.release()
+
+
+def _newest_checkpoint(out_dir: Path) -> Path | None:
+    """The checkpoint a resumed run would start from, or None (none, or one that cannot be read)."""
+    try:
+        return checkpoint.latest(out_dir / "checkpoints")
+    except (ValueError, OSError):
+        return None
 
 
 def _train_in(run: _TrainingRun, after) -> dict:
@@ -231,7 +242,7 @@ class _TrainingRun:
         total = self.max_steps or self.step + self.cursor.steps_left(self.total_samples)
         self.epochs = math.ceil(self.max_steps / self.steps_per_epoch) if self.max_steps else tcfg.epochs
         # Redrawn 10x a second on a terminal; in a log file (CI, nohup) every 10 s is enough.
-        self.bar = tqdm(total=total, initial=self.step, desc=cfg.name, disable=quiet or not rt.is_main,
+        self.bar = tqdm(total=total, initial=self.step, desc=out_dir.name, disable=quiet or not rt.is_main,
                         dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 10.0)
         self.already_finished = resume_from is not None and self.finished()
 

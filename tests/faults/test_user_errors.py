@@ -175,3 +175,42 @@ def test_a_second_run_on_the_same_output_dir_is_refused(tmp_path):
     finally:
         first.kill()
         first.wait()
+
+
+def test_ctrl_c_names_how_to_resume_when_the_run_has_a_checkpoint(tmp_path, capsys, monkeypatch):
+    """Ctrl-C mid-run: one line and exit 130; with a checkpoint saved, the line says train.resume=true
+    continues from it (before: 'interrupted' alone)."""
+    from dist_moe.train import trainer
+
+    saved = trainer._TrainingRun.maybe_checkpoint
+
+    def ctrl_c_at_step_4(self, last):
+        saved(self, last)
+        if self.step == 4:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer._TrainingRun, "maybe_checkpoint", ctrl_c_at_step_4)
+    out = tmp_path / "run"
+    code, err = _cli(capsys, "train", *TINY, "train.batch_size=16", "train.checkpoint_every=2", f"output.dir={out}")
+    assert code == 130
+    assert err == f"dist-moe: error: interrupted; train.resume=true continues from {out / 'checkpoints' / 'step-4'}"
+    code, err = _cli(capsys, "train", *TINY, "train.batch_size=16", f"output.dir={tmp_path / 'plain'}")  # none saved
+    assert (code, err) == (130, "dist-moe: error: interrupted")
+
+
+def test_an_output_dir_under_a_file_and_a_missing_run_directory_are_named(tmp_path, capsys):
+    (tmp_path / "notes.md").write_text("a file\n")
+    code, err = _cli(capsys, "train", *TINY, f"output.dir={tmp_path / 'notes.md' / 'run'}")
+    assert code == 2
+    _one_line(err, f"output.dir '{tmp_path / 'notes.md' / 'run'}' is not writable: '{tmp_path / 'notes.md'}' is a "
+                   "file, not a folder")
+    code, err = _cli(capsys, "report", str(tmp_path / "no-such-run"))
+    assert code == 2
+    _one_line(err, f"run directory '{tmp_path / 'no-such-run'}' does not exist")
+
+
+def test_the_progress_bar_names_the_run_not_its_config(tmp_path, capsys):
+    out = tmp_path / "demo_4ranks"  # the embedded config is named demo
+    code = main(["train", *TINY[1:], f"output.dir={out}"])
+    err = capsys.readouterr().err
+    assert code == 0 and "demo_4ranks: 100%" in err and "demo: " not in err, err[-2000:]
