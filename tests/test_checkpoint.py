@@ -205,3 +205,17 @@ def test_engine_hosted_runs_resume_to_the_same_curve(tmp_path, engine):
     run_workers(_engine_resume_worker, 2, args=(engine, str(tmp_path), str(tmp_path / "data")), timeout=300)
     a, b = _curve(tmp_path / "whole"), _curve(tmp_path / "parts")
     assert sorted(b) == list(range(1, 17)) and all(a[s] == b[s] for s in range(1, 17)), (a, b)
+
+
+def test_a_one_process_save_and_load_print_no_warning(tmp_path):
+    """DCP warns that it assumes one process even when told so (no_dist): in a one-process run that line cut
+    the progress bar in two. Any other warning still shows."""
+    import warnings
+
+    layer = MoELayer(H, F, {"type": "switch", "num_experts": 4, "top_k": 2})
+    opt = torch.optim.Adam(layer.parameters())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        checkpoint.save(tmp_path, 1, layer, opt, {})
+        checkpoint.load(checkpoint.latest(tmp_path), layer, opt, {})
+    assert not [str(w.message) for w in seen if "torch.distributed is disabled" in str(w.message)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import warnings
 from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
@@ -107,13 +108,24 @@ class _RecordingWriter(dcp.FileSystemWriter):
 def save_state(state: dict, directory: Path, group) -> list[str]:
     """Save ``state`` under ``directory`` with DCP; returns the names of the files this rank wrote."""
     writer = _RecordingWriter(directory)
-    with _unwrapped():
+    with _unwrapped(), _one_process_is_meant(group):
         dcp.save(state, storage_writer=writer, process_group=group, no_dist=group is None)
     return sorted(writer.written)
 
 
 def load_state(state: dict, path: Path, metadata, identities: dict, group) -> None:
     """Fill the tensors of ``state`` from the verified checkpoint ``path``."""
-    with _unwrapped():
+    with _unwrapped(), _one_process_is_meant(group):
         dcp.load(state, storage_reader=VerifiedReader(path, metadata, identities), planner=TensorsOnlyPlanner(),
                  process_group=group, no_dist=group is None)
+
+
+@contextlib.contextmanager
+def _one_process_is_meant(group):
+    """Without a group DCP saves and loads in one process, as asked (``no_dist``), yet warns that it assumes
+    so, in the middle of the progress bar: that one warning is left out (every other stays)."""
+    with warnings.catch_warnings():
+        if group is None:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                                    category=UserWarning)
+        yield
