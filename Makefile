@@ -29,13 +29,18 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(IN_VENV) launch/demo.sh
 
+# pytest workers (pytest-xdist): most tests' ranks leave a core idle while they start, wait or sleep;
+# each test still gets its own ports, directories and namespaces (make test WORKERS=4 on a bigger machine)
+WORKERS ?= 2
+
 # the whole suite, within CI's budget for it (15 minutes); the slowest tests named at the end
 test: $(STAMP)
-	$(IN_VENV) OMP_NUM_THREADS=1 timeout 900 $(PY) -m pytest -q --durations=15
+	$(IN_VENV) OMP_NUM_THREADS=1 timeout 900 $(PY) -m pytest -q -n $(WORKERS) --dist loadscope --durations=15
 
 # single-process tests without an engine (markers: pyproject.toml, tests/conftest.py): under 3 minutes
 test-fast: $(STAMP)
-	$(IN_VENV) OMP_NUM_THREADS=1 timeout 300 $(PY) -m pytest -q -m "not multiprocess and not engine and not slow"
+	$(IN_VENV) OMP_NUM_THREADS=1 timeout 300 $(PY) -m pytest -q -n $(WORKERS) --dist loadscope \
+	    -m "not multiprocess and not engine and not slow"
 
 # ruff's and mypy's settings: pyproject.toml [tool.ruff], [tool.mypy]
 lint: $(STAMP)

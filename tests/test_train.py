@@ -84,6 +84,15 @@ def test_router_gar_still_works_for_one_release_and_names_train_gar():
         "+train.gar.lambda=0"  # the matched baseline gets a directory of its own
 
 
+
+def test_a_long_override_still_names_a_directory():
+    """The run's name carries the overrides; one too long for a file name is cut, and a hash of all of it
+    tells two such runs apart (a bad value is then refused by its own check, not by the filesystem)."""
+    long = load_config(None, ["data.name=" + "é" * 300]).name
+    assert len(long.encode()) <= 200 and long.startswith("demo+data.name=é")
+    assert long != load_config(None, ["data.name=" + "é" * 301]).name
+
+
 @pytest.mark.parametrize(
     "args, match",
     [

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 from pathlib import Path
 
 import yaml
@@ -128,8 +129,22 @@ def run_name(name: str, overrides) -> str:
     named = (*MODEL_SECTIONS, "seed", "engine")
     tags = [item.strip() for item, k in zip(overrides, keys)
             if k.split(".")[0] in named or k.split(".")[:2] == ["train", "gar"]]
-    return name + "".join("+" + t.replace("/", "_").replace("\\", "_").replace("..", "_").replace(" ", "")
+    full = name + "".join("+" + t.replace("/", "_").replace("\\", "_").replace("..", "_").replace(" ", "")
                           for t in tags)
+    return _fits_a_directory_name(full)
+
+
+# a file name's bytes on Linux, macOS and Windows filesystems; some room left for a suffix
+NAME_BYTES = 200
+
+
+def _fits_a_directory_name(name: str) -> str:
+    """``name``, or its first bytes plus a hash of all of it where it is too long to name a directory."""
+    raw = name.encode()
+    if len(raw) <= NAME_BYTES:
+        return name
+    digest = hashlib.sha256(raw).hexdigest()[:12]
+    return raw[:NAME_BYTES - len(digest) - 1].decode(errors="ignore") + "+" + digest
 
 
 # Sections whose values make the model (or the data a position points into): a resume that
