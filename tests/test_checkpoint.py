@@ -219,3 +219,21 @@ def test_a_one_process_save_and_load_print_no_warning(tmp_path):
         checkpoint.save(tmp_path, 1, layer, opt, {})
         checkpoint.load(checkpoint.latest(tmp_path), layer, opt, {})
     assert not [str(w.message) for w in seen if "torch.distributed is disabled" in str(w.message)]
+
+
+def test_a_ctrl_c_inside_a_save_reaches_the_trainer_as_ctrl_c():
+    """DCP catches every rank's failure, Ctrl-C included, and raises a CheckpointException (a BaseException
+    that nothing expects and whose text is a traceback): the Ctrl-C comes out, before any other rank's
+    failure that only followed it; a real error comes out as itself."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from dist_moe.train.checkpoint_dcp import _unwrapped
+
+    def raised(failures):
+        with pytest.raises(BaseException) as info, _unwrapped():
+            raise CheckpointException("save failed", {rank: (exc, None) for rank, exc in enumerate(failures)})
+        return info.value
+
+    assert type(raised([RuntimeError("peer gone"), KeyboardInterrupt()])) is KeyboardInterrupt
+    assert isinstance(raised([OSError(28, "No space left on device")]), OSError)
+    assert type(raised([SystemExit(3)])) is CheckpointException  # neither: as DCP raised it

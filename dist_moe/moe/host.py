@@ -120,14 +120,19 @@ class ChosenRoutes(ExchangedMoE):
         return tokens
 
     def route(self, tokens: Tokens) -> Routing:
-        """The model's choice as a ``Routing``; its chosen weights stand for the full distribution,
-        which the model's router keeps to itself."""
+        """The model's choice as the exchange takes it: expert ids and weights (the rest of a ``Routing``,
+        which only a host that keeps it needs, is ``kept_routing``'s)."""
         assert tokens.chosen is not None  # made by tokens()
         index, weights = tokens.chosen
-        idx = index.long()
-        gates = weights.detach().float()
+        nothing = weights.new_zeros(0)
+        return Routing(nothing, index.long(), weights, nothing, {})
+
+    def kept_routing(self, routing: Routing) -> Routing:
+        """The routing diagnostics read, detached: the chosen weights stand for the full distribution, which
+        the model's router keeps to itself; no aux loss; each expert's load."""
+        idx, gates = routing.expert_idx, routing.gates.detach().float()
         dense = gates.new_zeros(idx.shape[0], self.num_experts).scatter(1, idx, gates)
-        return Routing(dense, idx, weights, gates.new_zeros(()), {"load": expert_load(idx, self.num_experts)})
+        return Routing(dense, idx, gates, gates.new_zeros(()), {"load": expert_load(idx, self.num_experts)})
 
 
 def bind_to_topology(router: Router, placement: Placement, topology: Topology) -> None:

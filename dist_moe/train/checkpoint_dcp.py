@@ -75,11 +75,14 @@ class TensorsOnlyPlanner(DefaultLoadPlanner):
 @contextlib.contextmanager
 def _unwrapped():
     """DCP wraps every rank's failure in a CheckpointException, a BaseException whose text is a
-    traceback: raise the first rank's own exception instead (an OSError, a size mismatch, ...)."""
+    traceback: raise the first rank's own exception instead (an OSError, a size mismatch, ...), or
+    its Ctrl-C, which DCP catches as well: the other ranks' failures then only follow from it."""
     try:
         yield
     except CheckpointException as e:
-        inner = next((exc for exc, _ in e.failures.values() if isinstance(exc, Exception)), None)
+        failures = [exc for exc, _ in e.failures.values()]
+        inner = next((exc for exc in failures if isinstance(exc, KeyboardInterrupt)), None) or \
+            next((exc for exc in failures if isinstance(exc, Exception)), None)
         if inner is None:
             raise
         raise inner from None

@@ -156,7 +156,7 @@ def _train(cfg: RunConfig, rt: Runtime, quiet: bool, after=None) -> dict:
         if run_dir is not None and (run is None or run.step == run.first_step):
             run_dir.discard()  # stopped before its first step: leave nothing it created behind
         newest = _newest_checkpoint(output_dir(cfg)) if isinstance(e, KeyboardInterrupt) else None
-        if newest is not None and rt.is_main:  # Ctrl-C: where the run goes on from
+        if newest is not None:  # Ctrl-C: where the run goes on from (every rank: a launcher shows one's line)
             raise KeyboardInterrupt(f"train.resume=true continues from {newest}") from None
         raise
     finally:

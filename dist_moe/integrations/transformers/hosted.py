@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from dist_moe.dispatch.dispatcher import CountsTraffic
 from dist_moe.dispatch.exchange import ExchangeConfig
+from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.dispatch.moe_forward import Tokens
 from dist_moe.dispatch.stats import all_gather_rows
 from dist_moe.integrations.transformers.ep import StackedExperts
@@ -31,6 +32,8 @@ class HostedHFExperts(ChosenRoutes, CountsTraffic, nn.Module):
     """One MoE block's experts: this rank's rows of the stacked expert tensors, behind dist-moe's
     dispatcher. ``forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K])`` as the
     experts module it replaces."""
+
+    group = WeakGroup()  # held weakly: torch.distributed owns the group (dist_moe/dispatch/groups.py)
 
     def __init__(self, experts: nn.Module, gate: nn.Module, placement: Placement, topology: Topology, group,
                  exchange: ExchangeConfig):
@@ -66,8 +69,7 @@ class HostedHFExperts(ChosenRoutes, CountsTraffic, nn.Module):
         return self.run_stages(hidden_states, top_k_index, top_k_weights)[0]
 
     def record(self, tokens: Tokens, routing: Routing) -> None:
-        self.last_routing = Routing(routing.probs, routing.expert_idx, routing.gates.detach().float(),
-                                    routing.aux_loss, routing.stats)
+        self.last_routing = self.kept_routing(routing)
 
     # what the trainer, metrics and checkpoints ask of every MoE layer (dist_moe.moe.view.MoEHost)
 
