@@ -37,6 +37,9 @@ DEFAULT_BALANCE_RULE = "newton"
 
 
 class BranchRouter(Router):
+    """BRANCH-MoE: a binary tree over the experts, each token descending it by learned scores against EMA
+    anchors; a tree prefix names a subtree of experts, so ``subtree_limit`` caps the nodes a token reaches."""
+
     # buffers (register_buffer): typed here for the type checker, which sees Module attributes otherwise
     anchors: Tensor
     ema_step: Tensor

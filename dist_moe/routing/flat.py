@@ -98,6 +98,9 @@ class _LearnedFlatRouter(Router):
 
 
 class SwitchRouter(_LearnedFlatRouter):
+    """Switch Transformer routing (Fedus et al. 2022): softmax over the experts, top-K, the load-balancing
+    auxiliary loss; the flat baseline."""
+
     def __init__(
         self,
         hidden_size: int,
@@ -166,6 +169,9 @@ class SkyworkRouter(SwitchRouter):
 
 
 class DeepSeekV3Router(_LearnedFlatRouter):
+    """DeepSeek-V3 routing: sigmoid scores, top-K chosen with a per-expert bias that an update rule moves
+    towards balance (no auxiliary loss); ``node_limit`` for its node-limited form."""
+
     expert_bias: Tensor  # a buffer
 
     def __init__(

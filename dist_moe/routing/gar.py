@@ -26,7 +26,7 @@ class GARConfig:
     """GAR's settings: a training config's ``train.gar`` (``router.gar`` until the next release)."""
 
     lam: float = 1e-3  # the config's "lambda" (a Python keyword)
-    eps: float = 1e-8
+    eps: float = 1e-8  # added to each expert's routed mass, which GAR's objective divides by
     mode: str = "materialized"  # or "gram" (appendix G.2, no [M, d] observation matrix)
     unit: str = "group"  # observation unit: "group", "example" or "token"
     # instead of lambda: lambda set every step so that GAR's gradient on the router parameters is this

@@ -36,6 +36,10 @@ VARIANTS = ("soft", "bernoulli", "hard", "uniform")
 
 
 class SpecDropRouter(Router):
+    """SpecDrop: fixed, category-conditioned soft routing, no learned router: category c's assigned expert
+    (c mod K) weighs ``p_assigned``, every other ``p_leak``, over a fixed denominator; variants soft,
+    bernoulli, hard and uniform."""
+
     # buffers (register_buffer): typed here for the type checker, which sees Module attributes otherwise
     gap_scale: Tensor
     assigned_expert: Tensor

@@ -66,8 +66,12 @@ def _positive(default):
 class ParallelConfig:
     """Expert parallelism over the launched world (torchrun / deepspeed launcher; 1 process: local)."""
 
+    # which rank holds which expert: contiguous blocks, round robin, tree-prefix (BRANCH's subtrees on the
+    # topology's nodes), or a file written by dist-moe place (an optimized placement)
     placement: str = key("contiguous", f"one of {', '.join(PLACEMENTS)} or a placement .yaml (dist-moe place --out)",
                          lambda v: v in PLACEMENTS or v.endswith((".yaml", ".yml")))
+    # a token's copies: one per selected expert (none), one per destination rank, or one per destination node
+    # (forwarded inside the node)
     dedup: str = one_of("rank", DEDUP_MODES)
     # who moves an engine's tokens (engine deepspeed or megatron; engine torch is dist-moe's own): dist_moe
     # (dist-moe's dispatcher: dedup, pipeline_chunks), engine (the engine's own: DeepSpeed's all-to-all, Megatron's
@@ -107,13 +111,13 @@ class DataConfig:
     # per task, seq_len MiniLM tokens each); a local text file, folder of text files or .npy / .bin token file
     # (dist_moe/data/local_text.py) for model.kind lm; otherwise a keel dataset (the loader names the valid ones)
     name: str = "magic"
-    val_fraction: float = key(0.2, "a number in (0, 1)", lambda v: 0 < v < 1)
-    max_rows: int | None = key(None, "an int >= 10", lambda v: v >= 10)
+    val_fraction: float = key(0.2, "a number in (0, 1)", lambda v: 0 < v < 1)  # rows held out for validation
+    max_rows: int | None = key(None, "an int >= 10", lambda v: v >= 10)  # use the first rows only (null: all)
     # a coarse label per row (data.CATEGORY_SETS), required by specdrop routing; "domains": each
     # sequence's domain (corpus); "tasks": each example's task (text_tasks)
     categories: str | None = None
-    seq_len: int = key(64, "an int >= 2", lambda v: v >= 2)
-    per_domain: int = _positive(2000)
+    seq_len: int = key(64, "an int >= 2", lambda v: v >= 2)  # tokens per sequence (corpus, text_tasks, text files)
+    per_domain: int = _positive(2000)  # sequences per domain (corpus), examples per task (text_tasks)
     # the token width of a .bin token file (nanoGPT writes uint16, Megatron's GPT-2-sized vocabularies uint32)
     token_dtype: str = one_of("uint16", ("uint16", "uint32"))
 
@@ -127,15 +131,19 @@ class ModelConfig:
     kind: str = one_of("tabular", MODEL_KINDS)
     # model.kind hf: a local transformers model folder (or its config.json); without weights it starts random
     path: str | None = key(None, "a non-empty path", lambda v: bool(v.strip()) and "\0" not in v)
-    ffn_hidden_size: int = _positive(32)
+    ffn_hidden_size: int = _positive(32)  # each expert's hidden width
+    # the MoE layer's width: tabular and image project their input to it (0: no projection); lm: the
+    # transformer's width (> 0)
     d_model: int = key(0, "an int >= 0 (0: no input projection)", lambda v: v >= 0)
+    # each expert keeps at most ceil(capacity_factor x tokens x top_k / experts) of a batch's copies, the
+    # rest are dropped; null: dropless
     capacity_factor: float | None = key(1.25, f"a number in (0, {MAX_CAPACITY_FACTOR:g}]",
                                         lambda v: 0 < v <= MAX_CAPACITY_FACTOR)
-    expert_type: str = one_of("swiglu", EXPERT_KINDS)
-    post_norm: bool = False
+    expert_type: str = one_of("swiglu", EXPERT_KINDS)  # each expert's MLP (lora: low-rank experts, model.kind text)
+    post_norm: bool = False  # a LayerNorm after the MoE block (tabular, image)
     label_mask: bool = False  # mask the logits of classes outside the row's category (SpecDrop's dense control)
-    layers: int = _positive(2)
-    heads: int = _positive(4)
+    layers: int = _positive(2)  # transformer layers (lm), each with an MoE FFN
+    heads: int = _positive(4)  # attention heads (lm)
 
     def block_keys(self) -> dict:
         """What the one-block models (tabular, image) take beside their MoE layer."""
@@ -144,13 +152,13 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    epochs: int = _positive(20)
+    epochs: int = _positive(20)  # passes over the training split (unless max_steps is set)
     batch_size: int = _positive(256)  # per rank, as DeepSpeed's train_micro_batch_size_per_gpu
-    lr: float = key(1e-3, "a finite number > 0", lambda v: v > 0)
-    max_grad_norm: float | None = key(1.0, "a finite number > 0", lambda v: v > 0)
-    log_every: int = _positive(10)
+    lr: float = key(1e-3, "a finite number > 0", lambda v: v > 0)  # Adam's learning rate
+    max_grad_norm: float | None = key(1.0, "a finite number > 0", lambda v: v > 0)  # clip to it (null: no clip)
+    log_every: int = _positive(10)  # steps between rows of metrics.jsonl
     max_steps: int | None = _positive(None)  # when set, the run's length in optimizer steps instead of epochs
-    gar_group_size: int = _positive(32)
+    gar_group_size: int = _positive(32)  # rows per GAR observation group (train.gar_groups consecutive)
     schedule: str = key("step", "'step' or 'epoch'", lambda v: v in ("step", "epoch"))  # when SpecDrop advances
     gar: GARConfig | None = None  # GAR's settings {lambda, eps, mode, unit} (null: no GAR)
     # GAR observation groups of consecutive rows, or of one category (task) each, the latter formed
@@ -188,7 +196,7 @@ class RunConfig:
     # the name is a directory under runs/: no separator or '..' may take it elsewhere
     name: str = key("demo", "a non-empty name without '/', '\\' or '..'",
                     lambda v: bool(v.strip()) and not any(c in v for c in ("/", "\\", "..", "\0")))
-    seed: int = key(0, "an int in [0, 2**63 - 1]", lambda v: 0 <= v < 2**63)
+    seed: int = key(0, "an int in [0, 2**63 - 1]", lambda v: 0 <= v < 2**63)  # weights, data order, jitter
     # which MoE layer hosts the router: dist-moe's own ("torch"), DeepSpeed's or Megatron-core's
     engine: str = one_of("torch", ENGINES)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
