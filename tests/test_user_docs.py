@@ -1,0 +1,15 @@
+"""What users read names nothing they do not have: no issue of this project's tracker, no document
+outside the repository."""
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "benchmarks").glob("*.md")),
+         *sorted((ROOT / "examples").rglob("*.md"))]
+OUTSIDE = re.compile(r"\b[Ii]ssues? #?\d+|\.\./shared|\bDESIGN\.md\b")
+
+
+def test_no_user_page_names_an_issue_or_a_document_outside_the_repository():
+    found = [f"{page.relative_to(ROOT)}:{n}: {m.group(0)}" for page in PAGES
+             for n, line in enumerate(page.read_text().splitlines(), 1) for m in OUTSIDE.finditer(line)]
+    assert not found, found
