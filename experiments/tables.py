@@ -39,7 +39,8 @@ def write(name: str, results: Path, docs: Path) -> str:
     out_dir = docs / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     body = makers[name](rows, out_dir)
-    (out_dir / f"{name}.md").write_text(body + "\n")
+    # the body's plot links are relative to docs/ (RESULTS.md); beside the plot, the file names it alone
+    (out_dir / f"{name}.md").write_text(body.replace("](results/", "](") + "\n")
     replace_block(docs / "RESULTS.md", name, body)
     print(body)
     return body

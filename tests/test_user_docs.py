@@ -13,3 +13,15 @@ def test_no_user_page_names_an_issue_or_a_document_outside_the_repository():
     found = [f"{page.relative_to(ROOT)}:{n}: {m.group(0)}" for page in PAGES
              for n, line in enumerate(page.read_text().splitlines(), 1) for m in OUTSIDE.finditer(line)]
     assert not found, found
+
+
+def test_the_readme_is_a_front_page_and_every_link_between_the_pages_resolves():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    for page in ("getting-started", "expert-parallelism", "configuration", "deepspeed-and-megatron",
+                 "transformers", "running", "gpu-clusters", "measured", "layout"):
+        assert f"](docs/{page}.md)" in readme, page
+    broken = [f"{page.relative_to(ROOT)}: {m.group(1)}" for page in PAGES
+              for m in re.finditer(r"\]\(([^)\s#]+)(?:#[^)]*)?\)", page.read_text())
+              if not m.group(1).startswith(("http:", "https:", "mailto:")) and not (page.parent / m.group(1)).exists()]
+    assert not broken, broken
