@@ -19,7 +19,7 @@ def test_the_readme_is_a_front_page_and_every_link_between_the_pages_resolves():
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 200
     for page in ("getting-started", "expert-parallelism", "configuration", "deepspeed-and-megatron",
-                 "transformers", "running", "gpu-clusters", "measured", "layout"):
+                 "transformers", "running", "cli", "gpu-clusters", "measured", "layout"):
         assert f"](docs/{page}.md)" in readme, page
     broken = [f"{page.relative_to(ROOT)}: {m.group(1)}" for page in PAGES
               for m in re.finditer(r"\]\(([^)\s#]+)(?:#[^)]*)?\)", page.read_text())
