@@ -4,8 +4,8 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "benchmarks").glob("*.md")),
-         *sorted((ROOT / "examples").rglob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md")),
+         *sorted((ROOT / "benchmarks").glob("*.md")), *sorted((ROOT / "examples").rglob("*.md"))]
 OUTSIDE = re.compile(r"\b[Ii]ssues? #?\d+|\.\./shared|\bDESIGN\.md\b")
 
 
