@@ -18,12 +18,15 @@ def test_trained_router_and_its_optimized_placement(tmp_path, monkeypatch):
 
 
 def test_paired_ratios_cancel_what_slows_both_arms():
-    """A load that doubles both arms of a repetition leaves its ratio alone; the medians' ratio would not."""
+    """A load that doubles both arms of a repetition leaves its ratio alone: the median and the quartiles are of
+    each repetition's own ratio."""
     from benchmarks.paired import paired_ratio, ratio_text
 
-    den = [1.0, 1.0, 2.0, 2.0, 2.0]  # the other job arrives at the third repetition
-    num = [1.2, 1.2, 2.4, 2.4, 2.4]
+    den = [1.0, 3.0, 1.0, 3.0, 1.0]  # another job on the cores in the second and fourth repetitions
+    num = [1.2, 3.6, 1.2, 3.6, 1.2]
     assert paired_ratio(num, den) == pytest.approx((1.2, 1.2, 1.2))
+    # paired wrongly (the load in one arm's time only), the spread shows it
+    assert paired_ratio(num[1:] + num[:1], den) == pytest.approx((1.2, 0.4, 3.6))
     assert ratio_text([1.0, 3.0, 2.0, 4.0], [1.0, 1.0, 1.0, 1.0]) == "2.50x (1.75-3.25, middle half of 4 paired " \
         "repetitions)"
     with pytest.raises(ValueError, match="same number of repetitions"):
