@@ -25,3 +25,16 @@ def test_the_readme_is_a_front_page_and_every_link_between_the_pages_resolves():
               for m in re.finditer(r"\]\(([^)\s#]+)(?:#[^)]*)?\)", page.read_text())
               if not m.group(1).startswith(("http:", "https:", "mailto:")) and not (page.parent / m.group(1)).exists()]
     assert not broken, broken
+
+
+def test_every_documented_command_names_files_that_exist():
+    """The commands tests/doc_commands.py runs from a fresh clone: each script, config and launcher they name is
+    in the repository (a renamed file breaks the page before anyone runs it)."""
+    from tests.doc_commands import commands
+
+    found = commands()
+    assert any("--layers 58 --plot plan.png" in c.text for c in found)  # a command over two lines, joined
+    named = re.compile(r"(?<![\w/.])((?:configs|benchmarks|launch|examples|tests)/[\w./-]+\.(?:py|sh|yaml))")
+    missing = [f"{c.page}:{c.line}: {path}" for c in found if not c.left_out
+               for path in named.findall(c.text) if not (ROOT / path).exists()]
+    assert not missing, missing
