@@ -4,11 +4,9 @@ the median of those ratios is printed with the spread of its middle half."""
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 
-import torch
-import torch.distributed as dist
+from dist_moe.dispatch.calibrate import slowest_once
 
 
 def interleaved(arms: dict[str, Callable[[], object]], repeats: int, group=None) -> dict[str, list[float]]:
@@ -17,13 +15,9 @@ def interleaved(arms: dict[str, Callable[[], object]], repeats: int, group=None)
     times: dict[str, list[float]] = {name: [] for name in arms}
     for rep in range(repeats + 1):
         for name, fn in arms.items():
-            dist.barrier(group=group)
-            start = time.perf_counter()
-            fn()
-            seconds = torch.tensor([time.perf_counter() - start])
-            dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
+            seconds = slowest_once(fn, group)
             if rep:
-                times[name].append(float(seconds))
+                times[name].append(seconds)
     return times
 
 

@@ -27,17 +27,20 @@ SIZES = (1 << 18, 1 << 20, 1 << 21)  # bytes per peer: past a shaper's burst, sh
 
 def slowest(fn, repeats: int = 5, group=None) -> float:
     """Median over repeats of the slowest rank's seconds for fn() (one warm-up run first)."""
-    times = []
-    for _ in range(repeats + 1):
-        dist.barrier(group=group)
-        start = time.perf_counter()
-        fn()
-        if _device().type == "cuda":
-            torch.cuda.synchronize()
-        t = torch.tensor([time.perf_counter() - start], device=_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        times.append(float(t))
+    times = [slowest_once(fn, group) for _ in range(repeats + 1)]
     return statistics.median(times[1:])
+
+
+def slowest_once(fn, group=None) -> float:
+    """The slowest rank's seconds for one fn(), every rank of ``group`` starting together."""
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    fn()
+    if _device().type == "cuda":
+        torch.cuda.synchronize()
+    t = torch.tensor([time.perf_counter() - start], device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t)
 
 
 def _device() -> torch.device:
