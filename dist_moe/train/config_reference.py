@@ -11,9 +11,9 @@ import inspect
 import io
 import textwrap
 import tokenize
-import typing
 from dataclasses import MISSING, fields, is_dataclass
 
+from dist_moe.config.types import hints
 from dist_moe.routing.gar import GARConfig
 from dist_moe.routing.registry import ROUTERS, config_class
 from dist_moe.train.run_config import DEFAULT_ROUTER, GIVEN_LATER, RunConfig
@@ -34,11 +34,12 @@ rewrites it, and a test fails when the two differ.
 def page() -> str:
     """The whole page, as markdown."""
     out = [HEAD, "## Top level\n", _table(RunConfig, skip_sections=True)]
+    types = hints(RunConfig)
     for f in fields(RunConfig):
         if f.name == "router":
             out.append(_routers())
-        elif is_dataclass(_type_of(RunConfig, f.name)):
-            section = _type_of(RunConfig, f.name)
+        elif is_dataclass(types[f.name]):
+            section = types[f.name]
             doc = inspect.getdoc(section) if section.__doc__ and not section.__doc__.startswith(section.__name__) \
                 else ""
             out += [f"## `{f.name}`\n", f"{doc}\n" if doc else "", _table(section, prefix=f"{f.name}.")]
@@ -49,12 +50,12 @@ def page() -> str:
 
 
 def _table(cls, prefix: str = "", skip_sections: bool = False, names: dict | None = None) -> str:
-    comments = _comments(cls)
+    comments, types = _comments(cls), hints(cls)
     rows = ["| key | type | default | rule | what it does |", "|---|---|---|---|---|"]
     for f in fields(cls):
         if f.name.startswith("_"):
             continue
-        kind = _type_of(cls, f.name)
+        kind = types[f.name]
         if skip_sections and (is_dataclass(kind) or f.name == "router"):
             continue
         default = f.default if f.default is not MISSING else "(a section)"
@@ -112,10 +113,6 @@ def _comments(cls) -> dict[str, str]:
                      and n not in alone]
             out[node.target.id] = " ".join(above + after)
     return out
-
-
-def _type_of(cls, name: str):
-    return typing.get_type_hints(cls, include_extras=False).get(name)
 
 
 def _type_name(kind) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist_utils import free_port
+from tests.test_emulate_cluster import _namespaces
 
 ROOT = Path(__file__).resolve().parents[2]
 SLEEPER = str(ROOT / "tests/scripts/sleep_forever.py")
@@ -25,11 +26,6 @@ def _alive(pid: int) -> bool:
         return False
     state = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}/stat").exists() else "X"
     return state not in ("Z", "X")
-
-
-def _namespaces() -> set:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
-    return {line.split()[0] for line in out.stdout.splitlines() if line.strip()}
 
 
 def _namespaces_under(driver: int) -> set:
