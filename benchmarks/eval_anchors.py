@@ -7,7 +7,7 @@ with the given balance, then routes the same validation rows both ways and print
 layer's node shares and busiest rank / mean, the root's balance bias and EMA anchor.
 
     DIST_MOE_TOPOLOGY=node=2,gpu=2 OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc-per-node 4 \\
-        benchmarks/eval_anchors.py bias        # or: none
+        benchmarks/eval_anchors.py bias        # or: none; then any router overrides, e.g. router.balance_rule=sign
 """
 from __future__ import annotations
 
@@ -61,15 +61,16 @@ def after(model, data, rt) -> dict:
 
 def main() -> None:
     balance = sys.argv[1] if len(sys.argv) > 1 else "bias"
+    extra = sys.argv[2:]  # router overrides, e.g. the balance rule
     cfg = load_config("configs/lm_branch.yaml", [
         "seed=0", "router.type=branch", "router.node_map=linear", "router.subtree_limit=1",
         f"router.subtree_balance={balance}", "parallel.placement=tree_prefix", "parallel.dedup=node",
         "train.max_steps=200", "data.per_domain=500", "train.log_every=50",
-        f"output.dir=/tmp/dist_moe_eval_anchors/{balance}", "output.overwrite=true"])
+        f"output.dir=/tmp/dist_moe_eval_anchors/{balance}", "output.overwrite=true", *extra])
     summary = train(cfg, quiet=True, after=after)
     if os.environ.get("RANK", "0") == "0":
         keys = ("eval_anchors", "batch_statistic", "root_bias", "root_anchor", "val_node_share_cv", "val_loss")
-        print(json.dumps({"balance": balance, **{k: summary[k] for k in keys}}))
+        print(json.dumps({"balance": balance, "overrides": extra, **{k: summary[k] for k in keys}}))
 
 
 if __name__ == "__main__":

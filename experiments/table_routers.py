@@ -48,7 +48,8 @@ _COLUMNS = ("Copies = node-crossing bytes per token / token bytes on the run's v
             "co-activation; the contiguous column is the same router's contiguous placement (for BRANCH on "
             "2 x 2 it equals tree-prefix). Node CV: the CV of the two nodes' shares of the routed slots. "
             "`_limit1`: `router.subtree_limit=1 router.subtree_balance=none`; `_bal`: the limit with "
-            "`subtree_balance=bias` (the default); `_node1`: `router.node_limit=1`.")
+            "`subtree_balance=bias` and DeepSeek-V3's `sign` rule (`router.balance_rule=sign "
+            "router.balance_eval=false`; the defaults are `newton` and `true`); `_node1`: `router.node_limit=1`.")
 
 
 def _tables(rows, out_dir, datasets: dict, png: str, what: str) -> str:

@@ -1,7 +1,7 @@
 """Experiment 4b table: the tiny LM where the link matters, each factor alone and all together."""
 from __future__ import annotations
 
-from experiments.plans import LINK_REGIMES
+from experiments.plans import LINK_REGIMES, REGIME_NAMES
 from experiments.step_model import calibrated_cost, moe_share, predicted_steps
 from experiments.table_cells import runs_header
 from experiments.table_throughput import plot_throughput
@@ -36,7 +36,8 @@ def _regime_table(regime: str, runs: list, cost) -> tuple[str, list]:
     k, e = shape.get("top_k", 2), shape.get("num_experts", 8)
     share = moe_share(shape["d_model"], shape["ffn_hidden_size"], k, e, 64, 2)
     in_steps = all(r.get("exchange_wait_step_s") for r in runs)
-    lines = [f"**{regime}** regime. {runs_header('throughput_link', runs, 'arm')} The same emulated cluster and LM "
+    name = REGIME_NAMES[regime]
+    lines = [f"**{name}** regime. {runs_header('throughput_link', runs, 'arm')} The same emulated cluster and LM "
              f"as above at d_model {shape['d_model']}, SwiGLU ffn {shape['ffn_hidden_size']} (E={e}, top-{k}, 2 MoE "
              f"layers), 16 sequences x 64 bytes per rank, {base['steps']} steps. Measured all-to-all: each MoE "
              "layer's dispatch bytes for one batch replayed after training (4 exchanges per layer per step)"
@@ -60,5 +61,5 @@ def _regime_table(regime: str, runs: list, cost) -> tuple[str, list]:
                      f"{1e3 * r['measured_a2a_s']:.1f} | {100 * r['measured_a2a_s'] / r['step_s']:.0f}% | "
                      f"{waits}{1e3 * pred:.1f} | {100 * err:+.0f}% |")
         points.append((f"{regime}:{r['arm']}", r["step_s"], pred))
-    lines += ["", f"Model error ({regime}): {summary}."]
+    lines += ["", f"Model error ({name}): {summary}."]
     return "\n".join(lines), points

@@ -18,13 +18,20 @@ def test_no_user_page_names_an_issue_or_a_document_outside_the_repository():
 def test_the_readme_is_a_front_page_and_every_link_between_the_pages_resolves():
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 200
-    for page in ("getting-started", "expert-parallelism", "configuration", "deepspeed-and-megatron",
-                 "transformers", "running", "cli", "gpu-clusters", "measured", "layout"):
-        assert f"](docs/{page}.md)" in readme, page
+    unlinked = [page.name for page in (ROOT / "docs").glob("*.md") if f"](docs/{page.name})" not in readme]
+    assert not unlinked, f"README links no {unlinked}"
     broken = [f"{page.relative_to(ROOT)}: {m.group(1)}" for page in PAGES
               for m in re.finditer(r"\]\(([^)\s#]+)(?:#[^)]*)?\)", page.read_text())
               if not m.group(1).startswith(("http:", "https:", "mailto:")) and not (page.parent / m.group(1)).exists()]
     assert not broken, broken
+
+
+def test_the_command_check_reads_every_page():
+    from tests.doc_commands import PAGES
+
+    pages = {str(p.relative_to(ROOT)) for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md"),
+                                                ROOT / "benchmarks" / "README.md"]}
+    assert pages <= set(PAGES), sorted(pages - set(PAGES))
 
 
 def test_every_documented_command_names_files_that_exist():
@@ -38,3 +45,26 @@ def test_every_documented_command_names_files_that_exist():
     missing = [f"{c.page}:{c.line}: {path}" for c in found if not c.left_out
                for path in named.findall(c.text) if not (ROOT / path).exists()]
     assert not missing, missing
+
+
+def test_a_slow_command_is_told_from_its_comment():
+    """tests/doc_commands.py fails a command over 20 s whose page does not say how long it takes."""
+    from tests.doc_commands import Command
+
+    assert Command("p", 1, "x", "4 ranks as 2 nodes (about 40 s)").says_its_time
+    assert Command("p", 1, "x", "every seed (2-3 min)").says_its_time
+    assert not Command("p", 1, "x", "4 ranks as 2 nodes x 2").says_its_time
+    assert not Command("p", 1, "x", "top-4 of 16 experts").says_its_time
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors for a page's headings: lower case, punctuation dropped, spaces to hyphens."""
+    headings = re.findall(r"^#+ (.+)$", page.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_every_link_to_a_heading_finds_it():
+    broken = [f"{page.relative_to(ROOT)}: {target}#{anchor}" for page in PAGES
+              for target, anchor in re.findall(r"\]\(([^)\s#]*\.md)?#([^)\s]+)\)", page.read_text())
+              if anchor not in _anchors(page.parent / target if target else page)]
+    assert not broken, broken

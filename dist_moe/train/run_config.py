@@ -173,7 +173,8 @@ class TrainConfig:
     # bf16: matmuls in bfloat16 under autocast; weights, gradients, optimizer state, routers and the combine fp32
     # (engine deepspeed: DeepSpeed's own bf16, bf16 weights with fp32 master copies and Adam state)
     precision: str = one_of("fp32", PRECISIONS)
-    # torch's deterministic algorithms and order-fixed sums: a rerun repeats bit for bit, on CUDA too
+    # torch's deterministic algorithms and order-fixed sums: a rerun repeats bit for bit (tested on the CPU; the
+    # CUDA settings are written, not yet run on a GPU)
     deterministic: bool = False
 
 

@@ -22,7 +22,7 @@ nothing but tokens).
 
 Capacity: with ``capacity_factor`` it is DeepSpeed's own rule (``sharded_moe._capacity``:
 ceil(T / E * capacity_factor * k) in float32, at least ``min_capacity``, default 8 as
-DeepSpeed's), with T the largest token count of any EP rank; dropless, the fullest
+DeepSpeed's TopKGate's), with T the largest token count of any EP rank; dropless, the fullest
 expert of any rank (at least ``min_capacity``). Where dist-moe's gate differs from
 DeepSpeed's top2gating on purpose:
 
@@ -203,9 +203,10 @@ def deepspeed_moe_layer(hidden_size: int, ffn_hidden_size: int | None, router: R
     """A ``deepspeed.moe.layer.MoE`` whose gate is ``DistMoEGate``. Its experts are dist-moe's
     (``expert_type``, ``ffn_hidden_size``), or, as ``deepspeed.moe.layer.MoE(expert=...)`` takes it,
     the user's own ``expert`` module, which DeepSpeed copies into every local slot.
-    ``min_capacity`` is DeepSpeed's (``MoE(min_capacity=8)``). ``dispatcher="dist_moe"`` moves the
-    tokens with dist-moe's dropless dispatcher (``dedup``, ``pipeline_chunks``;
-    ``dispatch.py``) instead of DeepSpeed's capacity-padded all-to-all.
+    ``min_capacity`` defaults to 8, as DeepSpeed's ``TopKGate`` (its ``MoE`` passes 4: give
+    ``min_capacity=4`` to match it). ``dispatcher="dist_moe"`` moves the tokens with dist-moe's
+    dropless dispatcher (``dedup``, ``pipeline_chunks``; ``dispatch.py``) instead of DeepSpeed's
+    capacity-padded all-to-all.
 
     Call ``set_deepspeed_parallelism()`` (or let ``deepspeed.initialize`` do it) after
     ``deepspeed.init_distributed``; the layer returns (output, l_aux unscaled as DeepSpeed's gates
