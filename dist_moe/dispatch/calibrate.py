@@ -98,9 +98,21 @@ def calibrate(topology: Topology, sizes=SIZES, repeats: int = 5) -> CostModel:
             alone = slowest(functools.partial(replay, level_pattern(topology, li, sizes[-1], True)), repeats)
             shared = (times[-1] - latency) > (1 + unit) / 2 * max(alone - latency, 1e-9)
         per_link = [s * peers * (unit if shared else 1) for s in sizes]
-        level = fit_level([peers] * len(sizes), per_link, [max(t - latency, 0.0) for t in times], shared)
-        fitted[name] = level
+        # the one-byte exchange crosses every level, so a level inside a node can run faster than it:
+        # what its own smallest exchange took bounds the fixed cost to take off
+        base = min(latency, *times)
+        try:
+            fitted[name] = fit_level([peers] * len(sizes), per_link, [t - base for t in times], shared)
+        except ValueError:
+            ms = ", ".join(f"{1e3 * t:.2f}" for t in times)
+            raise ValueError(f"calibration: the {name} level's exchanges did not take longer with more bytes ({ms} ms "
+                             f"for {', '.join(_size(s) for s in sizes)} per peer); the link was busy or its bandwidth "
+                             "is beyond these sizes: run it again, with more --repeats") from None
     return CostModel(fitted).with_exchange(latency, *measure_overlap(topology, repeats))
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
 def _matmuls(a: torch.Tensor, seconds: float) -> int:
