@@ -213,7 +213,7 @@ LINK_REGIMES = {
 }
 
 
-REGIME_NAMES = {"today": "coarse", "fine": "fine", "fine_top8": "fine_top8"}  # what tables and pages call them
+REGIME_NAMES = {"today": "coarse"}  # what tables and pages call a regime whose key says otherwise
 
 
 def throughput_link(seeds=(0,), steps: int = 40) -> Plan:

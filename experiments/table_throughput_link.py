@@ -36,7 +36,7 @@ def _regime_table(regime: str, runs: list, cost) -> tuple[str, list]:
     k, e = shape.get("top_k", 2), shape.get("num_experts", 8)
     share = moe_share(shape["d_model"], shape["ffn_hidden_size"], k, e, 64, 2)
     in_steps = all(r.get("exchange_wait_step_s") for r in runs)
-    name = REGIME_NAMES[regime]
+    name = REGIME_NAMES.get(regime, regime)
     lines = [f"**{name}** regime. {runs_header('throughput_link', runs, 'arm')} The same emulated cluster and LM "
              f"as above at d_model {shape['d_model']}, SwiGLU ffn {shape['ffn_hidden_size']} (E={e}, top-{k}, 2 MoE "
              f"layers), 16 sequences x 64 bytes per rank, {base['steps']} steps. Measured all-to-all: each MoE "

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,8 +70,6 @@ def test_a_level_inside_a_node_faster_than_the_collective_latency_is_still_fitte
 
 
 def test_a_level_whose_time_does_not_grow_names_it_and_what_to_do(monkeypatch):
-    import pytest
-
     with pytest.raises(ValueError, match=r"the gpu level's exchanges did not take longer with more bytes "
                                          r"\(2\.00, 1\.90, 1\.80 ms for 256 KiB, 1 MiB, 2 MiB per peer\).*--repeats"):
         _calibrate_with(monkeypatch, [1e-3, *NODE, 2e-3, 1.9e-3, 1.8e-3])
