@@ -93,14 +93,14 @@ def calibrate(topology: Topology, sizes=SIZES, repeats: int = 5) -> CostModel:
         unit = math.prod(topology.sizes[li + 1:])
         peers = (topology.sizes[li] - 1) * unit
         times = [slowest(functools.partial(replay, level_pattern(topology, li, s)), repeats) for s in sizes]
-        shared = False
-        if unit > 1:  # private links take as long with one sender per unit; a shared one ~unit x less
-            alone = slowest(functools.partial(replay, level_pattern(topology, li, sizes[-1], True)), repeats)
-            shared = (times[-1] - latency) > (1 + unit) / 2 * max(alone - latency, 1e-9)
+        # private links take as long with one sender per unit; a shared one ~unit x less
+        alone = [slowest(functools.partial(replay, level_pattern(topology, li, sizes[-1], True)), repeats)] \
+            if unit > 1 else []
+        # the fixed cost to take off: the one-byte exchange's, but it crosses every level, so a level inside a
+        # node can run faster than it; what this level's own smallest exchange took bounds it
+        base = min(latency, *times, *alone)
+        shared = bool(alone) and (times[-1] - base) > (1 + unit) / 2 * max(alone[0] - base, 1e-9)
         per_link = [s * peers * (unit if shared else 1) for s in sizes]
-        # the one-byte exchange crosses every level, so a level inside a node can run faster than it:
-        # what its own smallest exchange took bounds the fixed cost to take off
-        base = min(latency, *times)
         try:
             fitted[name] = fit_level([peers] * len(sizes), per_link, [t - base for t in times], shared)
         except ValueError:
