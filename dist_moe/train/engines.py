@@ -124,7 +124,9 @@ class MegatronEngine(Engine):
         megatron_patches.apply(cpu=rt.device.type == "cpu")
         parallel_state = engine_import("megatron.core", "parallel_state")
 
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=rt.world)
+        # every group Megatron creates waits parallel.timeout_s for a peer, as the world does
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=rt.world,
+                                                 distributed_timeout_minutes=rt.timeout_s / 60)
 
     def build_moe(self, rt, config):
         placement = rt.placement(config.num_experts)

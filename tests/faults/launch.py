@@ -16,7 +16,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def start_ranks(world: int, overrides: list[str], out: Path, env_extra: dict | None = None,
-                port: int | None = None) -> list[subprocess.Popen]:
+                port: int | None = None, code: dict[int, str] | None = None) -> list[subprocess.Popen]:
+    """``code``: a rank's program in place of the CLI (``python -c``, given the CLI's arguments), for a
+    test that makes one rank misbehave at a chosen point."""
     port = port or free_port()
     procs = []
     for rank in range(world):
@@ -24,7 +26,8 @@ def start_ranks(world: int, overrides: list[str], out: Path, env_extra: dict | N
                "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                "LOCAL_WORLD_SIZE": str(world), "PYTHONPATH": str(ROOT), **(env_extra or {})}
         log = (out / f"rank{rank}.log").open("w")
-        procs.append(subprocess.Popen([sys.executable, "-m", "dist_moe.cli", "train", "--quiet",
+        program = ["-c", code[rank]] if code and rank in code else ["-m", "dist_moe.cli"]
+        procs.append(subprocess.Popen([sys.executable, *program, "train", "--quiet",
                                        f"output.dir={out}", *overrides], env=env, cwd=ROOT, stdout=log,
                                       stderr=subprocess.STDOUT, start_new_session=True))
     return procs

@@ -244,8 +244,10 @@ def init_distributed(timeout_s: float | None = None, device: torch.device | None
 
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", **kwargs)
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    deepspeed_patches.time_out_groups(timeout)  # the engine's own groups too, not only the world
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
+                               **({} if timeout is None else {"timeout": timeout}))
 
 
 def shutdown_distributed() -> None:

@@ -5,6 +5,7 @@ before DeepSpeed's communication backend starts.
 """
 from __future__ import annotations
 
+import datetime
 import importlib
 
 import torch
@@ -12,6 +13,7 @@ import torch
 from dist_moe.optional_engines import engine_import
 
 _APPLIED = False
+_GROUP_TIMEOUT: datetime.timedelta | None = None  # what init_distributed was given (None: torch's default)
 
 
 def apply(cpu: bool | None = None) -> None:
@@ -25,7 +27,18 @@ def apply(cpu: bool | None = None) -> None:
         # be reached through importlib: `import deepspeed.comm.torch as m` resolves to the
         # `torch` package re-exported by deepspeed.comm and patches the wrong module.
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    # 0.19.8: TorchBackend.new_group passes no timeout, and torch gives a new group its backend's
+    # default (30 min on gloo, 10 on NCCL), not the world's: every group DeepSpeed creates (expert,
+    # expert-data, data) would outwait the run's timeout behind a hung peer.
+    backend = importlib.import_module("deepspeed.comm.torch").TorchBackend
+    backend.new_group = lambda self, ranks: torch.distributed.new_group(ranks, timeout=_GROUP_TIMEOUT)
     _APPLIED = True
+
+
+def time_out_groups(timeout: datetime.timedelta | None) -> None:
+    """Every group DeepSpeed creates from now on waits ``timeout`` for a peer, as the world does."""
+    global _GROUP_TIMEOUT
+    _GROUP_TIMEOUT = timeout
 
 
 def release_groups() -> None:
