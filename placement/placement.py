@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from placement.files import read_yaml_mapping
+from placement.files import read_yaml_mapping, write_atomic
 from placement.names import NAMED
 from placement.topology import Topology
 
@@ -161,7 +161,7 @@ class Placement:
         return getattr(cls, kind)(num_experts, topology.world_size)
 
     def to_yaml(self, path: str | Path) -> None:
-        Path(path).write_text(yaml.safe_dump({"world_size": self.world_size, "expert_to_rank": self.expert_to_rank}))
+        write_atomic(path, yaml.safe_dump({"world_size": self.world_size, "expert_to_rank": self.expert_to_rank}))
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> Placement:

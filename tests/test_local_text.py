@@ -127,3 +127,25 @@ def test_dist_moe_train_learns_a_text_file_in_one_command(tmp_path):
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in steps if "loss" in r]
     assert losses[-1] < losses[0] - 1.0  # a repetitive text is learned fast
+
+
+def test_the_cache_is_never_written_through_a_link_at_a_name_known_beforehand(tmp_path, monkeypatch):
+    """The cache's name, and the temporary name it had, are knowable before a run (a hash of the source's
+    path, size and time; the writer's pid): links planted at both leave their target as it was."""
+    import os
+
+    from dist_moe.data import local_text
+
+    (tmp_path / "a.txt").write_bytes(b"A" * 400)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep me")
+    key = local_text._key(tmp_path / "a.txt", [tmp_path / "a.txt"], 9, "uint16")
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in (f"local_{key}.{os.getpid()}.tmp.npz", f"local_{key}.npz.tmp"):
+        (data / name).symlink_to(outside)
+    load_sequences(tmp_path / "a.txt", 9)
+    assert outside.read_text() == "keep me"
+    cache = data / f"local_{key}.npz"
+    assert cache.is_file() and not cache.is_symlink()
+    assert np.array_equal(load_sequences(tmp_path / "a.txt", 9), load_sequences(tmp_path / "a.txt", 9))

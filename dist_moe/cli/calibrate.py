@@ -10,6 +10,7 @@ from dist_moe.config.choices import MAX_TIMEOUT_S, MIN_TIMEOUT_S
 from dist_moe.dispatch.calibrate import calibrate, to_yaml
 from dist_moe.dispatch.process_group import init_from_env, launched_world_size, resolve_device, shutdown
 from placement import Topology, check_output_file
+from placement.files import write_atomic
 
 
 def add_parser(sub, debug) -> None:
@@ -47,7 +48,7 @@ def run(args) -> int:
         shutdown()
     if rank == 0:
         out = Path(args.out)
-        out.write_text(yaml.safe_dump(to_yaml(topo, cost), sort_keys=False))
+        write_atomic(out, yaml.safe_dump(to_yaml(topo, cost), sort_keys=False))
         print(f"{topo.describe()}: collective latency {1e6 * cost.latency_s:.0f} us, pipelined overlap "
               f"{cost.overlap:.2f}, chunks in flight {cost.chunked:.2f}x the time of one exchange")
         for name, c in cost.levels.items():

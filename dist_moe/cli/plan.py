@@ -17,6 +17,7 @@ from dist_moe.config.choices import MAX_PIPELINE_CHUNKS
 from dist_moe.errors import shown
 from placement import check_output_file
 from placement.cost import in_bounds
+from placement.files import replacing
 from placement.forecast import PLACEMENTS, ModelShape, forecast
 from placement.simulate import RoutingRecord
 
@@ -208,5 +209,6 @@ def _plot(out: dict, path: Path) -> None:
     ax.set_title(f"{out['topology']}, EP {out['ep']}")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, frameon=False)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    with replacing(path) as f:  # the path as given (a name without .png included), never through a link
+        fig.savefig(f, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from placement import read_npz
+from placement.files import replacing
 
 
 def data_dir() -> Path:
@@ -15,13 +16,13 @@ def data_dir() -> Path:
 
 
 def save_cache(cache: Path, **arrays) -> None:
-    """Write arrays as ``cache`` (.npz, read back without pickle). One temporary file per process,
-    renamed into place: ranks that fill a cache together never rename each other's, and a crash
-    never leaves a half-written cache."""
+    """Write arrays as ``cache`` (.npz, read back without pickle). Each writer's temporary file has a
+    fresh name (``replacing``: never through a link planted at a name known beforehand), renamed into
+    place: ranks that fill a cache together never rename each other's, and a crash never leaves a
+    half-written cache."""
     cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_name(f"{cache.stem}.{os.getpid()}.tmp.npz")
-    np.savez(tmp, **arrays)
-    tmp.replace(cache)
+    with replacing(cache) as f:
+        np.savez(f, **arrays)
 
 
 def load_cache(cache: Path, arrays: dict[str, tuple[str, int]], same_rows=()) -> dict | None:

@@ -213,3 +213,51 @@ def test_calibrate_refuses_an_out_in_a_missing_folder_before_measuring(capsys, l
     code, err = _cli(capsys, "calibrate", "--topology", "node=1,gpu=2", "--out", str(out))
     assert code == 2
     _one_line(err, f"--out {str(out)!r}: the folder {str(out.parent)!r} does not exist")
+
+
+def _linked(tmp_path, name: str):
+    """``name`` in tmp_path planted as a symlink to a file outside, whose bytes must survive."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep me")
+    link = tmp_path / name
+    link.symlink_to(outside)
+    return link, outside
+
+
+def _replaced(link, outside) -> None:
+    assert outside.read_text() == "keep me", "written through the link"
+    assert not link.is_symlink() and link.is_file()
+
+
+def test_place_replaces_a_link_at_out_instead_of_writing_through_it(capsys, trained, tmp_path):
+    link, outside = _linked(tmp_path, "placement.yaml")
+    code, _ = _cli(capsys, "place", "--topology", "node=2,gpu=2", "--stats", str(trained), "--out", str(link))
+    assert code == 0
+    _replaced(link, outside)
+    assert "expert_to_rank" in link.read_text()
+
+
+def test_plan_writes_its_plot_where_told_and_never_through_a_link(capsys, tmp_path):
+    from dist_moe.cli import main
+
+    link, outside = _linked(tmp_path, "plan.png")
+    assert _cli(capsys, *PLAN, "--plot", str(link))[0] == 0
+    _replaced(link, outside)
+    bare = tmp_path / "x"  # the name as given, not x.png beside it
+    assert main([*PLAN, "--plot", str(bare)]) == 0
+    assert f"plot: {bare}" in capsys.readouterr().out
+    assert bare.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "x.png").exists()
+
+
+def test_calibrate_replaces_a_link_at_out_instead_of_writing_through_it(capsys, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(cli_calibrate, "init_from_env", lambda *a, **k: (0, 2, None))
+    monkeypatch.setattr(cli_calibrate, "shutdown", lambda: None)
+    monkeypatch.setattr(cli_calibrate, "calibrate", lambda topo, repeats: SimpleNamespace(
+        latency_s=1e-5, overlap=0.5, chunked=1.0, levels={}))
+    monkeypatch.setattr(cli_calibrate, "to_yaml", lambda topo, cost: {"levels": ["node", "gpu"]})
+    link, outside = _linked(tmp_path, "calibrated.yaml")
+    assert _cli(capsys, "calibrate", "--topology", "node=1,gpu=2", "--out", str(link))[0] == 0
+    _replaced(link, outside)
