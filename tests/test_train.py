@@ -110,8 +110,9 @@ def test_a_long_override_still_names_a_directory():
         (["model.d_model=-3"], "model.d_model"),
         (["model.expert_type=foo"], "model.expert_type"),
         (["model.post_norm=maybe"], "model.post_norm"),
-        (["output.dir=5"], "output.dir"),
+        (["output.dir="], "output.dir"),
         (["output.dir=/x/{foo}"], "output.dir"),
+        (["output.dir=/x/{name.__class__}"], "may use only {name}, got '/x/{name.__class__}' (found {name.__class__})"),
         (["train.lr=.inf"], "train.lr"),
         (["train.lr=1e30", "train.max_grad_norm=null", "train.max_skipped_steps=1"], "diverged"),
         (["parallel.timeout_s=0"], "parallel.timeout_s"),
@@ -163,6 +164,32 @@ def test_json_outputs_have_no_nan(tmp_path, capsys):
     assert json.loads(out)["val_tree_distance"] is None
     for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
         json.loads(line, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+
+
+@pytest.mark.parametrize("override,value", [
+    ("output.dir=/tmp/runs/a #b", "/tmp/runs/a #b"),  # YAML: a comment, cut
+    ("output.dir=/tmp/a\nb", "/tmp/a\nb"),  # YAML: folded to a space
+    ("data.name=~", "~"),  # YAML: null
+    ("model.path= 'x' ", " 'x' "),
+    ("parallel.placement=on: yes.yaml", "on: yes.yaml"),  # YAML: a mapping
+    ("name=1e3", "1e3"),  # YAML: a float
+])
+def test_a_path_or_name_override_is_taken_as_written(override, value):
+    def leaf(item):
+        got = parse_override(item)
+        for part in item.split("=", 1)[0].split("."):
+            got = got[part]
+        return got
+
+    assert leaf(override) == value
+    assert leaf(override.split("=", 1)[0] + "=") is None  # an empty value: null, as for any key
+
+
+def test_output_dir_fills_name_and_nothing_else():
+    from dist_moe.train.run_config import output_dir
+
+    cfg = load_config(None, ["output.dir=/tmp/{name}/{{literal}}", "name=x"])
+    assert str(output_dir(cfg)) == "/tmp/x/{literal}"
 
 
 def test_config_merge_and_yaml(tmp_path):

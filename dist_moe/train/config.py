@@ -18,7 +18,7 @@ import yaml
 from dist_moe.errors import shown
 from dist_moe.routing.registry import ROUTERS, accepted_keys
 from dist_moe.train.engines import ENGINES
-from dist_moe.train.run_config import OLD_DISPATCHER_KEYS, RunConfig
+from dist_moe.train.run_config import OLD_DISPATCHER_KEYS, RunConfig, verbatim_keys
 from placement import parse_yaml, read_yaml, yaml_problem
 
 DEFAULT_CONFIG: dict = RunConfig().to_dict()  # the embedded default, as a mapping (configs/demo.yaml writes it out)
@@ -82,13 +82,17 @@ def _keep_given_router_keys(router: dict, given: dict[str, str], item: str) -> N
                          f"router type {router.get('type')!r} does not take it; give one of the two")
 
 
+VERBATIM = verbatim_keys()  # paths and names: output.dir, model.path, data.name, ...
+
+
 def parse_override(item: str) -> dict:
-    """'train.lr=3e-4' -> {'train': {'lr': 0.0003}} (values parsed as YAML)."""
+    """'train.lr=3e-4' -> {'train': {'lr': 0.0003}} (values parsed as YAML; a path's text as written, an empty
+    value null)."""
     if "=" not in item:
         raise ValueError(f"override {shown(item)} must look like key.sub=value")
     key, raw = item.split("=", 1)
     try:
-        value = parse_yaml(raw) if raw else None
+        value = (raw if key.strip() in VERBATIM else parse_yaml(raw)) if raw else None
     except yaml.YAMLError as e:
         raise ValueError(f"override {shown(item)}: the value is not valid YAML ({yaml_problem(e)})") from None
     nested: dict = value

@@ -16,7 +16,7 @@ from dataclasses import MISSING, fields, is_dataclass
 from dist_moe.config.types import hints
 from dist_moe.routing.gar import GARConfig
 from dist_moe.routing.registry import ROUTERS, config_class
-from dist_moe.train.run_config import DEFAULT_ROUTER, GIVEN_LATER, RunConfig
+from dist_moe.train.run_config import DEFAULT_ROUTER, GIVEN_LATER, RunConfig, verbatim_keys
 
 HEAD = """# Configuration
 
@@ -24,6 +24,10 @@ Every key a training config takes (`dist-moe train --config FILE.yaml key=value 
 its type, its default, the rule a value must keep, and what it does. A YAML file sets any of them
 (`parallel: {dedup: node}`); an override sets one (`parallel.dedup=node`); a key that is not here,
 or a value that breaks its rule, stops the run before anything starts, with one line naming it.
+An override's value is read as YAML (`train.lr=3e-4` is a number, `train.gar=null` is null), except
+for the keys that name a path or a name (VERBATIM): those
+take the text after `=` as written, so `output.dir='runs/a #b'` is `runs/a #b`. An empty value is null
+for every key. `output.dir` fills in `{name}` and no other field.
 
 This page is written from the schema (`dist_moe/train/run_config.py`, and each router's
 constructor): `.venv/bin/python -m dist_moe.train.config_reference > docs/configuration.md`
@@ -33,7 +37,8 @@ rewrites it, and a test fails when the two differ.
 
 def page() -> str:
     """The whole page, as markdown."""
-    out = [HEAD, "## Top level\n", _table(RunConfig, skip_sections=True)]
+    head = HEAD.replace("VERBATIM", ", ".join(f"`{k}`" for k in sorted(verbatim_keys())))
+    out = [head, "## Top level\n", _table(RunConfig, skip_sections=True)]
     types = hints(RunConfig)
     for f in fields(RunConfig):
         if f.name == "router":

@@ -14,6 +14,7 @@ configs, which are the strategies' own.
 from __future__ import annotations
 
 import os
+import string
 import warnings
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -53,6 +54,12 @@ def key(default, want: str | None = None, ok=None):
     return field(default=default, metadata={"rule": (want, ok)} if ok is not None else {})
 
 
+def path_key(default, want: str = "a non-empty path", ok=lambda v: bool(v.strip()) and "\0" not in v):
+    """A key that names a file or folder: an override takes its text verbatim (``output.dir=a #b`` is
+    ``a #b``), where YAML would cut a comment, fold a newline or read ``~`` as null."""
+    return field(default=default, metadata={"rule": (want, ok), "verbatim": True})
+
+
 def one_of(default, choices: tuple):
     """A key whose values the owning module lists (the message names them)."""
     return key(default, f"one of {', '.join(choices)}", lambda v: v in choices)
@@ -68,8 +75,9 @@ class ParallelConfig:
 
     # which rank holds which expert: contiguous blocks, round robin, tree-prefix (BRANCH's subtrees on the
     # topology's nodes), or a file written by dist-moe place (an optimized placement)
-    placement: str = key("contiguous", f"one of {', '.join(PLACEMENTS)} or a placement .yaml (dist-moe place --out)",
-                         lambda v: v in PLACEMENTS or v.endswith((".yaml", ".yml")))
+    placement: str = path_key("contiguous",
+                              f"one of {', '.join(PLACEMENTS)} or a placement .yaml (dist-moe place --out)",
+                              lambda v: v in PLACEMENTS or v.endswith((".yaml", ".yml")))
     # a token's copies: one per selected expert (none), one per destination rank, or one per destination node
     # (forwarded inside the node)
     dedup: str = one_of("rank", DEDUP_MODES)
@@ -110,7 +118,7 @@ class DataConfig:
     # per_domain sequences; "text_tasks": the multi-task text mixture for model.kind text (per_domain examples
     # per task, seq_len MiniLM tokens each); a local text file, folder of text files or .npy / .bin token file
     # (dist_moe/data/local_text.py) for model.kind lm; otherwise a keel dataset (the loader names the valid ones)
-    name: str = "magic"
+    name: str = path_key("magic", "a non-empty name or path")
     val_fraction: float = key(0.2, "a number in (0, 1)", lambda v: 0 < v < 1)  # rows held out for validation
     max_rows: int | None = key(None, "an int >= 10", lambda v: v >= 10)  # use the first rows only (null: all)
     # a coarse label per row (data.CATEGORY_SETS), required by specdrop routing; "domains": each
@@ -130,7 +138,7 @@ class ModelConfig:
     # MoE model at model.path, its own router and experts; for a local text or token file)
     kind: str = one_of("tabular", MODEL_KINDS)
     # model.kind hf: a local transformers model folder (or its config.json); without weights it starts random
-    path: str | None = key(None, "a non-empty path", lambda v: bool(v.strip()) and "\0" not in v)
+    path: str | None = path_key(None)
     ffn_hidden_size: int = _positive(32)  # each expert's hidden width
     # the MoE layer's width: tabular and image project their input to it (0: no projection); lm: the
     # transformer's width (> 0)
@@ -181,7 +189,7 @@ class TrainConfig:
 @dataclass
 class OutputConfig:
     # {name}: the config's name, plus any model-changing overrides of this run (+router.top_k=2); ~ expands
-    dir: str = key("runs/{name}", "a non-empty path", lambda v: bool(v.strip()) and "\0" not in v)
+    dir: str = path_key("runs/{name}")
     tensorboard: bool = False  # also write TensorBoard scalars to <dir>/tensorboard (needs tensorboard)
     # a dir that already holds a run is refused unless train.resume continues it or this is true, which
     # removes that run's files first (dist-moe's own only: rundir.RUN_FILES and RUN_DIRS)
@@ -195,8 +203,8 @@ DEFAULT_ROUTER = {"type": "branch", "num_experts": 16, "top_k": 4}
 @dataclass
 class RunConfig:
     # the name is a directory under runs/: no separator or '..' may take it elsewhere
-    name: str = key("demo", "a non-empty name without '/', '\\' or '..'",
-                    lambda v: bool(v.strip()) and not any(c in v for c in ("/", "\\", "..", "\0")))
+    name: str = path_key("demo", "a non-empty name without '/', '\\' or '..'",
+                         lambda v: bool(v.strip()) and not any(c in v for c in ("/", "\\", "..", "\0")))
     seed: int = key(0, "an int in [0, 2**63 - 1]", lambda v: 0 <= v < 2**63)  # weights, data order, jitter
     # which MoE layer hosts the router: dist-moe's own ("torch"), DeepSpeed's or Megatron-core's
     engine: str = one_of("torch", ENGINES)
@@ -271,11 +279,7 @@ def _router(value) -> RouterConfig:
 
 def _check_across(cfg: RunConfig) -> None:
     """The rules that tie keys of different sections together."""
-    try:
-        cfg.output.dir.format(name=cfg.name)
-    except (KeyError, IndexError, ValueError) as e:
-        raise ValueError(f"config key 'output.dir' may use only {{name}}, got {shown(cfg.output.dir)} ({e})") from None
-    output_dir(cfg)  # a ~user that does not exist
+    output_dir(cfg)  # a field other than {name}, a ~user that does not exist
     if cfg.train.resume and cfg.output.overwrite:
         raise ValueError("train.resume=true continues the run in output.dir and output.overwrite=true removes it: "
                          "set one of them")
@@ -385,11 +389,37 @@ def _move_router_gar(d: dict, warn: bool) -> dict:
 
 def output_dir(cfg: RunConfig) -> Path:
     """A ``RunConfig``'s output.dir with ``{name}`` filled in and ``~`` expanded (never a literal ``./~``)."""
-    raw = cfg.output.dir.format(name=cfg.name)
+    raw = _fill_name(cfg.output.dir, cfg.name)
     path = os.path.expanduser(raw)
     if path.startswith("~"):
         raise ValueError(f"output.dir {raw!r}: {path.split('/')[0]!r} is no known user's home folder")
     return Path(path)
+
+
+def _fill_name(template: str, name: str) -> str:
+    """``template`` with each ``{name}`` replaced; any other field (``{name.__class__}``, ``{0}``, ``{name!r}``)
+    or a lone brace is refused rather than formatted."""
+    try:
+        parts = list(string.Formatter().parse(template))
+    except ValueError as e:
+        raise ValueError(f"config key 'output.dir' may use only {{name}}, got {shown(template)} ({e})") from None
+    bad = ["{" + f + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
+           for _, f, spec, conv in parts if f is not None and (f, spec, conv) != ("name", "", None)]
+    if bad:
+        raise ValueError(f"config key 'output.dir' may use only {{name}}, got {shown(template)} (found {bad[0]})")
+    return "".join(text + (name if field is not None else "") for text, field, _, _ in parts)
+
+
+def verbatim_keys(cls=None, prefix: str = "") -> set[str]:
+    """The dotted keys whose override values are taken as written (``path_key``)."""
+    out = set()
+    for f in fields(cls or RunConfig):
+        hint = hints(cls or RunConfig)[f.name]
+        if is_dataclass(hint) and hint is not RouterConfig:
+            out |= verbatim_keys(hint, f"{prefix}{f.name}.")
+        elif f.metadata.get("verbatim"):
+            out.add(prefix + f.name)
+    return out
 
 
 def _plain(obj, full: bool):
