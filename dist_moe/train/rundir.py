@@ -82,6 +82,7 @@ class RunDir:
         self.path, self.lock = Path(path), RunLock(path)
         self.created: list[Path] = []  # directories this run made, outermost first
         self.before: set[str] = set()  # names in the directory before this run wrote any
+        self.held: list[str] = []  # of HOLDS_A_RUN, what was there: a run trained here before
         self.owned = False
 
     def open(self, resume: bool, overwrite: bool) -> None:
@@ -105,7 +106,7 @@ class RunDir:
                 raise _link_refused(self.path, name)
         self.lock.acquire()
         self.owned = True  # from here on this run may remove what it created (before: another run's)
-        held = [name for name in HOLDS_A_RUN if name in self.before]
+        self.held = held = [name for name in HOLDS_A_RUN if name in self.before]
         if held and not resume:
             if not overwrite:
                 raise ValueError(f"output.dir {d!r} already holds a run ({', '.join(held)}): set train.resume=true "

@@ -127,6 +127,13 @@ def _open_run(cfg: RunConfig, rt: Runtime, run_dir: RunDir | None):
     def claim():  # rank 0 alone; the others wait for its verdict
         if run_dir is not None:
             run_dir.open(cfg.train.resume, cfg.output.overwrite)
+            if cfg.train.resume and run_dir.held and checkpoint.latest(out_dir / "checkpoints") is None:
+                # starting afresh would replace that run's metrics and summary without a word
+                raise ValueError(f"train.resume=true: output.dir {str(out_dir)!r} holds a run "
+                                 f"({', '.join(run_dir.held)}) but no checkpoint to continue from ("
+                                 + ("train.checkpoint_every is null: none are kept" if cfg.train.checkpoint_every is None
+                                    else "it stopped before its first") + "); set output.overwrite=true to train it "
+                                 "again from the start, or choose another output.dir")
 
     agree_on_errors(claim, group)
 

@@ -3,6 +3,7 @@ they belong, a rerun neither destroys nor mixes a finished run, and a run refuse
 leaves nothing it created behind."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -124,6 +125,25 @@ def test_a_rerun_into_a_finished_run_is_refused_and_keeps_it_whole(tmp_path):
     assert len(lines) == 1 and lines[0].startswith(f"dist-moe: error: output.dir '{out}' already holds a run"), r.stderr
     assert "train.resume=true" in lines[0] and "output.overwrite=true" in lines[0]
     assert _snapshot(out) == before
+
+
+@pytest.mark.parametrize("kept", ["no checkpoints", "none yet"])
+def test_resuming_a_run_with_nothing_to_resume_from_is_refused_and_keeps_it_whole(tmp_path, capsys, kept):
+    """A run without a checkpoint (train.checkpoint_every null, or stopped before its first) cannot be
+    continued: starting afresh would replace its metrics and summary, so it is refused in one line."""
+    out = tmp_path / "run"
+    every = ["train.checkpoint_every=100"] if kept == "none yet" else []
+    _train(out, "train.max_steps=4", *every)
+    if kept == "none yet":  # as if killed before its first save (the last step always saves)
+        shutil.rmtree(out / "checkpoints")
+    before = _snapshot(out)
+    assert main(["train", "--quiet", *TINY, f"output.dir={out}", *every, "train.resume=true"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"dist-moe: error: train.resume=true: output.dir '{out}' holds a run (metrics.jsonl, "
+                          "summary.json) but no checkpoint to continue from") and len(err.splitlines()) == 1, err
+    assert ("none are kept" if kept == "no checkpoints" else "before its first") in err
+    assert _snapshot(out) == before
+    assert _train(tmp_path / "new", "train.resume=true")["steps"] == 2  # a new directory: nothing to continue, trains
 
 
 def test_overwrite_removes_the_old_run_and_nothing_else(tmp_path):
