@@ -195,6 +195,7 @@ def _train_in(run: _TrainingRun, after) -> dict:
                 if last or run.cursor.offset == 0:
                     break
             run.evaluate_epoch()
+        run.check_trained()
         run.exchange_wait_s = run.waits.read(settled=True)  # training's, before the routing record's forwards
         record_routing(out_dir, run.model, run.data, rt)
         if hasattr(run.model, "export_state"):  # model.kind hf: the trained model as transformers reads it
@@ -341,6 +342,17 @@ class _TrainingRun:
                              f"(train.max_skipped_steps={tcfg.max_skipped_steps}) by step {self.step} "
                              f"(loss {record['loss']}); lower train.lr (now {tcfg.lr}){self.strategy.diverged_hint} "
                              "or check the data")
+
+    def check_trained(self) -> None:
+        """Refuse a run whose every step was skipped (within train.max_skipped_steps): its model is the one it
+        started from, or worse, non-finite; reporting or exporting it as trained would hide that."""
+        steps = self.step - self.first_step
+        if steps and self.skipped_steps >= steps:
+            source = f"the weights and config.json in model.path={self.cfg.model.path!r}" if self.cfg.model.path \
+                else "the data and train.lr"
+            raise ValueError(f"training took no step: all {steps} steps of this run had a non-finite loss or "
+                             f"gradients and were skipped (train.max_skipped_steps={self.tcfg.max_skipped_steps}); "
+                             f"check {source}")
 
     def maybe_checkpoint(self, last: bool) -> None:
         every = self.tcfg.checkpoint_every

@@ -189,3 +189,18 @@ def test_a_non_finite_gar_step_is_skipped_on_every_rank_of_each_engine(tmp_path)
     cases = [(_gar_engine_worker, engine, coefficient, str(tmp_path / engine), str(tmp_path / "data"))
              for engine, coefficient in coefficients.items()]
     run_cases(2, cases, timeout=400)
+
+
+def test_a_run_whose_every_step_was_skipped_is_refused(tmp_path, monkeypatch, capsys):
+    """Within train.max_skipped_steps, but not one step taken: the run ends in one line, not with exit 0
+    and a summary of the untrained model."""
+    from dist_moe.cli import main
+
+    _inject(monkeypatch, {n: "grad_nan" for n in range(1, 5)}, [])
+    assert main(["train", "--quiet", "data.max_rows=2000", "train.max_steps=4", f"output.dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dist-moe: error: training took no step: all 4 steps of this run had a non-finite loss") \
+        and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "summary.json").exists() and (tmp_path / "metrics.jsonl").is_file()
+    _inject(monkeypatch, {n: "grad_nan" for n in range(1, 4)}, [])  # one step of four taken: a run
+    assert main(["train", "--quiet", "data.max_rows=2000", "train.max_steps=4", f"output.dir={tmp_path}/b"]) == 0
