@@ -364,6 +364,15 @@ def test_the_per_engine_dispatcher_keys_still_read_with_a_warning_naming_the_new
         load_config(None, [f"engine={engine}", old, f"parallel.dispatcher={other}", *more])
 
 
+def test_another_engines_old_dispatcher_key_is_called_inapplicable_not_renamed():
+    """On engine torch, parallel.megatron_dispatcher=alltoall never applied: the warning must not advise
+    parallel.dispatcher: alltoall, which engine torch refuses."""
+    with pytest.warns(FutureWarning, match=r"'parallel.megatron_dispatcher' is deprecated: it applies to engine "
+                                           r"megatron only, and this run's engine is torch: remove it") as caught:
+        cfg = load_config(None, ["parallel.megatron_dispatcher=alltoall"])
+    assert cfg.parallel.dispatcher == "auto" and "parallel.dispatcher" not in str(caught[0].message)
+
+
 def test_a_checkpoints_saved_config_with_the_old_keys_reads_silently_a_users_file_warns():
     import warnings
 

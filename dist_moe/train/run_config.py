@@ -358,11 +358,13 @@ def _move_dispatcher_keys(d: dict, warn: bool) -> dict:
         if not isinstance(value, str) or value not in renamed:
             raise ValueError(f"config key 'parallel.{old}' (deprecated: parallel.dispatcher) must be one of "
                              f"{', '.join(renamed)}, got {shown(value)}")
-        new = renamed[value]
-        if warn:
-            warnings.warn(f"config key 'parallel.{old}' is deprecated: use 'parallel.dispatcher: {new}' "
-                          "(it will be refused in the next release)", FutureWarning, stacklevel=4)
-        if new == "auto" or old != f"{engine}_dispatcher":
+        new, applies = renamed[value], old == f"{engine}_dispatcher"
+        if warn:  # another engine's key never applied: naming its new spelling would advise a refused value
+            advice = (f"use 'parallel.dispatcher: {new}'" if applies else
+                      f"it applies to engine {old.split('_')[0]} only, and this run's engine is {engine}: remove it")
+            warnings.warn(f"config key 'parallel.{old}' is deprecated: {advice} (it will be refused in the next "
+                          "release)", FutureWarning, stacklevel=4)
+        if new == "auto" or not applies:
             continue  # the default, or another engine's key: it never applied
         if parallel.get("dispatcher", "auto") not in ("auto", new):  # auto: the default a merged config holds
             raise ValueError(f"config keys 'parallel.{old}' and 'parallel.dispatcher' are both set: keep "
