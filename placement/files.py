@@ -188,8 +188,8 @@ def read_jsonl(path, what: str) -> tuple[list[tuple[int, dict]], int | None]:
     """The rows of a JSON-lines log as (line number, object), and the number of a torn last line
     (None if none). A process killed while writing a row leaves it half-written at the end: that
     line is skipped, as a resumed run skips it. Any other line that is no JSON object is a
-    ValueError naming the file and the line. NaN, Infinity and numbers beyond a float's range read as
-    None (null), as a run logs them."""
+    ValueError naming the file and the line. NaN, Infinity and numbers beyond a float's range (integers
+    too) read as None (null), as a run logs them."""
     if not Path(path).is_file():  # a FIFO would never end
         raise ValueError(f"{what} {path} is not a file")
     lines = Path(path).read_bytes().splitlines()
@@ -198,7 +198,8 @@ def read_jsonl(path, what: str) -> tuple[list[tuple[int, dict]], int | None]:
         if not raw.strip():
             continue
         try:
-            row = json.loads(raw.decode("utf-8"), parse_constant=lambda name: None, parse_float=_finite_or_none)
+            row = json.loads(raw.decode("utf-8"), parse_constant=lambda name: None, parse_float=_finite_or_none,
+                             parse_int=_int_or_none)
         except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             if number == len(lines):
                 return rows, number
@@ -212,6 +213,15 @@ def read_jsonl(path, what: str) -> tuple[list[tuple[int, dict]], int | None]:
 def _finite_or_none(text: str) -> float | None:
     value = float(text)
     return value if math.isfinite(value) else None
+
+
+def _int_or_none(text: str) -> int | None:
+    """An integer, or None beyond a float's range (Python refuses to read one of over 4,300 digits, which
+    would otherwise look like a torn line)."""
+    return None if len(text.lstrip("-")) > FLOAT_DIGITS else int(text)
+
+
+FLOAT_DIGITS = 308  # the digits of the largest finite float
 
 
 def _json_problem(e: Exception) -> str:

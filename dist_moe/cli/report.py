@@ -10,7 +10,7 @@ from dist_moe.cli.topology_arg import CALIBRATION, rates_origin, topology_of
 from dist_moe.train.rundir import LOCK, METRICS
 from placement import Topology, read_yaml
 from placement.report import write_report
-from placement.simulate import RoutingRecord
+from placement.simulate import ROUTING_FILE, RoutingRecord
 from placement.traffic import DEDUP_MODES
 
 
@@ -28,6 +28,9 @@ def add_parser(sub, debug) -> None:
 def run(args) -> int:
     run_dir = Path(args.run_dir)
     training = still_training(run_dir)  # before the files are read: then they may be a live run's
+    if training and not (run_dir / ROUTING_FILE).exists():
+        raise ValueError(f"the run in {run_dir} is still training and writes its routing record ({ROUTING_FILE}) "
+                         "when it ends: run dist-moe report then")
     topo, source, rates = report_topology(args.topology, RoutingRecord.load(run_dir), run_dir)
     report = write_report(run_dir, topo, _run_placement(run_dir), source, rates)
     if training:

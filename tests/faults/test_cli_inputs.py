@@ -105,6 +105,17 @@ def test_a_torn_last_metrics_row_is_skipped_with_one_warning(capsys, run):
     assert report["training"]["torn_last_row"] == len(rows) + 1 and report["training"]["steps"] == [1]
 
 
+def test_a_last_row_with_an_integer_beyond_a_float_is_read_not_called_cut_short(capsys, run):
+    """Python refuses to read an integer of over 4,300 digits; the row is whole, its value reads as null."""
+    metrics = run / "metrics.jsonl"
+    rows = metrics.read_text().splitlines()
+    metrics.write_text("\n".join(rows) + "\n" + '{"step": 2, "loss": 1' + "0" * 5000 + "}\n")
+    code, err = _cli(capsys, "report", str(run))
+    assert code == 0 and err == "", err
+    report = _strict((run / "report.json").read_text())
+    assert report["training"]["torn_last_row"] is None and report["training"]["steps"] == [1, 2]
+
+
 @pytest.mark.parametrize("line2,fragments", [
     (b"garbage", ["line 2 is not JSON"]),
     (b"\xff\xfe\x00\x01", ["line 2 is not JSON", "not UTF-8"]),
@@ -132,6 +143,19 @@ def test_a_report_on_a_run_still_training_warns_and_goes_on(capsys, run):
     _warned(err, f"the run in {run} is still in progress", "snapshot", "routing record may be from an earlier run")
     code, err = _cli(capsys, "report", str(run))  # the lock file stays after the run: no warning then
     assert code == 0 and err == ""
+
+
+def test_a_report_on_a_run_in_its_first_stretch_says_when_to_run_it(capsys, run):
+    """Still training and no routing record yet (it is written at the run's end): not "train with dist-moe"."""
+    (run / "routing.npz").unlink()
+    lock = RunLock(run)
+    lock.acquire()
+    try:
+        code, err = _cli(capsys, "report", str(run))
+    finally:
+        lock.release()
+    assert code == 2
+    _one_line(err, f"the run in {run} is still training and writes its routing record (routing.npz) when it ends")
 
 
 @pytest.mark.parametrize("args,fragments", [
