@@ -12,6 +12,11 @@ Keeping a launcher:
 - the first SIGINT / SIGTERM / SIGHUP goes on to the launcher's process group (a terminal's Ctrl-C
   reaches the script and this process, not the launcher's own session: it is sent on once); a launcher
   still running GRACE_S later is killed.
+- a rank stopped with kill -STOP (or a debugger's job control) acts on no signal but SIGKILL and SIGCONT:
+  the SIGTERM a launcher sends the other ranks once one has failed (or the signal passed on above) would
+  wait there for the launcher's own SIGKILL, 30 s on (torchrun's shutdown timeout, the deepspeed launcher's
+  wait), and that SIGKILL would be reported as the run's cause. A process of the launcher's tree that is
+  stopped with such a signal pending is sent SIGCONT, so it acts on it at once.
 - the launcher's own output (torchrun's log lines and its ChildFailedError or SignalException
   tracebacks, the deepspeed launcher's INFO lines) goes to DIR/launcher-<pid>.log; the ranks take this
   process's stdout and stderr back through DIR/launcher-<pid>.sock (launch/rank.py), so what a user sees
@@ -39,6 +44,7 @@ from rank import PR_SET_CHILD_SUBREAPER, die_with_parent, prctl, unix_address
 
 GRACE_S = 5.0
 STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+RESCAN_S = 5.0  # how often the launcher's process tree is read anew (all of /proc); its ranks start once
 
 
 def serve_output(server: socket.socket) -> None:
@@ -88,6 +94,37 @@ def write_record(folder: str, code: int, line: str, keep: str = "", kind: str = 
         f.write(f"{code} {time.time_ns()}\n{line}\n{keep}\n")
 
 
+def process_tree(pid: int) -> list[int]:
+    """Every process below ``pid`` now (none where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                with contextlib.suppress(OSError, IndexError, ValueError):  # gone meanwhile
+                    ppid = int(Path("/proc", name, "stat").read_bytes().rsplit(b")", 1)[1].split()[1])
+                    children.setdefault(ppid, []).append(int(name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def continue_stopped(pids: list[int]) -> None:
+    """SIGCONT each of ``pids`` that is stopped with SIGINT, SIGTERM or SIGHUP pending (see the module's doc)."""
+    for pid in pids:
+        try:
+            status = Path("/proc", str(pid), "status").read_text()
+        except OSError:
+            continue  # it has exited
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        pending = int(fields.get("ShdPnd", "0"), 16) | int(fields.get("SigPnd", "0"), 16)
+        if fields.get("State", "").split()[:1] == ["T"] and any(pending >> (s - 1) & 1 for s in STOPS):
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # gone, its pid taken meanwhile
+                os.kill(pid, signal.SIGCONT)
+
+
 def kill_group(pgid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
@@ -127,6 +164,7 @@ def keep_launcher(parent: int, folder: Path, passthrough: bool, cmd: list[str]) 
         signal.signal(sig, stop)
     if server:
         threading.Thread(target=serve_output, args=(server,), daemon=True).start()
+    tree, scanned = [], float("-inf")
     while True:
         try:
             status = launcher.wait(timeout=0.5)
@@ -134,6 +172,9 @@ def keep_launcher(parent: int, folder: Path, passthrough: bool, cmd: list[str]) 
         except subprocess.TimeoutExpired:
             if stopped and time.monotonic() - stopped[0][1] > GRACE_S:
                 kill_group(launcher.pid)  # its ranks follow (rank.py)
+            if time.monotonic() - scanned > RESCAN_S:
+                tree, scanned = process_tree(launcher.pid), time.monotonic()
+            continue_stopped(tree)
     kill_group(launcher.pid)  # whatever of its process group is left (the deepspeed launcher's launch.py)
     code = status if status >= 0 else 128 - status
     if stopped:
@@ -149,6 +190,8 @@ def keep_launcher(parent: int, folder: Path, passthrough: bool, cmd: list[str]) 
         except OSError:
             text = ""  # the watcher removed the folder: the script is gone
         killed, exited = failed_ranks(text)
+        if killed or exited:  # a failed run: 1, as torchrun says for any (the deepspeed launcher exits with
+            code = 1  # the failed rank's return code, 247 for a SIGKILL)
         folder = os.environ.get("DIST_MOE_ERROR_DIR", "")
         if killed:  # the cause of the other ranks' "a collective failed": shown before their lines
             write_record(folder, code, f"dist-moe: error: {', '.join(killed)}; the other ranks were stopped "

@@ -1,6 +1,7 @@
 """launch/torchrun.sh, launch/deepspeed.sh and emulate_cluster.sh --launcher deepspeed run dist-moe training;
-a failure ends with the first rank's line alone; Ctrl-C prints one line; a kill -9 of the script leaves no
-rank running; bad options are one line and exit 2; nothing is left in TMPDIR."""
+a failure ends with the first rank's line alone; a stopped rank ends the run within the timeout, a killed one
+with exit 1; Ctrl-C prints one line; a kill -9 of the script leaves no rank running; bad options are one line and
+exit 2; nothing is left in TMPDIR."""
 import io
 import json
 import os
@@ -223,6 +224,84 @@ def _cmdline(pid: int) -> list[str]:
         return Path(f"/proc/{pid}/cmdline").read_text(errors="replace").split("\0")
     except OSError:
         return []
+
+
+def _rank_pids(pid: int, rank: int) -> list[int]:
+    """The process of global rank ``rank`` below ``pid``: launch/rank.py as the launcher started it, or the
+    `dist-moe train` it became (the same process)."""
+    found = []
+    for p in descendants(pid):
+        try:
+            environ = Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and _cmdline(p)[1:3] in (["-u", str(ROOT / "launch/rank.py")],
+                                                                      ["-u", DIST_MOE]):
+            found.append(p)
+    return found
+
+
+STOP_TIMEOUT_S = 6
+
+
+def test_a_stopped_rank_ends_the_torchrun_sh_run_with_the_timeout_line(tmp_path):
+    """kill -STOP of rank 1: rank 0's collective times out and its own line ends the run a few seconds after
+    parallel.timeout_s. A stopped process acts on no signal but SIGKILL and SIGCONT (supervise.py continues
+    one that has its launcher's SIGTERM pending): otherwise torchrun's SIGTERM waits for its own SIGKILL 30 s
+    later, and that SIGKILL is named as the cause."""
+    proc, _ = _start_forever(tmp_path, f"parallel.timeout_s={STOP_TIMEOUT_S}")
+    tree = descendants(proc.pid)
+    rank1 = _rank_pids(proc.pid, 1)
+    assert len(rank1) == 1, [_cmdline(p) for p in tree]
+    start = time.monotonic()
+    os.kill(rank1[0], signal.SIGSTOP)
+    try:
+        _, err = proc.communicate(timeout=90)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    took = time.monotonic() - start
+    print(f"\nkill -STOP of rank 1: torchrun.sh exited {took:.1f} s later (timeout {STOP_TIMEOUT_S} s)")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 1 and len(lines) == 1, (proc.returncode, err[-3000:])
+    assert lines[0].startswith("dist-moe: error: rank 0 of 2: a collective failed") and \
+        f"parallel.timeout_s={STOP_TIMEOUT_S} s" in lines[0], lines[0]
+    assert took < STOP_TIMEOUT_S + 10, took  # the timeout and the teardown, not torchrun's 30 s more
+    assert wait_gone(tree, 10) == []
+    assert _left_in_tmp(tmp_path) == []
+
+
+KILLED = {
+    "torchrun.sh": ["torchrun.sh", "--nproc", "2", "--port", "PORT"],
+    "deepspeed.sh": ["deepspeed.sh", "--num_gpus", "2", "--master_port", "PORT", "--"],
+}
+
+
+@pytest.mark.parametrize("script", KILLED)
+def test_a_rank_killed_by_a_signal_exits_1_under_every_script(tmp_path, script):
+    """kill -9 of rank 1 as it starts: one line naming it, and exit 1, as for any failed run (the deepspeed
+    launcher's own code is the rank's, 247 for a SIGKILL; emulate_cluster.sh --launcher deepspeed goes through
+    the same supervise.py)."""
+    if script == "deepspeed.sh":
+        pytest.importorskip("deepspeed")
+    args = [str(free_port()) if a == "PORT" else a for a in KILLED[script]]
+    proc = subprocess.Popen([str(ROOT / "launch" / args[0]), *args[1:], *FOREVER, f"output.dir={tmp_path / 'run'}"],
+                            cwd=ROOT, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (rank1 := _rank_pids(proc.pid, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
+            time.sleep(0.05)
+        tree = descendants(proc.pid)
+        os.kill(rank1[0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    said = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 1, (proc.returncode, err[-3000:])
+    assert len(said) == 1 and re.match(r"dist-moe: error: (local )?rank 1 was killed by SIGKILL; the other ranks "
+                                       r"were stopped", said[0]), err[-3000:]
+    assert wait_gone(tree, 10) == []
 
 
 class _Writes(io.RawIOBase):
