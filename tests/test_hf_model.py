@@ -14,7 +14,7 @@ from dist_moe.cli import main
 from dist_moe.data.local_text import local_split
 from dist_moe.dispatch.exchange import ExchangeConfig
 from dist_moe.integrations.transformers.hosted import HostedHFExperts, host_experts
-from dist_moe.models.hf_model import HFCausalLM, load_model
+from dist_moe.models.hf_model import HFCausalLM, load_model, load_tokenizer
 from placement import Placement, Topology
 from tests.hf_models import KINDS, config, model_folder, text, word_tokenizer
 
@@ -59,7 +59,7 @@ def test_export_is_what_from_pretrained_reads_back(tmp_path, tied):
 
     folder = model_folder(tmp_path / "m", "qwen3_moe", weights=True, tokenizer_text=text(20), tied=tied)
     model, _ = _hosted(folder)
-    wrapped = HFCausalLM(model, folder)
+    wrapped = HFCausalLM(model, folder, load_tokenizer(folder))
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "stale.txt").write_text("an earlier export")  # replaced whole
     wrapped.write(wrapped.export_state(True), tmp_path / "out")
@@ -82,11 +82,11 @@ def test_text_is_tokenized_by_the_model_folders_tokenizer(tmp_path, monkeypatch,
     (tmp_path / "docs" / "b.txt").write_text(words[1000:])
     folder = model_folder(tmp_path / "m", "mixtral", tokenizer_text=words)
     tok = word_tokenizer(words)
-    split = local_split(str(tmp_path / "docs"), 7, 0.25, 0, None, len(tok), tokenizer=folder)
+    split = local_split(str(tmp_path / "docs"), 7, 0.25, 0, len(tok), tokenizer=folder)
     eos = tok.eos_token_id
     stream = tok(words[:1000])["input_ids"] + [eos] + tok(words[1000:])["input_ids"] + [eos]
-    rows = torch.cat([torch.cat([split.x_train, split.y_train[:, -1:]], 1),
-                      torch.cat([split.x_val, split.y_val[:, -1:]], 1)])
+    rows = torch.cat([torch.cat([split.x_train[:], split.y_train[:, -1:]], 1),
+                      torch.cat([split.x_val[:], split.y_val[:, -1:]], 1)])
     want = sorted(stream[i * 8:(i + 1) * 8] for i in range(len(stream) // 8))
     assert sorted(rows.tolist()) == want
 

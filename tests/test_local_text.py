@@ -10,6 +10,7 @@ import torch
 
 from dist_moe.cli import main
 from dist_moe.data.local_text import load_sequences, local_split
+from dist_moe.data.token_rows import TokenFile
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,15 +22,15 @@ def _data_dir(tmp_path, monkeypatch):
 
 def _rows(split) -> set:
     """Every sequence of the split (inputs + the last target), as bytes."""
-    rows = torch.cat([torch.cat([split.x_train, split.y_train[:, -1:]], 1),
-                      torch.cat([split.x_val, split.y_val[:, -1:]], 1)])
+    rows = torch.cat([torch.cat([split.x_train[:], split.y_train[:, -1:]], 1),
+                      torch.cat([split.x_val[:], split.y_val[:, -1:]], 1)])
     return {bytes(r.tolist()) for r in rows.to(torch.uint8)}
 
 
 def test_a_text_file_is_its_bytes_cut_into_sequences(tmp_path):
     text = "".join(f"line {i}: the quick brown fox\n" for i in range(40)).encode()
     (tmp_path / "a.txt").write_bytes(text)
-    split = local_split(str(tmp_path / "a.txt"), 15, 0.25, 0, None)
+    split = local_split(str(tmp_path / "a.txt"), 15, 0.25, 0)
     n = len(text) // 16
     assert _rows(split) == {text[i * 16:(i + 1) * 16] for i in range(n)}
     assert len(split.x_val) == round(n * 0.25) and len(split.x_train) == n - len(split.x_val)
@@ -80,9 +81,25 @@ def test_token_files_are_read_as_their_flat_layout(tmp_path, dtype, write):
     else:
         np.save(path, ids.astype(np.int64))
     got = load_sequences(path, 9, dtype)
-    assert np.array_equal(got.reshape(-1), ids)
-    split = local_split(str(path), 9, 0.2, 0, None, token_dtype=dtype)
+    assert isinstance(got, TokenFile) and got.shape == (10, 10)  # read where it lies, never copied
+    assert np.array_equal(got.take(np.arange(10)).reshape(-1), ids)
+    split = local_split(str(path), 9, 0.2, 0, token_dtype=dtype)
     assert len(split.x_train) + len(split.x_val) == 10
+    assert _rows(split) == {bytes(r.tolist()) for r in ids.reshape(10, 10).astype(np.uint8)}
+    assert not (tmp_path / "data").exists()  # no cache copy of a token file
+
+
+def test_a_token_file_beyond_memory_trains_in_place_and_text_of_that_size_is_refused_unread(tmp_path, monkeypatch):
+    ids = np.arange(40_000, dtype=np.uint16) % 256
+    ids.tofile(tmp_path / "tokens.bin")
+    (tmp_path / "text.txt").write_bytes(ids.astype(np.uint8).tobytes())
+    budget = 40_000  # bytes: less than either source's bytes in memory
+    split = local_split(str(tmp_path / "tokens.bin"), 63, 0.2, 0, memory=budget)
+    assert len(split.x_train) == 500 and split.x_train[torch.tensor([0])].dtype == torch.int64
+    monkeypatch.setattr(Path, "read_bytes", lambda self: pytest.fail(f"read {self}"))
+    with pytest.raises(ValueError, match=r"data.name='.*text.txt': to read its 3.73e-05 GiB of text this process "
+                                         r"needs about 0.000186 GiB, more than the 3.73e-05 GiB of memory available"):
+        local_split(str(tmp_path / "text.txt"), 63, 0.2, 0, memory=budget)
 
 
 def test_the_cache_is_read_again_only_when_the_source_changes(tmp_path):
@@ -149,3 +166,40 @@ def test_the_cache_is_never_written_through_a_link_at_a_name_known_beforehand(tm
     cache = data / f"local_{key}.npz"
     assert cache.is_file() and not cache.is_symlink()
     assert np.array_equal(load_sequences(tmp_path / "a.txt", 9), load_sequences(tmp_path / "a.txt", 9))
+
+
+def test_validation_and_the_routing_record_read_a_bounded_prefix_of_a_large_split(tmp_path, monkeypatch):
+    """train.eval_batches=5 of train.batch_size=16: each validation pass and the routing record read the first 80
+    validation rows, not the whole 20% split of the token file."""
+    from dist_moe.data.token_rows import TokenRows
+    from placement.simulate import RoutingRecord
+
+    (np.arange(78_000, dtype=np.uint16) % 256).tofile(tmp_path / "tokens.bin")  # 26,000 rows of 2 + 1 tokens
+    read = []
+    real = TokenRows.__getitem__
+
+    def spy(self, index):
+        if len(self) == 5_200:  # the validation split
+            read.append(self.rows[index if not isinstance(index, tuple) else index[0]])
+        return real(self, index)
+
+    monkeypatch.setattr(TokenRows, "__getitem__", spy)
+    rc = main(["train", "--quiet", "--config", str(ROOT / "configs/lm_branch.yaml"),
+               f"data.name={tmp_path / 'tokens.bin'}", "data.seq_len=2", f"output.dir={tmp_path / 'run'}",
+               "train.eval_batches=5", "train.batch_size=16", "train.max_steps=1", "model.layers=1"])
+    assert rc == 0 and read
+    seen = torch.cat([r.reshape(-1) for r in read])
+    assert set(seen.tolist()) == set(read[0].tolist()) and len(read[0]) == 80  # the same first 80, every time
+    assert len(RoutingRecord.load(tmp_path / "run").expert_idx) == 80 * 2  # two tokens a row
+
+
+def test_every_rank_takes_an_equal_part_of_the_rows_in_as_many_forwards():
+    from dist_moe.train.evaluate import shared_rows
+
+    for total, world in ((10_000, 2), (5, 4), (9_000, 3)):
+        parts = [shared_rows(total, world, r, 4096) for r in range(world)]
+        assert torch.equal(torch.cat([mine for mine, _ in parts]), torch.arange(total))
+        assert len({len(batches) for _, batches in parts}) == 1  # every rank: the same number of forwards
+        for mine, batches in parts:
+            assert torch.equal(torch.cat(batches), torch.arange(len(mine)))
+            assert max(len(b) for b in batches) <= 4096

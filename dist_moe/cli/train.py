@@ -36,6 +36,10 @@ def run(args, extra: list[str]) -> int:
 
 
 def print_summary(s: dict) -> None:
+    if s.get("exported_before"):  # a resumed run without checkpoints that had already trained and exported
+        print(f"{s['name']}: the run in {s['output_dir']} had finished training (it keeps no checkpoints): its "
+              f"trained model is in {s['hf_model']}; nothing left to train")
+        return
     rp = s.get("random_pair_tree_distance")
     td = s.get("val_tree_distance")
     def num(key, scale=1.0, digits=4):  # a metric may be null (e.g. NaN after skipped steps)

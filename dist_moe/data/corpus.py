@@ -23,6 +23,7 @@ import torch
 
 from dist_moe.data.paths import data_dir, load_cache, save_cache
 from dist_moe.data.sources import fortune_quotes, stdlib_code, wordnet_synsets
+from dist_moe.data.token_rows import TokenRows
 
 DOMAINS = ("fortunes", "literature", "glosses", "code")
 
@@ -43,10 +44,16 @@ class Corpus:
     domain: torch.Tensor  # [N] int64, index into DOMAINS
 
     def split(self, val_fraction: float, seed: int):
-        perm = torch.randperm(len(self.tokens), generator=torch.Generator().manual_seed(seed))
-        n_val = max(1, int(round(len(perm) * val_fraction)))
-        val, train = perm[:n_val], perm[n_val:]
+        train, val = split_rows(len(self.tokens), val_fraction, seed)
         return Corpus(self.tokens[train], self.domain[train]), Corpus(self.tokens[val], self.domain[val])
+
+
+def split_rows(n: int, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training rows, validation rows) of ``n`` sequences, drawn with ``seed``: the validation rows first
+    in one permutation, so a prefix of them is a sample of the split."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    n_val = max(1, int(round(n * val_fraction)))
+    return perm[n_val:], perm[:n_val]
 
 
 def cache_path(seq_len: int, per_domain: int, seed: int) -> Path:
@@ -84,13 +91,14 @@ def load_corpus(seq_len: int = 64, per_domain: int = 2000, seed: int = 0) -> Cor
 @dataclass
 class LMSplit:
     """The corpus in the trainer's split interface: inputs are bytes, targets the next bytes,
-    and each sequence's domain is its category (``data.categories: domains``)."""
+    and each sequence's domain is its category (``data.categories: domains``). A local source's rows are
+    ``TokenRows``, read a batch at a time; the corpus's are tensors."""
 
-    x_train: torch.Tensor
-    y_train: torch.Tensor
+    x_train: torch.Tensor | TokenRows
+    y_train: torch.Tensor | TokenRows
     d_train: torch.Tensor
-    x_val: torch.Tensor
-    y_val: torch.Tensor
+    x_val: torch.Tensor | TokenRows
+    y_val: torch.Tensor | TokenRows
     d_val: torch.Tensor
     with_categories: bool
     num_classes: int = 256

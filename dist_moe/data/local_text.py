@@ -2,14 +2,16 @@
 pre-tokenized token file (``.npy``: a 1-D integer array; ``.bin``: a flat array of ``data.token_dtype``,
 nanoGPT's uint16 layout or Megatron's uint32).
 
-Text is read as UTF-8 bytes (the byte LM's vocabulary), or tokenized by a transformers model folder's
-tokenizer (``model.kind: hf``; files joined by its end-of-text token); a folder's regular files, in sorted path
-order, joined with newlines: hidden files, links and the data directory's own caches left out. The stream is cut into sequences of
-``seq_len + 1`` tokens (inputs and next-token targets), split into training and validation rows
-with the run's seed, and cached under the data directory, keyed by the source's path, size and
-modification time, so a changed file is read again (a rewrite that keeps both, as ``cp -p`` can,
-is not noticed: delete the ``local_*.npz`` cache then). Everything is checked at load, naming what
-is wrong in one line.
+A token file is read where it lies, the rows of a batch when the batch is taken: no copy in memory or on
+disk, so its size is bounded by the disk, not the memory. Text is read as UTF-8 bytes (the byte LM's
+vocabulary), or tokenized by a transformers model folder's tokenizer (``model.kind: hf``; files joined by
+its end-of-text token); a folder's regular files, in sorted path order, joined with newlines: hidden files,
+links and the data directory's own caches left out. Text is read into memory, after a check that it fits,
+and its tokens are cached under the data directory, keyed by the source's path, size and modification
+time, so a changed file is read again (a rewrite that keeps both, as ``cp -p`` can, is not noticed: delete
+the ``local_*.npz`` cache then). The stream is cut into sequences of ``seq_len + 1`` tokens (inputs and
+next-token targets), split into training and validation rows with the run's seed, and read a batch at a
+time (``token_rows.TokenRows``). Everything is checked at load, naming what is wrong in one line.
 """
 from __future__ import annotations
 
@@ -19,13 +21,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dist_moe.data.corpus import Corpus, LMSplit, next_token_split
+from dist_moe.data.corpus import LMSplit, split_rows
 from dist_moe.data.paths import data_dir, load_cache, save_cache
-from dist_moe.models.hf_model import load_tokenizer
+from dist_moe.data.token_rows import TokenFile, token_rows
+from dist_moe.models.hf_model import load_tokenizer, token_ids
 
 TOKEN_FILES = (".npy", ".bin")
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 MIN_SEQUENCES = 3  # a validation row and training rows, as the built-in corpus needs
+# peak bytes of memory per byte of text while it is read: the bytes, their uint16 stream, its sequences;
+# through a tokenizer also the text as a str, the id lists of a piece and the uint32 ids
+READ_COST = {"bytes": 5, "tokenizer": 12}
+ROW_BYTES = 16  # per sequence, whatever the source: its place in the split's two row orders
 
 
 def is_local(name: str) -> bool:
@@ -33,29 +40,49 @@ def is_local(name: str) -> bool:
     return "/" in name or name.endswith((".txt", *TOKEN_FILES)) or Path(name).exists()
 
 
-def local_split(name: str, seq_len: int, val_fraction: float, seed: int, categories: str | None,
-                vocab: int = 256, token_dtype: str = "uint16", tokenizer: Path | None = None) -> LMSplit:
-    """Training and validation sequences of ``name``; text as bytes, or through ``tokenizer`` (a
-    transformers model folder holding one)."""
+def check_uncategorized(name: str, categories: str | None) -> None:
+    """A local source has no categories to give SpecDrop (``data.categories`` must be null)."""
     if categories is not None:
         raise ValueError(f"data.categories must be null for a local source (data.name={name!r}), got {categories!r}")
-    tokens = load_sequences(Path(name), seq_len, token_dtype, tokenizer)
-    top = int(tokens.max())
+
+
+def local_split(name: str, seq_len: int, val_fraction: float, seed: int, vocab: int = 256,
+                token_dtype: str = "uint16", tokenizer: Path | None = None, memory: int | None = None) -> LMSplit:
+    """Training and validation sequences of ``name``; text as bytes, or through ``tokenizer`` (a
+    transformers model folder holding one). ``memory``: the bytes this process may use to read the source
+    (None: no check)."""
+    tokens = load_sequences(Path(name), seq_len, token_dtype, tokenizer, memory)
+    top = tokens.id_range()[1] if isinstance(tokens, TokenFile) else int(tokens.max())
     if top >= vocab:
         raise ValueError(f"data.name={name!r} holds token id {top}; the model reads ids below {vocab} "
                          f"({'its tokenizer' if tokenizer is not None else 'text as bytes'})")
-    corpus = Corpus(torch.from_numpy(tokens.astype(np.int64)), torch.zeros(len(tokens), dtype=torch.long))
-    return next_token_split(corpus, val_fraction, seed, with_categories=False, num_classes=vocab)
+    train, val = split_rows(len(tokens), val_fraction, seed)
+    none = torch.zeros(0, dtype=torch.long)  # no categories: LMSplit never reads them
+    return LMSplit(*token_rows(tokens, train), none, *token_rows(tokens, val), none, False, vocab)
 
 
-def load_sequences(path: Path, seq_len: int, token_dtype: str = "uint16", tokenizer: Path | None = None) -> np.ndarray:
-    """[N, seq_len + 1] tokens of ``path``, from the cache when it holds this source as it is now."""
+def load_sequences(path: Path, seq_len: int, token_dtype: str = "uint16", tokenizer: Path | None = None,
+                   memory: int | None = None) -> np.ndarray | TokenFile:
+    """[N, seq_len + 1] tokens of ``path``: a token file's sequences where they lie, or text's tokens (from the
+    cache when it holds this source as it is now)."""
     if not path.exists():
         raise ValueError(f"data.name={str(path)!r}: no such file or folder")
     files = _files(path)
-    tokenizer = None if path.suffix in TOKEN_FILES else tokenizer  # token files are tokenized already
+    if path.suffix in TOKEN_FILES:  # tokenized already: read in place, never copied
+        dtype, offset, count = _token_layout(path, token_dtype)
+        rows = _sequence_count(count, seq_len, path)
+        _check_memory(path, ROW_BYTES * rows, memory, "index its sequences")
+        tokens = TokenFile(path, dtype, offset, rows, seq_len + 1)
+        low, high = tokens.id_range()
+        if low < 0:
+            raise ValueError(f"data.name={str(path)!r} holds negative token ids")
+        if high >= 1 << 32:
+            raise ValueError(f"data.name={str(path)!r} holds token id {high}, beyond any vocabulary")
+        return tokens
     key = _key(path, files + (_tokenizer_files(tokenizer) if tokenizer else []), seq_len, token_dtype)
     cache = data_dir() / f"local_{key}.npz"
+    if cache.is_file():
+        _check_memory(path, cache.stat().st_size, memory, f"load its cache {cache}")
     cached = load_cache(cache, {"tokens": ("u", 2)})
     if cached is not None:
         tokens = cached["tokens"]
@@ -63,14 +90,34 @@ def load_sequences(path: Path, seq_len: int, token_dtype: str = "uint16", tokeni
             raise ValueError(f"data cache {cache} does not hold sequences of {seq_len + 1} tokens: delete it and the "
                              "next run rebuilds it")
         return tokens
-    stream = _tokens(path, files, token_dtype) if tokenizer is None else _tokenized(files, tokenizer)
-    n = len(stream) // (seq_len + 1)
-    if n < MIN_SEQUENCES:
-        raise ValueError(f"data.name={str(path)!r} holds {len(stream)} tokens: fewer than {MIN_SEQUENCES} sequences "
-                         f"of data.seq_len + 1 = {seq_len + 1} (lower data.seq_len or give more text)")
-    tokens = np.ascontiguousarray(stream[: n * (seq_len + 1)].reshape(n, seq_len + 1))
+    size = sum(f.stat().st_size for f in files)
+    _check_memory(path, READ_COST["tokenizer" if tokenizer else "bytes"] * size, memory,
+                  f"read its {size / 2**30:.3g} GiB of text")
+    stream = _text(files) if tokenizer is None else _tokenized(files, tokenizer)
+    tokens = np.ascontiguousarray(_sequences(stream, seq_len, path))
     save_cache(cache, tokens=tokens)
     return tokens
+
+
+def _check_memory(path: Path, needed: int, memory: int | None, what: str) -> None:
+    if memory is not None and needed > memory:
+        raise ValueError(f"data.name={str(path)!r}: to {what} this process needs about {needed / 2**30:.3g} GiB, "
+                         f"more than the {memory / 2**30:.3g} GiB of memory available to it; give the text as a "
+                         ".npy or .bin token file, which is read in place, or use fewer ranks on this machine")
+
+
+def _sequences(stream: np.ndarray, seq_len: int, path: Path) -> np.ndarray:
+    """``stream`` cut into [N, seq_len + 1]."""
+    n = _sequence_count(len(stream), seq_len, path)
+    return stream[: n * (seq_len + 1)].reshape(n, seq_len + 1)
+
+
+def _sequence_count(tokens: int, seq_len: int, path: Path) -> int:
+    n = tokens // (seq_len + 1)
+    if n < MIN_SEQUENCES:
+        raise ValueError(f"data.name={str(path)!r} holds {tokens} tokens: fewer than {MIN_SEQUENCES} sequences "
+                         f"of data.seq_len + 1 = {seq_len + 1} (lower data.seq_len or give more text)")
+    return n
 
 
 def _files(path: Path) -> list[Path]:
@@ -106,30 +153,31 @@ def _key(path: Path, files: list[Path], seq_len: int, token_dtype: str) -> str:
     return h.hexdigest()[:16]
 
 
-def _tokens(path: Path, files: list[Path], token_dtype: str) -> np.ndarray:
-    """The source as one flat token stream."""
-    if path.is_file() and path.suffix == ".npy":
-        try:
-            arr = np.load(path, allow_pickle=False, mmap_mode="r")
-        except (ValueError, OSError) as e:
-            raise ValueError(f"data.name={str(path)!r} is not a readable .npy array: {e}") from None
-        if not isinstance(arr, np.ndarray):  # an .npz archive under an .npy name
-            raise ValueError(f"data.name={str(path)!r} is not one .npy array (an .npz archive?)")
-        if arr.ndim != 1 or arr.dtype.kind not in "iu":
-            raise ValueError(f"data.name={str(path)!r} must hold a 1-D integer array of token ids, got "
-                             f"{arr.ndim}-D {arr.dtype}")
-        if arr.size and int(arr.min()) < 0:
-            raise ValueError(f"data.name={str(path)!r} holds negative token ids")
-        if arr.size and int(arr.max()) >= 1 << 32:
-            raise ValueError(f"data.name={str(path)!r} holds token id {int(arr.max())}, beyond any vocabulary")
-        return np.asarray(arr, dtype=np.uint32 if arr.size and int(arr.max()) >= 1 << 16 else np.uint16)
-    if path.is_file() and path.suffix == ".bin":
-        dtype = TOKEN_DTYPES[token_dtype]
+def _token_layout(path: Path, token_dtype: str) -> tuple[np.dtype, int, int]:
+    """(id dtype, byte offset of the first id, id count) of a token file: a .bin is all ids, an .npy's
+    header says (a 1-D integer array, read without pickle)."""
+    if path.suffix == ".bin":
+        dtype = np.dtype(TOKEN_DTYPES[token_dtype])
         size = path.stat().st_size
-        if size % np.dtype(dtype).itemsize:
+        if size % dtype.itemsize:
             raise ValueError(f"data.name={str(path)!r} has {size} bytes, not a whole number of {token_dtype} tokens "
                              "(set data.token_dtype)")
-        return np.fromfile(path, dtype=dtype)
+        return dtype, 0, size // dtype.itemsize
+    try:  # mapped to read its header's layout; no id is touched
+        arr = np.load(path, allow_pickle=False, mmap_mode="r")
+    except (ValueError, OSError) as e:
+        raise ValueError(f"data.name={str(path)!r} is not a readable .npy array: {e}") from None
+    if not isinstance(arr, np.ndarray):  # an .npz archive under an .npy name
+        raise ValueError(f"data.name={str(path)!r} is not one .npy array (an .npz archive?)")
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise ValueError(f"data.name={str(path)!r} must hold a 1-D integer array of token ids, got "
+                         f"{arr.ndim}-D {arr.dtype}")
+    return arr.dtype, int(arr.offset) if isinstance(arr, np.memmap) else 0, arr.size
+
+
+
+def _text(files: list[Path]) -> np.ndarray:
+    """The files' bytes, joined by newlines, as one uint16 token stream."""
     data = b"\n".join(f.read_bytes() for f in files)
     return np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
 
@@ -154,7 +202,7 @@ def _tokenized(files: list[Path], folder: Path) -> np.ndarray:
         while start < len(text):
             cut = text.find("\n", start + TOKENIZE_CHUNK)
             end = len(text) if cut < 0 else cut + 1
-            ids = tok(text[start:end], add_special_tokens=False, verbose=False)["input_ids"]
+            ids = token_ids(tok, text[start:end], folder, f)
             parts.append(np.asarray(ids, dtype=np.uint32))
             start = end
         if tok.eos_token_id is not None:

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from dist_moe.config.choices import MODEL_KINDS
 from dist_moe.data.corpus import lm_split
-from dist_moe.data.local_text import is_local, local_split
+from dist_moe.data.local_text import check_uncategorized, is_local, local_split
 from dist_moe.data.tabular import tabular_split
 from dist_moe.data.text_tasks import text_split
 from dist_moe.models import TabularMoE
@@ -68,8 +68,9 @@ def _data_and_model(cfg, rt):
         if mcfg.label_mask or not mcfg.d_model:
             raise ValueError("model.kind=lm needs model.d_model > 0 and model.label_mask: false")
         if local:
-            data = local_split(dcfg.name, dcfg.seq_len, dcfg.val_fraction, seed, dcfg.categories, VOCAB,
-                               dcfg.token_dtype)
+            check_uncategorized(dcfg.name, dcfg.categories)
+            data = local_split(dcfg.name, dcfg.seq_len, dcfg.val_fraction, seed, VOCAB, dcfg.token_dtype,
+                               memory=available_per_rank()[0])
         else:
             data = lm_split(dcfg.seq_len, dcfg.per_domain, dcfg.val_fraction, seed, dcfg.categories)
         check_model_fits(cfg, rt.world)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from dist_moe.data.local_text import is_local, local_split
+from dist_moe.data.local_text import check_uncategorized, is_local, local_split
 from dist_moe.integrations.transformers.hosted import host_experts
 from dist_moe.models.hf_model import (
     HFCausalLM,
@@ -25,17 +25,16 @@ def hf_data_and_model(cfg, rt):
     if not is_local(dcfg.name):
         raise ValueError(f"model.kind=hf trains on a local text file, folder or .npy / .bin token file: data.name="
                          f"{dcfg.name!r} is none")
-    config = load_config(folder)
-    for key in ("vocab_size", "hidden_size", "num_hidden_layers"):
-        if not isinstance(getattr(config, key, None), int):
-            raise ValueError(f"model.path={str(folder)!r}: its config.json has no {key}")
+    config = load_config(folder)  # its sizes checked (check_config) before anything is built
     longest = getattr(config, "max_position_embeddings", None)
     if isinstance(longest, int) and dcfg.seq_len > longest:
         raise ValueError(f"data.seq_len={dcfg.seq_len} is longer than the model's max_position_embeddings={longest}")
-    if has_tokenizer(folder):
-        load_tokenizer(folder)  # a tokenizer that cannot load fails now, not when the trained model is written
-    data = local_split(dcfg.name, dcfg.seq_len, dcfg.val_fraction, cfg.seed, dcfg.categories, config.vocab_size,
-                       dcfg.token_dtype, tokenizer=folder if has_tokenizer(folder) else None)
+    # loaded once, now: a tokenizer that cannot load fails before training, and the one exported with the
+    # trained model is this, whatever happens to the folder's files meanwhile
+    tokenizer = load_tokenizer(folder) if has_tokenizer(folder) else None
+    check_uncategorized(dcfg.name, dcfg.categories)
+    data = local_split(dcfg.name, dcfg.seq_len, dcfg.val_fraction, cfg.seed, config.vocab_size, dcfg.token_dtype,
+                       tokenizer=folder if tokenizer is not None else None, memory=available_per_rank()[0])
     check_hf_fits(cfg, folder, config, rt.world)
     if not rt.is_main:  # one progress bar for the weights, not one per rank
         engine_import("transformers.utils", "logging").disable_progress_bar()
@@ -44,7 +43,7 @@ def hf_data_and_model(cfg, rt):
         print(f"dist-moe: model.path={str(folder)!r} holds no weights: training starts from random ones (seed "
               f"{cfg.seed})", file=sys.stderr)
     host_experts(hf, rt.placement, rt.topology(), rt.moe_group, rt.exchange)
-    return data, HFCausalLM(hf, folder)
+    return data, HFCausalLM(hf, folder, tokenizer)
 
 
 def hf_training_bytes(cfg, folder, config, world: int) -> int:

@@ -11,23 +11,25 @@ from dist_moe.train.align import specdrop_align
 from dist_moe.train.metrics import layers_metrics, routing_metrics
 from dist_moe.train.training_step import loss_of
 
+EVAL_BATCH_ROWS = 4096  # rows a validation forward takes
+
 
 @torch.no_grad()
 def evaluate(model, x: torch.Tensor, y: torch.Tensor, c: torch.Tensor | None = None,
-             batch_size: int = 4096, runtime=None) -> dict:
-    """Validation metrics; under a multi-rank runtime each rank takes its share of the rows
-    and every sum is reduced (every rank runs the same number of forwards)."""
+             batch_size: int = EVAL_BATCH_ROWS, runtime=None, max_rows: int | None = None) -> dict:
+    """Validation metrics on the first ``max_rows`` rows (None: all), ``batch_size`` rows a forward; under a multi-rank
+    runtime each rank takes its share of them and every sum is reduced (every rank runs the same number
+    of forwards)."""
     world, rank = (runtime.world, runtime.rank) if runtime is not None else (1, 0)
     device = next(model.parameters()).device
-    total = len(x)
-    mine = torch.tensor_split(torch.arange(total), world)[rank]
+    mine, batches = shared_rows(min(len(x), max_rows or len(x)), world, rank, batch_size)
     x, y = x[mine].to(device), y[mine].to(device)
     c = None if c is None else c[mine].to(device)
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64)  # loss, correct, rows
     layers = moe_layers(model)
     routings = [[] for _ in layers]  # per MoE layer, per batch
-    for rows in torch.tensor_split(torch.arange(len(x)), max(1, math.ceil(math.ceil(total / world) / batch_size))):
+    for rows in batches:
         with runtime.compute() if runtime is not None else contextlib.nullcontext():  # train.precision
             logits, _ = model(x[rows], None if c is None else c[rows])
         logits = logits.float()
@@ -46,6 +48,15 @@ def evaluate(model, x: torch.Tensor, y: torch.Tensor, c: torch.Tensor | None = N
         out["val_align"] = _align(model, x, y, c, None if runtime is None or world == 1 else runtime.group)
     model.train()
     return out
+
+
+def shared_rows(total: int, world: int, rank: int, batch_size: int = EVAL_BATCH_ROWS) \
+        -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """This rank's share of the first ``total`` validation rows, and its forwards' positions in that share
+    (``batch_size`` rows at most): as many forwards on every rank (each takes part in every exchange)."""
+    mine = torch.tensor_split(torch.arange(total), world)[rank]
+    forwards = max(1, math.ceil(math.ceil(total / world) / batch_size))
+    return mine, list(torch.tensor_split(torch.arange(len(mine)), forwards))
 
 
 def _val_metrics(layer, routings: list, reduce) -> dict:

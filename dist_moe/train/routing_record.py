@@ -8,23 +8,30 @@ import torch
 from dist_moe.dispatch.contract import CountsBytes
 from dist_moe.dispatch.stats import all_gather_rows
 from dist_moe.moe.view import moe_layers
+from dist_moe.train.evaluate import shared_rows
 from placement.simulate import RoutingRecord, recorded_layers, routing_file
 
 
 @torch.no_grad()
-def record_routing(out_dir: Path, model, data, rt) -> None:
-    """routing.npz (and routing.layer<i>.npz) for `dist-moe report / place / simulate`: every
-    validation token's experts and rank at each MoE layer; under dist-moe's expert parallelism also
-    the bytes that forward sent, per topology level."""
-    rows = torch.tensor_split(torch.arange(len(data.x_val)), rt.world)[rt.rank]
+def record_routing(out_dir: Path, model, data, rt, max_rows: int | None = None) -> None:
+    """routing.npz (and routing.layer<i>.npz) for `dist-moe report / place / simulate`: the experts and rank
+    of every token of the validation rows a validation pass reads (the first ``max_rows``; None: all) at
+    each MoE layer; under dist-moe's expert parallelism also the bytes those forwards sent, per topology
+    level."""
+    mine, batches = shared_rows(min(len(data.x_val), max_rows or len(data.x_val)), rt.world, rt.rank)
     layers = moe_layers(model)  # every MoE layer, any host
     measured = rt.world > 1 and all(isinstance(m, CountsBytes) for m in layers)
     for m in layers if measured else ():
         m.reset_traffic()
     model.eval()
     device = next(model.parameters()).device
-    cats = data.val_categories(rows)
-    model(data.x_val[rows].to(device), None if cats is None else cats.to(device))
+    routed = [[] for _ in layers]  # per layer, each forward's (expert_idx, probs)
+    for at in batches:
+        rows = mine[at]
+        cats = data.val_categories(rows)
+        model(data.x_val[rows].to(device), None if cats is None else cats.to(device))
+        for per_forward, layer in zip(routed, layers):
+            per_forward.append((layer.last_routing.expert_idx.cpu(), layer.last_routing.probs.float().cpu()))
     model.train()
     group = rt.group if rt.world > 1 else None
     for i, layer in enumerate(layers):
@@ -35,9 +42,9 @@ def record_routing(out_dir: Path, model, data, rt) -> None:
             dispatch = {"topology": layer.topology.describe(), "expert_to_rank": layer.placement.expert_to_rank,
                         "dedup": layer.dedup, "measured_bytes_by_level": dict(zip(levels, map(int, total)))}
             layer.reset_traffic()
-        idx = layer.last_routing.expert_idx.cpu()
+        idx = torch.cat([e for e, _ in routed[i]])
         idx_all = all_gather_rows(idx, group)
-        probs = all_gather_rows(layer.last_routing.probs.float().cpu(), group)  # replays other limits later
+        probs = all_gather_rows(torch.cat([p for _, p in routed[i]]), group)  # replays other limits later
         src = all_gather_rows(torch.full((idx.shape[0],), rt.rank, dtype=torch.long), group)
         if rt.is_main:
             record = RoutingRecord(idx_all, src, layer.router.num_experts, rt.world, layer.hidden_size * 4, dispatch,

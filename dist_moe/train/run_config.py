@@ -168,6 +168,14 @@ class TrainConfig:
     max_steps: int | None = _positive(None)  # when set, the run's length in optimizer steps instead of epochs
     gar_group_size: int = _positive(32)  # rows per GAR observation group (train.gar_groups consecutive)
     schedule: str = key("step", "'step' or 'epoch'", lambda v: v in ("step", "epoch"))  # when SpecDrop advances
+    # validation batches of batch_size rows per rank, as Megatron's --eval-iters: each validation pass and the
+    # routing record read the first eval_batches x batch_size x ranks rows of the seeded validation split (the
+    # same rows every pass); null: all of it
+    eval_batches: int | None = _positive(100)
+
+    def eval_rows(self, world: int) -> int | None:
+        """The validation rows a pass reads (None: all)."""
+        return None if self.eval_batches is None else self.eval_batches * self.batch_size * world
     gar: GARConfig | None = None  # GAR's settings {lambda, eps, mode, unit} (null: no GAR)
     # GAR observation groups of consecutive rows, or of one category (task) each, the latter formed
     # over every rank's rows under expert parallelism (the groups one process forms from the batch)

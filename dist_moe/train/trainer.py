@@ -28,6 +28,7 @@ from tqdm import tqdm
 from dist_moe.dispatch.agree import agree_on_errors
 from dist_moe.dispatch.all_to_all import blocked_seconds
 from dist_moe.dispatch.process_group import collective_failure
+from dist_moe.models.hf_export import settle_export
 from dist_moe.moe.view import moe_layers
 from dist_moe.routing.base import Scheduled
 from dist_moe.train import checkpoint
@@ -119,8 +120,8 @@ def _open_run(cfg: RunConfig, rt: Runtime, run_dir: RunDir | None):
     """The start-up checks, agreed before any training collective. First rank 0 alone (``run_dir``)
     creates the output directory, takes its lock and refuses a directory whose run files are symlinks
     or that holds a run this config neither resumes nor overwrites; then every rank checks that it
-    can write there and that a resumed checkpoint fits this config. Returns the checkpoint to resume
-    or None."""
+    can write there and that a resumed checkpoint fits this config. Returns the checkpoint to resume,
+    None, or ``EXPORTED`` (resuming a run without checkpoints that had trained and exported its model)."""
     out_dir, found = output_dir(cfg), []
     group = rt.group if rt.world > 1 else None
 
@@ -128,18 +129,24 @@ def _open_run(cfg: RunConfig, rt: Runtime, run_dir: RunDir | None):
         if run_dir is not None:
             run_dir.open(cfg.train.resume, cfg.output.overwrite)
             if cfg.train.resume and run_dir.held and checkpoint.latest(out_dir / "checkpoints") is None:
+                settle_export(out_dir / HF_MODEL)  # a kill in the final export's swap: the model goes in place
+                if trained_and_exported(out_dir):
+                    return
                 # starting afresh would replace that run's metrics and summary without a word
+                why = "it stopped before its first" if cfg.train.checkpoint_every else \
+                    "train.checkpoint_every is null: none are kept"
                 raise ValueError(f"train.resume=true: output.dir {str(out_dir)!r} holds a run "
-                                 f"({', '.join(run_dir.held)}) but no checkpoint to continue from ("
-                                 + ("train.checkpoint_every is null: none are kept" if cfg.train.checkpoint_every is None
-                                    else "it stopped before its first") + "); set output.overwrite=true to train it "
-                                 "again from the start, or choose another output.dir")
+                                 f"({', '.join(run_dir.held)}) but no checkpoint to continue from ({why}); set "
+                                 "output.overwrite=true to train it again from the start, or choose another output.dir")
 
     agree_on_errors(claim, group)
 
     def check():
         check_writable(out_dir)
         path = checkpoint.latest(out_dir / "checkpoints") if cfg.train.resume else None
+        if path is None and cfg.train.resume and trained_and_exported(out_dir):
+            found.append(EXPORTED)
+            return
         if path is not None:
             saved = checkpoint.saved_config(path)
             for key, old, new in model_changes(saved, cfg)[:1] if saved is not None else ():
@@ -152,11 +159,24 @@ def _open_run(cfg: RunConfig, rt: Runtime, run_dir: RunDir | None):
     return found[0]
 
 
+EXPORTED = object()  # _open_run's answer for a run without checkpoints whose training and export are done
+
+
+def trained_and_exported(out_dir: Path) -> bool:
+    """Whether a run without checkpoints ended its training: its trained model is exported, and a kill came
+    before the summary that closes a run (model.kind hf writes the model last but for the summary)."""
+    model = out_dir / HF_MODEL
+    return model.is_dir() and not model.is_symlink() and not (out_dir / "summary.json").exists()
+
+
 def _train(cfg: RunConfig, rt: Runtime, quiet: bool, after=None) -> dict:
     run_dir = RunDir(output_dir(cfg)) if rt.is_main else None
     run = None
     try:
         resume_from = _open_run(cfg, rt, run_dir)
+        if resume_from is EXPORTED:  # nothing to train, nothing to resume from: say where the model is
+            return {"name": cfg.name, "output_dir": str(output_dir(cfg)),
+                    "hf_model": str(output_dir(cfg) / HF_MODEL), "exported_before": True}
         run = _TrainingRun(cfg, rt, output_dir(cfg), resume_from, quiet)
         return _train_in(run, after)
     except BaseException as e:
@@ -197,7 +217,7 @@ def _train_in(run: _TrainingRun, after) -> dict:
             run.evaluate_epoch()
         run.check_trained()
         run.exchange_wait_s = run.waits.read(settled=True)  # training's, before the routing record's forwards
-        record_routing(out_dir, run.model, run.data, rt)
+        record_routing(out_dir, run.model, run.data, rt, run.tcfg.eval_rows(rt.world))
         if hasattr(run.model, "export_state"):  # model.kind hf: the trained model as transformers reads it
             export_hf(run.model, out_dir / HF_MODEL, rt)
         extra = after(run.model, run.data, rt) if after is not None else {}
@@ -363,7 +383,8 @@ class _TrainingRun:
     def evaluate(self) -> dict:
         data = self.data
         with self.waits.outside():  # its exchanges are not training's
-            return evaluate(self.model, data.x_val, data.y_val, data.val_categories(), runtime=self.rt)
+            return evaluate(self.model, data.x_val, data.y_val, data.val_categories(), runtime=self.rt,
+                            max_rows=self.tcfg.eval_rows(self.rt.world))
 
     def evaluate_epoch(self) -> None:
         self.last_eval = self.evaluate()
@@ -405,18 +426,8 @@ class _TrainingRun:
 
 def export_hf(model, target: Path, rt: Runtime) -> None:
     """Gather the model to the main rank and write it there; every rank learns whether that worked (the
-    others wait for the write, up to parallel.timeout_s)."""
-    state = model.export_state(rt.is_main)
-
-    def write():
-        if state is None:
-            return
-        try:
-            model.write(state, target)
-        except OSError as e:
-            raise ValueError(f"writing the trained model to {target} failed: {e}") from None
-
-    agree_on_errors(write, rt.group if rt.world > 1 else None)
+    others wait for the write, up to parallel.timeout_s) and fails as the main rank does."""
+    model.export(target, rt.is_main, rt.group if rt.world > 1 else None)
 
 
 class TrainingWaits:

@@ -175,8 +175,8 @@ def _gar_engine_worker(rank, world, engine, coefficient, out, data_dir):
         f"engine={engine}", "model.capacity_factor=null", *coefficient.split(), "data.max_rows=1000",
         "train.batch_size=32", "train.gar_group_size=16", "train.max_steps=3", "train.max_skipped_steps=5",
         "train.checkpoint_every=1", f"output.dir={out}"])
-    summary = trainer.train(cfg, quiet=True)
-    assert (summary["skipped_steps"], summary["steps"]) == (3, 3), (rank, summary)
+    with pytest.raises(ValueError, match="training took no step: all 3 steps of this run had a non-finite loss"):
+        trainer.train(cfg, quiet=True)  # every step skipped, on every rank: no trained model to report
     if rank == 1:  # rank 0 wrote the files; the other rank checks them
         _assert_all_skipped_and_checkpoints_finite(pathlib.Path(out), 3, f"{engine} rank {rank}")
 
