@@ -132,13 +132,18 @@ def test_a_damaged_metrics_row_names_the_file_and_its_line(capsys, run, line2, f
     assert not any((run / name).exists() for name in REPORT_FILES)
 
 
-def test_a_report_on_a_run_still_training_warns_and_goes_on(capsys, run):
-    lock = RunLock(run)  # the lock a training run holds for its life
+def _report_while_training(capsys, run) -> tuple[int, str]:
+    """``dist-moe report`` while the lock a training run holds for its life is held."""
+    lock = RunLock(run)
     lock.acquire()
     try:
-        code, err = _cli(capsys, "report", str(run))
+        return _cli(capsys, "report", str(run))
     finally:
         lock.release()
+
+
+def test_a_report_on_a_run_still_training_warns_and_goes_on(capsys, run):
+    code, err = _report_while_training(capsys, run)
     assert code == 0
     _warned(err, f"the run in {run} is still in progress", "snapshot", "routing record may be from an earlier run")
     code, err = _cli(capsys, "report", str(run))  # the lock file stays after the run: no warning then
@@ -148,12 +153,7 @@ def test_a_report_on_a_run_still_training_warns_and_goes_on(capsys, run):
 def test_a_report_on_a_run_in_its_first_stretch_says_when_to_run_it(capsys, run):
     """Still training and no routing record yet (it is written at the run's end): not "train with dist-moe"."""
     (run / "routing.npz").unlink()
-    lock = RunLock(run)
-    lock.acquire()
-    try:
-        code, err = _cli(capsys, "report", str(run))
-    finally:
-        lock.release()
+    code, err = _report_while_training(capsys, run)
     assert code == 2
     _one_line(err, f"the run in {run} is still training and writes its routing record (routing.npz) when it ends")
 
