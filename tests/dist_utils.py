@@ -1,4 +1,5 @@
-"""Run a function on N gloo ranks (torch.multiprocessing) that meet through a file store, with a timeout."""
+"""Run a function on N gloo ranks (torch.multiprocessing, forked from a server that imported torch, dist-moe
+and the engines once) that meet through a file store, with a timeout."""
 from __future__ import annotations
 
 import gc
@@ -40,7 +41,11 @@ def free_port() -> int:
 _next_port = (os.getpid() * 97) % 10000
 
 
-def _entry(rank, fn, world_size, store, args):
+def _entry(rank, fn, world_size, store, args, environ, cwd):
+    # a forkserver child starts with the server's environment and folder: the test's are set here
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
     import torch
     import torch.distributed as dist
 
@@ -98,9 +103,16 @@ def _each_case(rank, world_size, cases):
             raise
 
 
+# Ranks fork from a server that has imported torch, dist-moe and the engines once: a fresh interpreter per
+# rank spent 2-5 s of CPU importing them (Megatron-core alone 3 s), for every rank of every multi-process
+# test. What the server cannot import (an engine not installed) is imported by the rank that needs it.
+mp.set_forkserver_preload(["torch", "torch.distributed", "numpy", "dist_moe.train.trainer", "tests.dist_utils",
+                           "deepspeed", "megatron.core.parallel_state", "megatron.core.transformer"])
+
+
 def _run(fn, world_size, args, timeout, store) -> None:
-    ctx = mp.start_processes(_entry, args=(fn, world_size, store, args), nprocs=world_size, join=False,
-                             start_method="spawn")
+    ctx = mp.start_processes(_entry, args=(fn, world_size, store, args, dict(os.environ), os.getcwd()),
+                             nprocs=world_size, join=False, start_method="forkserver")
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=1.0):
         if time.monotonic() > deadline:
