@@ -85,21 +85,24 @@ class MoELayerConfig:
         """What the experts take beyond their sizes and kind."""
         return {"lora_rank": self.lora_rank, "lora_alpha": self.lora_alpha}
 
-    def build(self, group=None, placement=None, topology=None) -> MoELayer:
+    def build(self, group=None, placement=None, topology=None, stats_group=None) -> MoELayer:
         """dist-moe's ``MoELayer`` of this config over ``group`` (None: every expert here), its experts
-        placed by ``placement`` (None: contiguous) on ``topology`` (None: the launch's)."""
-        return MoELayer.from_config(self, group, placement, topology)
+        placed by ``placement`` (None: contiguous) on ``topology`` (None: the launch's); its router's
+        statistics summed over ``stats_group`` (None: ``group``)."""
+        return MoELayer.from_config(self, group, placement, topology, stats_group)
 
 
 class MoELayer(ExchangedMoE, CountsTraffic, nn.Module):
     group = WeakGroup()  # held weakly: torch.distributed owns the group (dispatch/groups.py)
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, router: Router | RouterConfig | dict, placement=None,
-                 topology=None, group=None, **options):
+                 topology=None, group=None, *, stats_group=None, **options):
         """``options``: the other fields of ``MoELayerConfig`` (capacity_factor, shared_expert_hidden,
         expert_type, lora_rank, lora_alpha) and of ``ExchangeConfig`` (dedup, pipeline_chunks,
         deterministic, timeout), or ``exchange=ExchangeConfig(...)``. Without expert parallelism nothing
-        is exchanged and the exchange's settings change nothing but ``deterministic``'s fixed order."""
+        is exchanged and the exchange's settings change nothing but ``deterministic``'s fixed order.
+        ``stats_group``: where a router built from a config sums its statistics (None: ``group``); with
+        expert-parallel groups smaller than the world, the world, so every replica keeps one router state."""
         super().__init__()
         config = MoELayerConfig.of(hidden_size, ffn_hidden_size, router, **options)
         world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
@@ -108,7 +111,8 @@ class MoELayer(ExchangedMoE, CountsTraffic, nn.Module):
             given = router_config(router, given_later=("hidden_size",))
             if given.hidden_size not in (None, hidden_size):
                 raise ValueError(f"router hidden_size {given.hidden_size} != layer hidden_size {hidden_size}")
-            router = layer_router(given, hidden_size, group if world > 1 else None)
+            stats = stats_group if stats_group is not None else group if world > 1 else None
+            router = layer_router(given, hidden_size, stats)
         if not isinstance(router, Router):
             raise ValueError(f"router must be a Router or a config, got {type(router).__name__}")
         check_one_capacity(router, config.capacity_factor)
@@ -139,10 +143,11 @@ class MoELayer(ExchangedMoE, CountsTraffic, nn.Module):
         self.last_token_layout: tuple = ((), None)
 
     @classmethod
-    def from_config(cls, config: MoELayerConfig, group=None, placement=None, topology=None) -> MoELayer:
+    def from_config(cls, config: MoELayerConfig, group=None, placement=None, topology=None,
+                    stats_group=None) -> MoELayer:
         options = {f.name: getattr(config, f.name) for f in fields(config)}
         return cls(options.pop("hidden_size"), options.pop("ffn_hidden_size"), options.pop("router"), placement,
-                   topology, group, **options)
+                   topology, group, stats_group=stats_group, **options)
 
     @property
     def routed_experts(self) -> Experts:

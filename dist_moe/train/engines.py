@@ -79,7 +79,7 @@ class Engine:
 
     def stepper(self, rt, model: nn.Module, lr: float, max_grad_norm, micro_batch: int):
         return LocalStepper(model, lr, max_grad_norm, rt.group if rt.world > 1 else None, rt.world,
-                            datetime.timedelta(seconds=rt.timeout_s))
+                            datetime.timedelta(seconds=rt.timeout_s), rt.experts)
 
     def shutdown(self) -> None:
         """Tear down what ``after_group`` set up (the process group is the runtime's)."""
@@ -91,7 +91,7 @@ class TorchEngine(Engine):
 
     def build_moe(self, rt, config):
         return replace(config, exchange=rt.exchange).build(rt.moe_group, rt.placement(config.num_experts),
-                                                            rt.topology())
+                                                            rt.ep_topology(), rt.stats_group)
 
 
 class DeepSpeedEngine(Engine):

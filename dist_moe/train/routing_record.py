@@ -17,10 +17,11 @@ def record_routing(out_dir: Path, model, data, rt, max_rows: int | None = None) 
     """routing.npz (and routing.layer<i>.npz) for `dist-moe report / place / simulate`: the experts and rank
     of every token of the validation rows a validation pass reads (the first ``max_rows``; None: all) at
     each MoE layer; under dist-moe's expert parallelism also the bytes those forwards sent, per topology
-    level."""
+    level. With expert-parallel groups smaller than the world the record is of one group's layout (its
+    topology, its ranks), every replica's tokens on it."""
     mine, batches = shared_rows(min(len(data.x_val), max_rows or len(data.x_val)), rt.world, rt.rank)
     layers = moe_layers(model)  # every MoE layer, any host
-    measured = rt.world > 1 and all(isinstance(m, CountsBytes) for m in layers)
+    measured = rt.ep_size > 1 and all(isinstance(m, CountsBytes) for m in layers)
     for m in layers if measured else ():
         m.reset_traffic()
     model.eval()
@@ -45,9 +46,10 @@ def record_routing(out_dir: Path, model, data, rt, max_rows: int | None = None) 
         idx = torch.cat([e for e, _ in routed[i]])
         idx_all = all_gather_rows(idx, group)
         probs = all_gather_rows(torch.cat([p for _, p in routed[i]]), group)  # replays other limits later
-        src = all_gather_rows(torch.full((idx.shape[0],), rt.rank, dtype=torch.long), group)
+        # each token's rank in its expert-parallel group: every replica's tokens on the one layout they share
+        src = all_gather_rows(torch.full((idx.shape[0],), rt.ep_rank, dtype=torch.long), group)
         if rt.is_main:
-            record = RoutingRecord(idx_all, src, layer.router.num_experts, rt.world, layer.hidden_size * 4, dispatch,
+            record = RoutingRecord(idx_all, src, layer.router.num_experts, rt.ep_size, layer.hidden_size * 4, dispatch,
                                    probs)
             record.save(out_dir, i)
     if rt.is_main:  # a previous run in this directory may have had more layers

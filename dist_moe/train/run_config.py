@@ -35,7 +35,7 @@ from dist_moe.config.types import fits, hints, kinds, optional, wanted
 from dist_moe.errors import shown
 from dist_moe.routing.gar import GARConfig
 from dist_moe.routing.registry import GAR_MOVED, RouterConfig, RouterKeyError, router_config, router_shape
-from placement.names import DEDUP_MODES
+from placement.names import DEDUP_MODES, EP_LAYOUTS
 from placement.names import NAMED as PLACEMENTS
 
 DISPATCHER_CHOICES = ("auto", "dist_moe", "engine", *DISPATCHERS)
@@ -86,6 +86,12 @@ class ParallelConfig:
     # alltoall, or Megatron's allgather by that name), or auto: dist_moe when dedup is node or pipeline_chunks > 1,
     # else the engine's own, which sends one copy per selected expert
     dispatcher: str = one_of("auto", DISPATCHER_CHOICES)
+    # ranks per expert-parallel group: each MoE layer's experts are shared out over ep_size ranks, and the world
+    # holds world / ep_size replicas of them, whose gradients are summed; null: the world (no replicas)
+    ep_size: int | None = key(None, "a positive int", lambda v: v >= 1)
+    # which ranks form a group: contiguous (consecutive ranks: inside a node when the group fits one, replicas
+    # across nodes) or strided (every R-th rank, R the replicas: a group spread over the nodes, replicas side by side)
+    ep_layout: str = one_of("contiguous", EP_LAYOUTS)
     # how long any collective may wait for a peer before every rank stops with an error (bounds: process_group)
     timeout_s: float = key(300.0, f"a number of seconds in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S}] (a second to a week)",
                            lambda v: MIN_TIMEOUT_S <= v <= MAX_TIMEOUT_S)

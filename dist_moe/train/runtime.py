@@ -16,9 +16,11 @@ from dist_moe.dispatch.rank_line import say_rank_line
 from dist_moe.dispatch.stats import all_reduce_sum
 from dist_moe.moe.layer import MoELayerConfig
 from dist_moe.train.engines import ENGINES
+from dist_moe.train.expert_groups import ExpertGroups
 from dist_moe.train.precision import compute_context, restore, set_up
 from dist_moe.train.run_config import ParallelConfig
 from placement import Placement, Topology
+from placement.ep_groups import ExpertLayout
 
 
 class Runtime:
@@ -44,7 +46,10 @@ class Runtime:
                                                           device=self.device)
         say_rank_line(self.rank, self.world, self.device, self.group)
         _share_cpu_threads()
-        self.topology()  # a topology that disagrees with the launch fails here, on every rank, before training
+        # a topology that disagrees with the launch, or EP groups that do not fit it, fail here, on every rank
+        self.layout = ExpertLayout(self.topology(), parallel.ep_size or self.world, parallel.ep_layout)
+        self.experts = (ExpertGroups(self.layout, self.rank, datetime.timedelta(seconds=self.timeout_s))
+                        if self.layout.replicas > 1 else None)
         self.engine.after_group(self)
 
     @property
@@ -54,16 +59,31 @@ class Runtime:
     def topology(self) -> Topology:
         return Topology.launched(self.world)
 
+    @property
+    def ep_size(self) -> int:
+        return self.layout.ep_size
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's place in its expert-parallel group."""
+        return self.experts.ep_ranks.index(self.rank) if self.experts is not None else self.rank
+
+    def ep_topology(self) -> Topology:
+        """The topology this rank's EP group sees (the launch's when the group is the world)."""
+        return self.experts.topology if self.experts is not None else self.topology()
+
     def placement(self, num_experts: int) -> Placement:
-        kind = self.parallel.placement
+        """Which rank of an EP group holds which expert: the same in every replica."""
+        kind, ep = self.parallel.placement, self.ep_size
         if kind.endswith((".yaml", ".yml")):  # written by `dist-moe place --out`
             placement = Placement.from_yaml(kind)
-            if (placement.num_experts, placement.world_size) != (num_experts, self.world):
+            if (placement.num_experts, placement.world_size) != (num_experts, ep):
+                groups = "" if ep == self.world else f" in each expert-parallel group (parallel.ep_size={ep})"
                 raise ValueError(f"parallel.placement={kind!r} places {placement.num_experts} experts on "
                                  f"{placement.world_size} ranks, but this run has {num_experts} experts on "
-                                 f"{self.world} ranks")
+                                 f"{ep} ranks{groups}")
             return placement
-        return Placement.named(kind, num_experts, self.topology())
+        return Placement.named(kind, num_experts, self.ep_topology())
 
     @property
     def exchange(self) -> ExchangeConfig:
@@ -74,6 +94,14 @@ class Runtime:
     @property
     def moe_group(self):
         """The expert-parallel group of this run's MoE layers (None: one rank, every expert here)."""
+        if self.experts is not None:
+            return self.experts.ep if self.ep_size > 1 else None
+        return self.group if self.world > 1 else None
+
+    @property
+    def stats_group(self):
+        """Where the routers' statistics (BRANCH anchors, DeepSeek-V3 loads) sum: every rank's batch, so
+        every replica keeps the same router state."""
         return self.group if self.world > 1 else None
 
     def build_moe(self, config: MoELayerConfig) -> nn.Module:

@@ -22,9 +22,10 @@ TRAFFIC_FILE = "train_traffic.json"
 
 class StepBytes:
     def __init__(self, model, rt):
-        # the layers dist-moe's dispatcher runs; one process exchanges nothing
-        self.layers = [m for m in moe_layers(model) if isinstance(m, CountsBytes)] if rt.world > 1 else []
-        self.rt, w = rt, rt.world
+        # the layers dist-moe's dispatcher runs; an expert-parallel group of one rank exchanges nothing. Each
+        # matrix is over the ranks of an EP group, as that group numbers them, summed over its replicas
+        self.layers = [m for m in moe_layers(model) if isinstance(m, CountsBytes)] if rt.ep_size > 1 else []
+        self.rt, w = rt, rt.ep_size
         self.unlogged = torch.zeros(len(self.layers), w, w, dtype=torch.long)  # this rank's rows
         self.run = torch.zeros(len(self.layers), w, w, dtype=torch.long)  # logged, summed over ranks
         self.steps = 0

@@ -2,8 +2,10 @@
 
 ``LocalStepper`` is dist-moe's (engines torch and megatron): replicated parameters are
 all-reduced while backward runs (``dispatch/grad_overlap.py``) and divided by the world, rank-local
-experts (whose gradients already hold every rank's tokens) are divided by the world, then one clip
-over the global norm and a fused Adam step, all on the device. ``DeepSpeedStepper`` hands all of it
+experts (whose gradients already hold their expert-parallel group's tokens) are summed over their
+replica group, on a communicator of their own, while backward runs (when the EP group is smaller than
+the world) and divided by the world, then one clip over the global norm and a fused Adam step, all on
+the device. ``DeepSpeedStepper`` hands all of it
 to ``deepspeed.initialize``'s engine. Both return the step's skip flag as a 0-dim tensor (1.0: the
 loss or some gradient was not finite on some rank, and nothing was updated), which the trainer
 reads only when it logs.
@@ -13,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dist_moe.dispatch.grad_overlap import overlapped_grad_sum
+from dist_moe.dispatch.grad_overlap import OverlappedGradSum, overlapped_grad_sum
 from dist_moe.dispatch.grads import all_finite, clip_to, global_norm, group_size, scale_grads
 from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.gar.step import rank_local_param_ids
@@ -30,7 +32,8 @@ class LocalStepper:
 
     group = WeakGroup()  # held weakly (dist_moe/dispatch/groups.py)
 
-    def __init__(self, model: nn.Module, lr: float, max_grad_norm, group, world: int, timeout=None):
+    def __init__(self, model: nn.Module, lr: float, max_grad_norm, group, world: int, timeout=None, experts=None):
+        """``experts``: the run's ``ExpertGroups`` when its expert-parallel groups are smaller than the world."""
         self.module = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         # fused: one kernel for all parameters, and the only Adam that skips a step on a device flag
@@ -38,19 +41,26 @@ class LocalStepper:
         self.local = rank_local_param_ids(moe_views(model))
         self.group, self.world, self.max_grad_norm = group, world, max_grad_norm
         replicated = [p for p in self.params if id(p) not in self.local]
-        self.overlap = overlapped_grad_sum(replicated, group, timeout) if group is not None else None
+        self.sums = [overlapped_grad_sum(replicated, group, timeout)] if group is not None else []
+        self.norm_group = group  # where the rank-local experts' squares sum: the ranks that hold the others
+        own = [p for p in self.params if id(p) in self.local]
+        if experts is not None:
+            self.norm_group = experts.ep
+            if own:
+                self.sums.append(OverlappedGradSum(own, experts.new_replica_group))
 
     def __call__(self, loss: torch.Tensor) -> torch.Tensor:
         """One step. Returns a device scalar: 1.0 when the loss or any rank's gradients were not finite
         (the step changed nothing), else 0.0."""
         self.opt.zero_grad(set_to_none=True)
-        if self.overlap is not None:
-            self.overlap.arm()
+        for s in self.sums:
+            s.arm()
         loss.backward()
-        if self.overlap is not None:
-            self.overlap.finish()
+        for s in self.sums:
+            s.finish()
+        if self.sums:
             torch._foreach_div_([p.grad for p in self.params if p.grad is not None], self.world)
-        total = global_norm(self.params, self.local, self.group, loss)  # NaN anywhere: NaN on every rank
+        total = global_norm(self.params, self.local, self.norm_group, loss)  # NaN anywhere: NaN on every rank
         skipped = (~torch.isfinite(total)).float()
         if self.max_grad_norm:
             clip_to(self.params, total, self.max_grad_norm)

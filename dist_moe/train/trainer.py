@@ -402,7 +402,8 @@ class _TrainingRun:
         summary = json_safe({
             # model.kind hf: the model's own router, by its class name
             "name": cfg.name, "router": getattr(self.routers[0], "name", cfg.router.type),
-            "engine": rt.engine.name, "world_size": rt.world,
+            "engine": rt.engine.name, "world_size": rt.world, "ep_size": rt.ep_size,
+            **({"ep_layout": rt.layout.layout} if rt.layout.replicas > 1 else {}),
             "topology": rt.topology().describe(),
             "steps": self.step, "already_finished": self.already_finished, "samples": self.cursor.consumed,
             "samples_this_run": self.cursor.consumed - self.resumed_at,

@@ -1,0 +1,99 @@
+"""Expert-parallel groups smaller than the world (``parallel.ep_size``, ``parallel.ep_layout``): training on 4
+ranks accounted as 2 nodes x 2, as EP 4, as EP 2 x 2 replicas contiguous and as EP 2 x 2 strided, equals one
+process holding every expert, with the same global batch: every step's loss, and every weight and Adam
+moment after the steps (Adam's first moment is the gradients' running sum), for rank and node dedup and
+1 and 3 chunks. Each run resumes the one process's first checkpoint, so the checkpoint also reshards from
+one process to each layout."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from placement import Topology
+from placement.ep_groups import ExpertLayout, group_topology, ring_allreduce_bytes
+from tests.dist_utils import run_cases
+
+GLOBAL_BATCH = 64
+# max_grad_norm: the clip acts at every step, so the global norm (the experts' squares summed once) counts
+RUN = ["data.max_rows=1200", "router.num_experts=8", "router.top_k=2", "model.capacity_factor=null",
+       "train.log_every=1", "train.checkpoint_every=1", "train.max_grad_norm=0.01"]
+# (ep_size, layout, dedup, chunks)
+CASES = [(4, "contiguous", "rank", 1), (4, "contiguous", "node", 3), (2, "contiguous", "rank", 3),
+         (2, "contiguous", "node", 1), (2, "strided", "node", 3), (2, "strided", "rank", 1)]
+
+
+def _train(out: Path, world: int, steps: int, *more: str) -> None:
+    from dist_moe.train.config import load_config
+    from dist_moe.train.trainer import train
+
+    train(load_config(None, [*RUN, f"output.dir={out}", f"train.batch_size={GLOBAL_BATCH // world}",
+                             f"train.max_steps={steps}", *more]), quiet=True)
+
+
+def _resume_worker(rank, world, out, data, ep, layout, dedup, chunks):
+    os.environ.update({"DIST_MOE_DATA": data, "DIST_MOE_TOPOLOGY": "node=2,gpu=2"})
+    _train(Path(out), world, 3, f"parallel.ep_size={ep}", f"parallel.ep_layout={layout}",
+           f"parallel.dedup={dedup}", f"parallel.pipeline_chunks={chunks}", "train.resume=true")
+
+
+def _losses(out: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def _tensors(out: Path) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(out / "checkpoints" / "step-3"), str(out / "step3.pt"))  # our own files
+    return torch.load(out / "step3.pt", weights_only=True)
+
+
+def test_every_layout_trains_as_one_process_holding_every_expert(tmp_path, monkeypatch):
+    data = str(tmp_path / "data")
+    monkeypatch.setenv("DIST_MOE_DATA", data)
+    one = tmp_path / "one"
+    _train(one, 1, 1)  # step 1's checkpoint: where every run starts from
+    runs = {case: tmp_path / "ep{}-{}-{}-{}".format(*case) for case in CASES}
+    for out in runs.values():
+        shutil.copytree(one, out)
+    _train(one, 1, 3, "train.resume=true")
+    run_cases(4, [(_resume_worker, str(out), data, *case) for case, out in runs.items()], timeout=400)
+    want, want_loss = _tensors(one), _losses(one)
+    for case, out in runs.items():
+        losses = _losses(out)
+        assert sorted(losses) == [1, 2, 3], (case, losses)
+        for step in (2, 3):
+            assert abs(losses[step] - want_loss[step]) < 1e-5, (case, step, losses[step], want_loss[step])
+        got = _tensors(out)
+        compared = [k for k in want if k.startswith(("model.", "optim.")) and want[k].is_floating_point()]
+        assert any(".experts." in k and k.startswith("optim.") for k in compared)
+        for k in compared:
+            torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=1e-4, msg=f"{case} {k}")
+        summary = json.loads((out / "summary.json").read_text())
+        assert (summary["ep_size"], summary["world_size"]) == (case[0], 4)
+
+
+def test_groups_replicas_and_their_topologies():
+    two_by_two = Topology(("node", "gpu"), (2, 2))
+    contiguous, strided = ExpertLayout(two_by_two, 2, "contiguous"), ExpertLayout(two_by_two, 2, "strided")
+    assert contiguous.ep_groups() == [[0, 1], [2, 3]] and contiguous.replica_groups() == [[0, 2], [1, 3]]
+    assert strided.ep_groups() == [[0, 2], [1, 3]] and strided.replica_groups() == [[0, 1], [2, 3]]
+    assert contiguous.group_topology(3).sizes == (1, 2) and strided.group_topology(3).sizes == (2, 1)
+    assert ExpertLayout(Topology(("node", "gpu"), (2, 4)), 4, "strided").group_topology(5).sizes == (2, 2)
+    assert ExpertLayout(two_by_two, 4).replica_groups() == [[0], [1], [2], [3]]
+    with pytest.raises(ValueError, match="parallel.ep_size=3 must divide the world of 4 ranks"):
+        ExpertLayout(two_by_two, 3)
+    with pytest.raises(ValueError, match=r"ranks \[0, 1, 2\] holds an uneven number of gpus per node"):
+        group_topology(Topology(("node", "gpu"), (2, 2)), [0, 1, 2])
+
+
+def test_ring_bytes_per_level_sum_to_twice_the_buffer_per_hop():
+    topo = Topology(("node", "gpu"), (2, 2))
+    assert ring_allreduce_bytes([0, 2], 10, 4, topo) == {"node": 2 * 10 * 4, "gpu": 0}  # 2 ranks: the buffer each
+    four = ring_allreduce_bytes([0, 1, 2, 3], 10, 4, topo)
+    assert sum(four.values()) == 2 * 3 * 10 * 4 and four["node"] == four["gpu"]  # hops 1->2 and 3->0 cross
