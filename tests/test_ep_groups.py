@@ -78,6 +78,50 @@ def test_every_layout_trains_as_one_process_holding_every_expert(tmp_path, monke
         assert (summary["ep_size"], summary["world_size"]) == (case[0], 4)
 
 
+# (engine, dedup, chunks): EP 2 x 2 contiguous (the engines' own groups); rank dedup, 1 chunk: the engine's own
+# dispatcher (parallel.dispatcher auto), node dedup, 3 chunks: dist-moe's
+ENGINE_CASES = [("megatron", "rank", 1), ("megatron", "node", 3), ("deepspeed", "rank", 1), ("deepspeed", "node", 3)]
+
+
+# DeepSpeed clips by the mean of every rank's own gradient norm (deepspeed/runtime/utils.py clip_grad_norm_),
+# not by the global norm one process sees, whatever the expert-parallel size: its runs compare unclipped
+ENGINE = {"megatron": [], "deepspeed": ["train.max_grad_norm=null"]}
+
+
+def _engine_worker(rank, world, out, data, engine, dedup, chunks):
+    os.environ.update({"DIST_MOE_DATA": data, "DIST_MOE_TOPOLOGY": "node=2,gpu=2", "LOCAL_RANK": str(rank)})
+    _train(Path(out), world, 3, f"engine={engine}", *ENGINE[engine], "parallel.ep_size=2", f"parallel.dedup={dedup}",
+           f"parallel.pipeline_chunks={chunks}", "train.resume=true")
+
+
+@pytest.mark.engine
+def test_the_engines_ep_groups_train_as_one_process(tmp_path, monkeypatch):
+    """DeepSpeed's ep_size and Megatron's expert_model_parallel_size smaller than the world, with their
+    expert-data-parallel groups, through their own dispatchers and dist-moe's."""
+    data = str(tmp_path / "data")
+    monkeypatch.setenv("DIST_MOE_DATA", data)
+    runs, want = {}, {}
+    for engine in ("megatron", "deepspeed"):
+        one = tmp_path / f"one-{engine}"
+        _train(one, 1, 1, f"engine={engine}", *ENGINE[engine])
+        for case in [c for c in ENGINE_CASES if c[0] == engine]:
+            runs[case] = tmp_path / "{}-{}-{}".format(*case)
+            shutil.copytree(one, runs[case])
+        _train(one, 1, 3, f"engine={engine}", *ENGINE[engine], "train.resume=true")
+        want[engine] = (_tensors(one), _losses(one))
+    run_cases(4, [(_engine_worker, str(out), data, *case) for case, out in runs.items()], timeout=400)
+    for case, out in runs.items():
+        tensors, losses = want[case[0]]
+        got_losses, got = _losses(out), _tensors(out)
+        for step in (2, 3):
+            assert abs(got_losses[step] - losses[step]) < 1e-5, (case, step, got_losses[step], losses[step])
+        for k, t in tensors.items():
+            if k.startswith(("model.", "optim.")) and t.is_floating_point():
+                torch.testing.assert_close(got[k], t, atol=1e-5, rtol=1e-4, msg=f"{case} {k}")
+        summary = json.loads((out / "summary.json").read_text())
+        assert (summary["engine"], summary["ep_size"], summary["world_size"]) == (case[0], 2, 4)
+
+
 def test_groups_replicas_and_their_topologies():
     two_by_two = Topology(("node", "gpu"), (2, 2))
     contiguous, strided = ExpertLayout(two_by_two, 2, "contiguous"), ExpertLayout(two_by_two, 2, "strided")
@@ -97,3 +141,15 @@ def test_ring_bytes_per_level_sum_to_twice_the_buffer_per_hop():
     assert ring_allreduce_bytes([0, 2], 10, 4, topo) == {"node": 2 * 10 * 4, "gpu": 0}  # 2 ranks: the buffer each
     four = ring_allreduce_bytes([0, 1, 2, 3], 10, 4, topo)
     assert sum(four.values()) == 2 * 3 * 10 * 4 and four["node"] == four["gpu"]  # hops 1->2 and 3->0 cross
+
+
+def test_node_dedup_in_groups_inside_a_node_is_said_to_run_as_rank_dedup():
+    from dist_moe.train.runtime import node_dedup_inside_a_node
+
+    two_by_two = Topology(("node", "gpu"), (2, 2))
+    said = node_dedup_inside_a_node("node", ExpertLayout(two_by_two, 2, "contiguous"))
+    assert said and "node dedup runs as rank dedup" in said and "group of 2 ranks" in said
+    one_node = Topology(("node", "gpu"), (1, 4))
+    for dedup, layout in [("rank", ExpertLayout(two_by_two, 2)), ("node", ExpertLayout(two_by_two, 2, "strided")),
+                          ("node", ExpertLayout(two_by_two, 4)), ("node", ExpertLayout(one_node, 2))]:
+        assert node_dedup_inside_a_node(dedup, layout) is None, (dedup, layout.describe())

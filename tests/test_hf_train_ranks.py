@@ -1,8 +1,9 @@
 """``dist-moe train`` on a transformers MoE model over several ranks equals the same run in one process.
 
 A tiny DeepSeek-V3 (group-limited: ``n_group`` = 2 nodes, ``topk_group`` = 1), launched as a user
-launches it: 4 ranks as 2 nodes x 2 with node dedup and 3 pipelined chunks for two steps, checkpointed,
-then resumed on 2 ranks under another placement (round robin) for two more. Every step's loss equals
+launches it: 4 ranks as 2 nodes x 2, in expert-parallel groups of 2 strided over the nodes (replicas side
+by side), with node dedup and 3 pipelined chunks for two steps, checkpointed, then resumed on 2 ranks (one
+group: the world) under another placement (round robin) for two more. Every step's loss equals
 the one-process run's with the same global batch, and the trained model each writes
 (``output.dir/hf_model``, gathered from every rank's experts) equals it, to 1e-5.
 """
@@ -59,7 +60,8 @@ def test_four_ranks_then_two_resumed_train_the_model_as_one_process(tmp_path, mo
     model_folder(tmp_path / "model", "deepseek_v3", weights=True, nodes=2)
     assert main(["train", "--quiet", *_args(tmp_path, "one", 1, 4)]) == 0
     _torchrun(tmp_path, 4, "node=2,gpu=2", _args(tmp_path, "many", 4, 2, "parallel.dedup=node",
-                                                 "parallel.pipeline_chunks=3", "train.checkpoint_every=2"))
+                                                 "parallel.pipeline_chunks=3", "train.checkpoint_every=2",
+                                                 "parallel.ep_size=2", "parallel.ep_layout=strided"))
     first = _losses(tmp_path / "many")
     _torchrun(tmp_path, 2, "node=1,gpu=2", _args(tmp_path, "many", 2, 4, "parallel.placement=round_robin",
                                                  "train.checkpoint_every=2", "train.resume=true"))

@@ -30,8 +30,8 @@ SCRIPT = Path(__file__).parent / "scripts" / "transformers_ep.py"
 @pytest.mark.parametrize("world,topology", [(2, "node=1,gpu=2"), (4, "node=2,gpu=2")])
 def test_transformers_models_train_through_dist_moe_like_their_all_to_all(world, topology, tmp_path):
     """Launched as a user launches it (torchrun; every rank must exit 0, teardown included)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("DIST_MOE_TOPOLOGY", None)
+    # the cases name their topology; the EP-2-of-4 case reads the launch's from here (4 nodes of 1)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DIST_MOE_TOPOLOGY": f"node={world},gpu=1"}
     subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), topology, "save"], check=True, env=env, timeout=120)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-addr", "127.0.0.1",

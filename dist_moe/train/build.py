@@ -73,7 +73,7 @@ def _data_and_model(cfg, rt):
                                memory=available_per_rank()[0])
         else:
             data = lm_split(dcfg.seq_len, dcfg.per_domain, dcfg.val_fraction, seed, dcfg.categories)
-        check_model_fits(cfg, rt.world)
+        check_model_fits(cfg, rt.ep_size)
         router = categorised_router(cfg, data)
         build = lambda i: rt.build_moe(layer_config(mcfg, mcfg.d_model, router))  # noqa: E731
         model = TinyMoELM(build, mcfg.d_model, mcfg.layers, mcfg.heads, max_len=dcfg.seq_len)
@@ -83,14 +83,14 @@ def _data_and_model(cfg, rt):
         if dcfg.categories not in (None, "tasks"):
             raise ValueError(f"data.categories for text_tasks must be 'tasks' or null, got {dcfg.categories!r}")
         data = text_split(dcfg.per_domain, dcfg.seq_len, dcfg.val_fraction, seed)
-        check_model_fits(cfg, rt.world, classes=sum(data.task_classes))
+        check_model_fits(cfg, rt.ep_size, classes=sum(data.task_classes))
         router = categorised_router(cfg, data)
         moe = rt.build_moe(layer_config(mcfg, TEXT_HIDDEN, router))
         return data, TextMoE(moe, data.task_classes)
     data = tabular_split(dcfg.name, dcfg.val_fraction, seed, dcfg.max_rows, dcfg.categories)
     router = categorised_router(cfg, data)
     features = data.x_train.shape[1]
-    check_model_fits(cfg, rt.world, features, data.num_classes)
+    check_model_fits(cfg, rt.ep_size, features, data.num_classes)
     moe = rt.build_moe(layer_config(mcfg, mcfg.d_model or features, router))
     model_cls = ImageMoE if kind == "image" else TabularMoE
     return data, model_cls(features, data.num_classes, moe, class_category=data.class_category, **mcfg.block_keys())
@@ -101,14 +101,14 @@ def layer_config(mcfg, hidden: int, router) -> MoELayerConfig:
     return MoELayerConfig(hidden, mcfg.ffn_hidden_size, router, mcfg.capacity_factor, expert_type=mcfg.expert_type)
 
 
-def training_bytes(cfg, world: int, features: int = 0, classes: int = 0) -> int:
+def training_bytes(cfg, ep_size: int, features: int = 0, classes: int = 0) -> int:
     """About how much memory one rank needs to train ``cfg``'s model: fp32 weights with their gradients
-    and Adam's two moments (its 1/world of the experts), and one batch's activations kept for the
+    and Adam's two moments (its 1/ep_size of the experts), and one batch's activations kept for the
     backward. Python ints: a size too large for any tensor is still counted, never overflows."""
     m, r, kind = cfg.model, cfg.router, cfg.model.kind
     hidden = {"lm": m.d_model, "text": TEXT_HIDDEN}.get(kind, m.d_model or features)
     moe_layers = m.layers if kind == "lm" else 1
-    experts = expert_parameters(math.ceil(r.num_experts / world), hidden, m.ffn_hidden_size, m.expert_type)
+    experts = expert_parameters(math.ceil(r.num_experts / ep_size), hidden, m.ffn_hidden_size, m.expert_type)
     weights = moe_layers * (experts + r.num_experts * hidden) + hidden * classes
     if kind == "lm":  # attention, embeddings, positions, the byte head
         weights += m.layers * 4 * hidden * hidden + (2 * VOCAB + cfg.data.seq_len) * hidden
@@ -122,10 +122,10 @@ def training_bytes(cfg, world: int, features: int = 0, classes: int = 0) -> int:
     return 4 * 4 * weights + 2 * 4 * tokens * moe_layers * per_token  # activations and their gradients
 
 
-def check_model_fits(cfg, world: int, features: int = 0, classes: int = 0) -> None:
+def check_model_fits(cfg, ep_size: int, features: int = 0, classes: int = 0) -> None:
     """Refuse, before any weight is allocated, a model that would not fit in this rank's share of the
     memory available now (the ranks of this machine share it), naming its sizes."""
-    needed = training_bytes(cfg, world, features, classes)
+    needed = training_bytes(cfg, ep_size, features, classes)
     free, local = available_per_rank()
     if needed > free:
         m = cfg.model

@@ -1,5 +1,5 @@
 """``model.kind: hf``: a user's transformers MoE model on a local text or token file, its experts
-sharded over the launched world and dispatched by dist-moe."""
+sharded over its expert-parallel group (parallel.ep_size: default the world) and dispatched by dist-moe."""
 from __future__ import annotations
 
 import sys
@@ -35,24 +35,24 @@ def hf_data_and_model(cfg, rt):
     check_uncategorized(dcfg.name, dcfg.categories)
     data = local_split(dcfg.name, dcfg.seq_len, dcfg.val_fraction, cfg.seed, config.vocab_size, dcfg.token_dtype,
                        tokenizer=folder if tokenizer is not None else None, memory=available_per_rank()[0])
-    check_hf_fits(cfg, folder, config, rt.world)
+    check_hf_fits(cfg, folder, config, rt.ep_size)
     if not rt.is_main:  # one progress bar for the weights, not one per rank
         engine_import("transformers.utils", "logging").disable_progress_bar()
     hf = load_model(folder, cfg.seed)
     if rt.is_main and not has_weights(folder):
         print(f"dist-moe: model.path={str(folder)!r} holds no weights: training starts from random ones (seed "
               f"{cfg.seed})", file=sys.stderr)
-    host_experts(hf, rt.placement, rt.topology(), rt.moe_group, rt.exchange)
+    host_experts(hf, rt.placement, rt.ep_topology(), rt.moe_group, rt.exchange)
     return data, HFCausalLM(hf, folder, tokenizer)
 
 
-def hf_training_bytes(cfg, folder, config, world: int) -> int:
+def hf_training_bytes(cfg, folder, config, ep_size: int) -> int:
     """About how much memory one rank needs, the larger of loading and training. Loading: the whole model
     in fp32 (every rank loads it, then keeps its share of the experts). Training: fp32 weights, gradients
-    and Adam's two moments (its 1/world of the experts), and one batch's activations (a dozen hidden-size
+    and Adam's two moments (its 1/ep_size of the experts), and one batch's activations (a dozen hidden-size
     vectors per token and layer, the attention scores and the logits, each with its gradient)."""
     dense, experts = parameter_count(folder)
-    share = -(-experts // world)
+    share = -(-experts // ep_size)
     tokens = cfg.train.batch_size * cfg.data.seq_len
     hidden, layers = config.hidden_size, config.num_hidden_layers
     heads = getattr(config, "num_attention_heads", 1)
@@ -61,8 +61,8 @@ def hf_training_bytes(cfg, folder, config, world: int) -> int:
     return max(loading, 4 * 4 * (dense + share) + 2 * 4 * tokens * per_token)
 
 
-def check_hf_fits(cfg, folder, config, world: int) -> None:
-    needed = hf_training_bytes(cfg, folder, config, world)
+def check_hf_fits(cfg, folder, config, ep_size: int) -> None:
+    needed = hf_training_bytes(cfg, folder, config, ep_size)
     free, local = available_per_rank()
     if needed > free:
         raise ValueError(f"model.path={str(folder)!r} with train.batch_size={cfg.train.batch_size}, data.seq_len="

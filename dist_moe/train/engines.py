@@ -17,8 +17,10 @@ and Adam state in its optimizer; ``DeepSpeedStepper``); for megatron, as for tor
 Adam state with the forward under autocast (Megatron's bf16 math: bf16 expert GEMMs, fp32 router and
 combine).
 
-Every engine puts all experts across the launched world (expert parallelism = world size) and
-keeps the router, placement and topology of the config. An ``Engine`` is what differs between
+Every engine shares each MoE layer's experts out over an expert-parallel group of ``parallel.ep_size``
+ranks (default: the world), the groups holding replicas of them, and keeps the router, placement and
+topology of the config (the placement per group, on the group's own topology). DeepSpeed and Megatron-core
+build their groups from consecutive ranks (``parallel.ep_layout: contiguous``). An ``Engine`` is what differs between
 them: what it sets up before and after the process group, the MoE layer it builds, its stepper
 and what it tears down. ``ENGINES`` maps the config's names to them, as ``ROUTERS`` does routers.
 """
@@ -103,12 +105,15 @@ class DeepSpeedEngine(Engine):
     def before_group(self, timeout_s, device):
         init_distributed(timeout_s, device)
 
+    def after_group(self, rt):
+        _refuse_strided(rt, "DeepSpeed", "ep_size")
+
     def build_moe(self, rt, config):
         placement = rt.placement(config.num_experts)
         if rt.parallel.dispatches(self.name):  # DeepSpeed's MoE module and experts, dist-moe's dispatcher (dropless)
             config = replace(config, capacity_factor=None, exchange=replace(rt.exchange, deterministic=False))
-            return DeepSpeedDispatchedMoE(config, rt.world, placement, rt.topology())
-        return DeepSpeedHostedMoE(config, rt.world, placement, rt.topology(), min_capacity=4)  # min: MoE's default
+            return DeepSpeedDispatchedMoE(config, rt.ep_size, placement, rt.ep_topology())
+        return DeepSpeedHostedMoE(config, rt.ep_size, placement, rt.ep_topology(), min_capacity=4)  # MoE's default
 
     def stepper(self, rt, model, lr, max_grad_norm, micro_batch):
         return DeepSpeedStepper(model, lr, max_grad_norm, micro_batch, precision=rt.precision)
@@ -121,11 +126,13 @@ class MegatronEngine(Engine):
     name = "megatron"
 
     def after_group(self, rt):
+        _refuse_strided(rt, "Megatron-core", "expert_model_parallel_size")
         megatron_patches.apply(cpu=rt.device.type == "cpu")
         parallel_state = engine_import("megatron.core", "parallel_state")
 
-        # every group Megatron creates waits parallel.timeout_s for a peer, as the world does
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=rt.world,
+        # every group Megatron creates waits parallel.timeout_s for a peer, as the world does; its expert-data-
+        # parallel groups are the run's replica groups (both of consecutive EP groups)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=rt.ep_size,
                                                  distributed_timeout_minutes=rt.timeout_s / 60)
 
     def build_moe(self, rt, config):
@@ -133,9 +140,9 @@ class MegatronEngine(Engine):
         config = replace(config, capacity_factor=None)  # dropless (the config checks refuse a capacity)
         if rt.parallel.dispatches(self.name):  # Megatron's layer and experts, dist-moe's dispatcher
             config = replace(config, exchange=replace(rt.exchange, deterministic=False))
-            return MegatronDispatchedMoE(config, rt.world, placement, rt.topology(), device=rt.device)
+            return MegatronDispatchedMoE(config, rt.ep_size, placement, rt.ep_topology(), device=rt.device)
         own = rt.parallel.dispatcher  # auto or engine: Megatron's default, alltoall
-        return MegatronHostedMoE(config, rt.world, placement, rt.topology(), device=rt.device,
+        return MegatronHostedMoE(config, rt.ep_size, placement, rt.ep_topology(), device=rt.device,
                                  dispatcher=own if own in DISPATCHERS else "alltoall")
 
     def shutdown(self):
@@ -143,6 +150,14 @@ class MegatronEngine(Engine):
 
 
 ENGINES: dict[str, type[Engine]] = {e.name: e for e in (TorchEngine, DeepSpeedEngine, MegatronEngine)}
+
+
+def _refuse_strided(rt, engine: str, its_key: str) -> None:
+    """The engines build their expert-parallel groups from consecutive ranks ({engine}'s ``{its_key}``)."""
+    if rt.layout.replicas > 1 and rt.layout.layout == "strided":
+        raise ValueError(f"parallel.ep_layout=strided: {engine} builds its expert-parallel groups of "
+                         f"parallel.ep_size={rt.ep_size} from consecutive ranks ({its_key}); use "
+                         "parallel.ep_layout=contiguous, or engine torch for strided groups")
 
 
 def check_engine_version(engine: str) -> None:

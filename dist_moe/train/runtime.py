@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 
 import torch
 from torch import nn
@@ -50,11 +51,15 @@ class Runtime:
         self.layout = ExpertLayout(self.topology(), parallel.ep_size or self.world, parallel.ep_layout)
         self.experts = (ExpertGroups(self.layout, self.rank, datetime.timedelta(seconds=self.timeout_s))
                         if self.layout.replicas > 1 else None)
+        note = node_dedup_inside_a_node(parallel.dedup, self.layout)
+        if note and self.is_main:
+            print(f"dist-moe: {note}", file=sys.stderr)
         self.engine.after_group(self)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
 
     def topology(self) -> Topology:
         return Topology.launched(self.world)
@@ -127,6 +132,17 @@ class Runtime:
             shutdown(wait=not failed)
         for key in self._defaulted:  # a later run (or a child process) must not inherit this run's port
             os.environ.pop(key, None)
+
+
+def node_dedup_inside_a_node(dedup: str, layout: ExpertLayout) -> str | None:
+    """What a run says once when its EP groups each sit inside one node of several and it asks for node dedup:
+    no exchange crosses a node boundary, so node dedup runs as rank dedup (the same bytes)."""
+    if dedup != "node" or layout.replicas == 1 or layout.ep_size == 1:
+        return None
+    if layout.group_topology(0).num_nodes == 1 < layout.topology.num_nodes:
+        return (f"parallel.dedup=node: each expert-parallel group of {layout.ep_size} ranks sits inside one node, "
+                "so its exchanges cross no node boundary and node dedup runs as rank dedup")
+    return None
 
 
 def _share_cpu_threads() -> None:

@@ -253,7 +253,7 @@ class _TrainingRun:
         self.step_bytes = StepBytes(self.model, rt)  # what the training steps sent, nothing else
         # parallel.pipeline_chunks auto: measured over the first steps where a node boundary is crossed
         auto = cfg.parallel.pipeline_chunks == "auto"
-        self.tuner = ChunkTuner(self.model, auto and rt.world > 1 and rt.topology().num_nodes > 1, rt.device,
+        self.tuner = ChunkTuner(self.model, auto and rt.ep_size > 1 and rt.ep_topology().num_nodes > 1, rt.device,
                                 rt.group if rt.world > 1 else None)
         # steps skipped for a non-finite loss or gradients: counted on the device, read when logged
         self.skipped, self.skipped_steps = torch.zeros((), device=rt.device), 0

@@ -86,6 +86,11 @@ class GARStep:
         if tcfg.gar_groups == "same_category" and rt.world > 1 and rt.engine.name != "torch":
             raise ValueError(f"train.gar_groups=same_category over {rt.world} ranks needs engine=torch, "
                              f"got engine={rt.engine.name}")
+        if rt.layout.replicas > 1:  # its reductions, clip and step treat an expert's gradient as its group's whole
+            raise ValueError(f"train.gar with parallel.ep_size={rt.ep_size} of {rt.world} ranks: GAR sums each "
+                             "expert's observations and gradients over its expert-parallel group, and summing them "
+                             "over the experts' replicas as well is not built; set parallel.ep_size to the world "
+                             "or train without train.gar")
 
     def __call__(self, model, step_fn, xb, yb, cb, bad_input=None, compute=None) -> dict:
         """One GAR step (fp32 only: the config refuses bf16 with GAR); it reads its checks back to the

@@ -27,12 +27,12 @@ def _save_models(folder, nodes: int) -> None:
         AutoModelForCausalLM.from_config(config(kind, VOCAB, nodes, router_loss=False)).save_pretrained(folder / kind)
 
 
-def _load(path, world, implementation):
+def _load(path, world, implementation, ep=None):
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    return AutoModelForCausalLM.from_pretrained(
-        path, distributed_config=DistributedConfig(ep_size=world, fsdp_size=world, ep_implementation=implementation))
+    config = DistributedConfig(ep_size=ep or world, fsdp_size=world, ep_implementation=implementation)
+    return AutoModelForCausalLM.from_pretrained(path, distributed_config=config)
 
 
 def _local(t):
@@ -87,6 +87,25 @@ def _case(rank, world, folder, topology_spec, kind, cases):
             _round_trip(model, folder, world, rank, kind)
     if topology.num_nodes > 1:
         assert node_bytes["node"] < node_bytes["none"], f"rank {rank}, {kind}: {node_bytes}"
+
+
+def _smaller_mesh(rank, world, folder):
+    """EP 2 of the 4 ranks, the experts' replicas FSDP-sharded over the other dimension: dist-moe's layer sees
+    the launch's topology over its mesh's own ranks (DIST_MOE_TOPOLOGY node=4,gpu=1: 2 nodes of 1), so node
+    dedup crosses the mesh's node boundary; losses and gradients equal transformers' all_to_all's."""
+    import dist_moe.integrations.transformers as dm_hf
+
+    path = folder / "mixtral"
+    want_losses, want_grads = _train(_load(path, world, "all_to_all", ep=2), rank)
+    dm_hf.use(dedup="node", pipeline_chunks=1)
+    model = _load(path, world, "dist_moe", ep=2)
+    losses, grads = _train(model, rank)
+    layers = [m._dist_moe_ep for m in model.modules() if hasattr(m, "_dist_moe_ep")]
+    assert layers and all(ep.topology.describe() == "node=2,gpu=1" for ep in layers), rank
+    assert all(abs(a - b) <= 1e-5 * max(1.0, abs(b)) for a, b in zip(losses, want_losses)), (rank, losses, want_losses)
+    assert grads.keys() == want_grads.keys(), rank
+    for name, grad in grads.items():
+        assert torch.allclose(grad, want_grads[name], atol=1e-6, rtol=1e-5), f"rank {rank}, EP 2 of 4: {name}"
 
 
 def _expected_bytes(model, routings, topology, dedup):
@@ -157,6 +176,8 @@ def main() -> None:
     cases = [(dedup, chunks) for dedup in ("none", "rank", "node") for chunks in (1, 3)]
     for kind in MODELS:
         _case(rank, world, folder, topology_spec, kind, cases)
+    if world == 4:
+        _smaller_mesh(rank, world, folder)
     dist.barrier()
     print(f"OK rank {rank}", flush=True)
     dist.destroy_process_group()

@@ -111,8 +111,10 @@ class DistMoEGate(nn.Module):
 
     def _set_ep_group(self, group) -> None:
         self.ep_group = group
-        if self._owns_stats:  # the EP ranks hold different tokens: their statistics are summed
-            self.router.stats_group = group
+        if self._owns_stats:  # every rank holds different tokens: the statistics are summed over all of them,
+            dist = torch.distributed  # so the replicas of an EP group smaller than the world keep one router state
+            whole = dist.get_world_size(group) == dist.get_world_size()
+            self.router.stats_group = group if whole else dist.group.WORLD
 
     def reset_traffic(self) -> None:
         """Dispatch-direction bytes this rank sent: ``padded`` (what DeepSpeed's all-to-all

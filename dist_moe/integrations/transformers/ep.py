@@ -34,6 +34,7 @@ from dist_moe.moe.experts import grouped_ok, offsets
 from dist_moe.moe.host import ChosenRouter, ChosenRoutes
 from dist_moe.optional_engines import engine_import
 from placement import Placement, Topology, Traffic
+from placement.ep_groups import group_topology
 
 NAME = "dist_moe"  # the ep_implementation a DistributedConfig names
 
@@ -190,10 +191,11 @@ def implementation_class():
                                  f"dispatcher takes each rank's own tokens, not a tensor-parallel group's shared batch")
             settings = _settings
             world = ep_mesh.size()
-            if settings.dedup == "node" and world != torch.distributed.get_world_size():
-                raise ValueError(f"dedup='node' needs the expert-parallel mesh to be the whole world (ep_size={world} "
-                                 f"of {torch.distributed.get_world_size()} ranks); use dedup='rank'")
-            self.topology = settings.topology if settings.topology is not None else Topology.launched(world)
+            # an expert-parallel mesh smaller than the world (ep_size < the world, with fsdp replicas) sees the
+            # launch's topology over its own ranks: its nodes and its ranks per node
+            ranks = torch.distributed.get_process_group_ranks(ep_mesh.get_group())
+            self.topology = settings.topology if settings.topology is not None else group_topology(
+                Topology.launched(torch.distributed.get_world_size()), ranks)
             self.topology.check_ranks(world, "the expert-parallel mesh")
             self.num_experts = self.num_local_experts * world
             self.placement = contiguous_placement(settings.placement, self.num_experts, self.topology)
