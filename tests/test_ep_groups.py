@@ -3,7 +3,7 @@ ranks accounted as 2 nodes x 2, as EP 4, as EP 2 x 2 replicas contiguous and as 
 process holding every expert, with the same global batch: every step's loss, and every weight and Adam
 moment after the steps (Adam's first moment is the gradients' running sum), for rank and node dedup and
 1 and 3 chunks. Each run resumes the one process's first checkpoint, so the checkpoint also reshards from
-one process to each layout."""
+one process to each layout, and two layouts' checkpoints are resumed in another layout for one more step."""
 from __future__ import annotations
 
 import json
@@ -35,9 +35,9 @@ def _train(out: Path, world: int, steps: int, *more: str) -> None:
                              f"train.max_steps={steps}", *more]), quiet=True)
 
 
-def _resume_worker(rank, world, out, data, ep, layout, dedup, chunks):
+def _resume_worker(rank, world, out, data, ep, layout, dedup, chunks, steps=3):
     os.environ.update({"DIST_MOE_DATA": data, "DIST_MOE_TOPOLOGY": "node=2,gpu=2"})
-    _train(Path(out), world, 3, f"parallel.ep_size={ep}", f"parallel.ep_layout={layout}",
+    _train(Path(out), world, steps, f"parallel.ep_size={ep}", f"parallel.ep_layout={layout}",
            f"parallel.dedup={dedup}", f"parallel.pipeline_chunks={chunks}", "train.resume=true")
 
 
@@ -46,11 +46,23 @@ def _losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def _tensors(out: Path) -> dict:
+def _tensors(out: Path, step: int = 3) -> dict:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    dcp_to_torch_save(str(out / "checkpoints" / "step-3"), str(out / "step3.pt"))  # our own files
-    return torch.load(out / "step3.pt", weights_only=True)
+    dcp_to_torch_save(str(out / "checkpoints" / f"step-{step}"), str(out / f"step{step}.pt"))  # our own files
+    return torch.load(out / f"step{step}.pt", weights_only=True)
+
+
+def _same(got: dict, want: dict, where) -> None:
+    compared = [k for k in want if k.startswith(("model.", "optim.")) and want[k].is_floating_point()]
+    assert any(".experts." in k and k.startswith("optim.") for k in compared)
+    for k in compared:
+        torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=1e-4, msg=f"{where} {k}")
+
+
+# a layout's step-3 checkpoint resumed in another for step 4: EP 2 x 2 contiguous as EP 4, EP 4 as EP 2 x 2 strided
+RESHARDS = {(2, "contiguous", "node", 1): (4, "contiguous", "rank", 3),
+            (4, "contiguous", "rank", 1): (2, "strided", "node", 1)}
 
 
 def test_every_layout_trains_as_one_process_holding_every_expert(tmp_path, monkeypatch):
@@ -61,21 +73,19 @@ def test_every_layout_trains_as_one_process_holding_every_expert(tmp_path, monke
     runs = {case: tmp_path / "ep{}-{}-{}-{}".format(*case) for case in CASES}
     for out in runs.values():
         shutil.copytree(one, out)
-    _train(one, 1, 3, "train.resume=true")
-    run_cases(4, [(_resume_worker, str(out), data, *case) for case, out in runs.items()], timeout=400)
-    want, want_loss = _tensors(one), _losses(one)
+    _train(one, 1, 4, "train.resume=true")
+    resharded = [(_resume_worker, str(runs[case]), data, *then, 4) for case, then in RESHARDS.items()]
+    run_cases(4, [(_resume_worker, str(out), data, *case) for case, out in runs.items()] + resharded, timeout=400)
+    want_loss = _losses(one)
     for case, out in runs.items():
-        losses = _losses(out)
-        assert sorted(losses) == [1, 2, 3], (case, losses)
-        for step in (2, 3):
+        losses, last = _losses(out), 4 if case in RESHARDS else 3
+        assert sorted(losses) == list(range(1, last + 1)), (case, losses)
+        for step in range(2, last + 1):
             assert abs(losses[step] - want_loss[step]) < 1e-5, (case, step, losses[step], want_loss[step])
-        got = _tensors(out)
-        compared = [k for k in want if k.startswith(("model.", "optim.")) and want[k].is_floating_point()]
-        assert any(".experts." in k and k.startswith("optim.") for k in compared)
-        for k in compared:
-            torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=1e-4, msg=f"{case} {k}")
+        for step in range(3, last + 1):
+            _same(_tensors(out, step), _tensors(one, step), (case, step))
         summary = json.loads((out / "summary.json").read_text())
-        assert (summary["ep_size"], summary["world_size"]) == (case[0], 4)
+        assert (summary["ep_size"], summary["world_size"]) == (RESHARDS.get(case, case)[0], 4)
 
 
 # (engine, dedup, chunks): EP 2 x 2 contiguous (the engines' own groups); rank dedup, 1 chunk: the engine's own
@@ -153,3 +163,43 @@ def test_node_dedup_in_groups_inside_a_node_is_said_to_run_as_rank_dedup():
     for dedup, layout in [("rank", ExpertLayout(two_by_two, 2)), ("node", ExpertLayout(two_by_two, 2, "strided")),
                           ("node", ExpertLayout(two_by_two, 4)), ("node", ExpertLayout(one_node, 2))]:
         assert node_dedup_inside_a_node(dedup, layout) is None, (dedup, layout.describe())
+
+
+REFUSED = [
+    (["parallel.ep_size=3"], "parallel.ep_size=3 must divide the world of 4 ranks"),
+    (["parallel.ep_size=8"], "parallel.ep_size=8 must divide the world of 4 ranks"),
+    (["engine=megatron", "parallel.ep_size=2", "parallel.ep_layout=strided"],
+     "parallel.ep_layout=strided: Megatron-core builds its expert-parallel groups of parallel.ep_size=2 from "
+     "consecutive ranks (expert_model_parallel_size)"),
+    (["engine=deepspeed", "parallel.ep_size=2", "parallel.ep_layout=strided"],
+     "parallel.ep_layout=strided: DeepSpeed builds its expert-parallel groups"),
+    (["router.type=switch", "train.gar.lambda=0.001", "parallel.ep_size=2"],
+     "train.gar with parallel.ep_size=2 of 4 ranks: GAR sums each expert's observations and gradients over its "
+     "expert-parallel group"),
+    (["parallel.ep_size=2", "parallel.placement=PLACEMENT"],
+     "places 8 experts on 4 ranks, but this run has 8 experts on 2 ranks in each expert-parallel group "
+     "(parallel.ep_size=2)"),
+]
+
+
+def _refused_worker(rank, world, out, data, placement):
+    from dist_moe.train.config import load_config
+    from dist_moe.train.trainer import train
+
+    os.environ.update({"DIST_MOE_DATA": data, "DIST_MOE_TOPOLOGY": "node=2,gpu=2", "LOCAL_RANK": str(rank)})
+    for i, (overrides, message) in enumerate(REFUSED):
+        overrides = [o.replace("PLACEMENT", placement) for o in overrides]
+        cfg = load_config(None, [*RUN, "train.max_steps=1", f"output.dir={out}/{i}", *overrides])
+        with pytest.raises(ValueError) as refused:  # on every rank, before a step
+            train(cfg, quiet=True)
+        assert message in str(refused.value), (rank, str(refused.value))
+
+
+@pytest.mark.engine
+def test_what_cannot_hold_is_refused_in_one_line_on_every_rank(tmp_path):
+    from placement import Placement
+
+    Placement.contiguous(8, 4).to_yaml(tmp_path / "placement.yaml")  # for groups of 4
+    run_cases(4, [(_refused_worker, str(tmp_path / "runs"), str(tmp_path / "data"), str(tmp_path / "placement.yaml"))],
+              timeout=300)
+    assert not any((tmp_path / "runs").glob("*/metrics.jsonl"))
