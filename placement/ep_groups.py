@@ -98,19 +98,26 @@ def _position(coords: list[tuple], c: tuple) -> int:
     return pos
 
 
-def ring_allreduce_bytes(ranks: list[int], elements: int, element_size: int, topology: Topology) -> dict[str, int]:
-    """Bytes a ring all-reduce of ``elements`` over ``ranks`` (in ring order) sends across each topology
-    level: the buffer in len(ranks) chunks (the first ``elements % n`` one element longer, as
-    ``torch.tensor_split`` cuts); in the reduce-scatter rank i
-    sends every chunk but (i + 1) mod n to the next rank, in the all-gather every chunk but (i + 2) mod n.
-    Summed over ranks: 2 (n - 1) x the buffer, whatever the chunks."""
+def ring_sends(ranks: list[int], position: int, elements: int, element_size: int,
+               topology: Topology) -> tuple[str | None, int]:
+    """(the topology level it crosses, bytes) that the rank at ``position`` of ``ranks`` (in ring order) sends
+    to the next in a ring all-reduce of ``elements``: the buffer in len(ranks) chunks (the first
+    ``elements % n`` one element longer, as ``torch.tensor_split`` cuts); in the reduce-scatter it sends every
+    chunk but (position + 1) mod n, in the all-gather every chunk but (position + 2) mod n."""
     n = len(ranks)
-    out = {level: 0 for level in topology.levels}
     if n < 2 or not elements:
-        return out
-    chunks = [elements // n + (i < elements % n) for i in range(n)]
-    for i, rank in enumerate(ranks):
-        level = topology.crossing_level(rank, ranks[(i + 1) % n])
+        return None, 0
+    chunk = [elements // n + (i < elements % n) for i in range(n)]
+    sent = 2 * elements - chunk[(position + 1) % n] - chunk[(position + 2) % n]
+    return topology.crossing_level(ranks[position], ranks[(position + 1) % n]), sent * element_size
+
+
+def ring_allreduce_bytes(ranks: list[int], elements: int, element_size: int, topology: Topology) -> dict[str, int]:
+    """Bytes a ring all-reduce of ``elements`` over ``ranks`` sends across each topology level, every rank's
+    ``ring_sends`` together: 2 (n - 1) x the buffer, whatever the chunks."""
+    out = {level: 0 for level in topology.levels}
+    for position in range(len(ranks)):
+        level, sent = ring_sends(ranks, position, elements, element_size, topology)
         if level is not None:
-            out[level] += (2 * elements - chunks[(i + 1) % n] - chunks[(i + 2) % n]) * element_size
+            out[level] += sent
     return out

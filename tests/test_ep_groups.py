@@ -19,6 +19,8 @@ from placement.ep_groups import ExpertLayout, group_topology, ring_allreduce_byt
 from tests.dist_utils import run_cases
 
 GLOBAL_BATCH = 64
+# what a launcher sets: the 4 ranks accounted as 2 nodes x 2
+LAUNCHED = {"WORLD_SIZE": "4", "DIST_MOE_TOPOLOGY": "node=2,gpu=2"}
 # max_grad_norm: the clip acts at every step, so the global norm (the experts' squares summed once) counts
 RUN = ["data.max_rows=1200", "router.num_experts=8", "router.top_k=2", "model.capacity_factor=null",
        "train.log_every=1", "train.checkpoint_every=1", "train.max_grad_norm=0.01"]
@@ -36,7 +38,7 @@ def _train(out: Path, world: int, steps: int, *more: str) -> None:
 
 
 def _resume_worker(rank, world, out, data, ep, layout, dedup, chunks, steps=3):
-    os.environ.update({"DIST_MOE_DATA": data, "DIST_MOE_TOPOLOGY": "node=2,gpu=2"})
+    os.environ.update(LAUNCHED, DIST_MOE_DATA=data)
     _train(Path(out), world, steps, f"parallel.ep_size={ep}", f"parallel.ep_layout={layout}",
            f"parallel.dedup={dedup}", f"parallel.pipeline_chunks={chunks}", "train.resume=true")
 
@@ -85,7 +87,27 @@ def test_every_layout_trains_as_one_process_holding_every_expert(tmp_path, monke
         for step in range(3, last + 1):
             _same(_tensors(out, step), _tensors(one, step), (case, step))
         summary = json.loads((out / "summary.json").read_text())
-        assert (summary["ep_size"], summary["world_size"]) == (RESHARDS.get(case, case)[0], 4)
+        assert (summary["ep_size"], summary["world_size"], summary["topology"]) == (RESHARDS.get(case, case)[0], 4,
+                                                                                   "node=2,gpu=2")
+        _check_grad_bytes(out, case, _tensors(one, 3))
+
+
+def _check_grad_bytes(out: Path, case, state: dict) -> None:
+    """Each step's logged expert-gradient bytes by level (every rank's share of its sums, as counted while
+    they ran) equal a ring all-reduce of one rank's experts over each replica group."""
+    ep, layout = case[0], case[1]
+    experts = sum(t.numel() for k, t in state.items() if k.startswith("model.") and ".experts." in k)
+    two_by_two = Topology(("node", "gpu"), (2, 2))
+    want = {level: 0 for level in two_by_two.levels}
+    for group in ExpertLayout(two_by_two, ep, layout).replica_groups():
+        for level, sent in ring_allreduce_bytes(group, experts // ep, 4, two_by_two).items():
+            want[level] += sent
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for row in [r for r in rows if "loss" in r and r["step"] in (2, 3)]:  # this layout's steps
+        logged = {level: row[f"grad_bytes_{level}"] for level in want if f"grad_bytes_{level}" in row}
+        assert logged == (want if ep < 4 else {}), (case, row["step"], logged, want)
+    if ep < 4:
+        assert want["node" if layout == "contiguous" else "gpu"] > 0  # replicas across the nodes, or inside them
 
 
 # (engine, dedup, chunks): EP 2 x 2 contiguous (the engines' own groups); rank dedup, 1 chunk: the engine's own
@@ -99,7 +121,7 @@ ENGINE = {"megatron": [], "deepspeed": ["train.max_grad_norm=null"]}
 
 
 def _engine_worker(rank, world, out, data, engine, dedup, chunks):
-    os.environ.update({"DIST_MOE_DATA": data, "DIST_MOE_TOPOLOGY": "node=2,gpu=2", "LOCAL_RANK": str(rank)})
+    os.environ.update(LAUNCHED, DIST_MOE_DATA=data, LOCAL_RANK=str(rank))
     _train(Path(out), world, 3, f"engine={engine}", *ENGINE[engine], "parallel.ep_size=2", f"parallel.dedup={dedup}",
            f"parallel.pipeline_chunks={chunks}", "train.resume=true")
 
@@ -129,7 +151,7 @@ def test_the_engines_ep_groups_train_as_one_process(tmp_path, monkeypatch):
             if k.startswith(("model.", "optim.")) and t.is_floating_point():
                 torch.testing.assert_close(got[k], t, atol=1e-5, rtol=1e-4, msg=f"{case} {k}")
         summary = json.loads((out / "summary.json").read_text())
-        assert (summary["engine"], summary["ep_size"], summary["world_size"]) == (case[0], 2, 4)
+        assert (summary["engine"], summary["ep_size"], summary["topology"]) == (case[0], 2, "node=2,gpu=2")
 
 
 def test_groups_replicas_and_their_topologies():
@@ -186,7 +208,7 @@ def _refused_worker(rank, world, out, data, placement):
     from dist_moe.train.config import load_config
     from dist_moe.train.trainer import train
 
-    os.environ.update({"DIST_MOE_DATA": data, "DIST_MOE_TOPOLOGY": "node=2,gpu=2", "LOCAL_RANK": str(rank)})
+    os.environ.update(LAUNCHED, DIST_MOE_DATA=data, LOCAL_RANK=str(rank))
     for i, (overrides, message) in enumerate(REFUSED):
         overrides = [o.replace("PLACEMENT", placement) for o in overrides]
         cfg = load_config(None, [*RUN, "train.max_steps=1", f"output.dir={out}/{i}", *overrides])

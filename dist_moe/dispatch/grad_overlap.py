@@ -51,6 +51,7 @@ class OverlappedGradSum:
             self.group, self._made = self.make_group(), True
         self.armed, self.next = True, 0
         self.works: list = []
+        self.sizes: list[tuple[int, int]] = []  # (elements, element size) of each sum this step started
         self.waiting = [len(bucket) for bucket in self.buckets]
 
     def _arrived(self, p: torch.Tensor) -> None:
@@ -67,6 +68,7 @@ class OverlappedGradSum:
                 p.grad = torch.zeros_like(p)
         flat = torch.cat([p.grad.reshape(-1) for p in bucket])
         self.works.append((dist.all_reduce(flat, group=self.group, async_op=True), flat, bucket))
+        self.sizes.append((flat.numel(), flat.element_size()))
         self.next = i + 1
 
     def finish(self) -> None:

@@ -21,6 +21,7 @@ from dist_moe.dispatch.groups import WeakGroup
 from dist_moe.gar.step import rank_local_param_ids
 from dist_moe.moe.view import moe_views
 from dist_moe.optional_engines import engine_import
+from placement.ep_groups import ring_sends
 
 
 class LocalStepper:
@@ -44,10 +45,13 @@ class LocalStepper:
         self.sums = [overlapped_grad_sum(replicated, group, timeout)] if group is not None else []
         self.norm_group = group  # where the rank-local experts' squares sum: the ranks that hold the others
         own = [p for p in self.params if id(p) in self.local]
+        self.replica_sum, self.experts = None, experts
+        self.grad_sent: dict[str, int] = {}  # bytes the experts' gradient sums sent, by level, since taken
         if experts is not None:
             self.norm_group = experts.ep
             if own:
-                self.sums.append(OverlappedGradSum(own, experts.new_replica_group))
+                self.replica_sum = OverlappedGradSum(own, experts.new_replica_group)
+                self.sums.append(self.replica_sum)
 
     def __call__(self, loss: torch.Tensor) -> torch.Tensor:
         """One step. Returns a device scalar: 1.0 when the loss or any rank's gradients were not finite
@@ -58,6 +62,8 @@ class LocalStepper:
         loss.backward()
         for s in self.sums:
             s.finish()
+        if self.replica_sum is not None:
+            self._count_replica_sums()
         if self.sums:
             torch._foreach_div_([p.grad for p in self.params if p.grad is not None], self.world)
         total = global_norm(self.params, self.local, self.norm_group, loss)  # NaN anywhere: NaN on every rank
@@ -70,6 +76,16 @@ class LocalStepper:
         finally:
             del self.opt.found_inf
         return skipped
+
+
+    def _count_replica_sums(self) -> None:
+        """What this rank's share of each of this step's expert-gradient sums sent, by topology level, as a
+        ring all-reduce over its replica group sends it (``placement.ep_groups.ring_sends``)."""
+        ranks, topology = self.experts.replica_ranks, self.experts.layout.topology
+        for elements, size in self.replica_sum.sizes:
+            level, sent = ring_sends(ranks, ranks.index(self.experts.rank), elements, size, topology)
+            if level is not None:
+                self.grad_sent[level] = self.grad_sent.get(level, 0) + sent
 
 
 class DeepSpeedStepper:

@@ -250,7 +250,7 @@ class _TrainingRun:
         self.train_seconds = 0.0  # inside training steps only: no evaluation, logging or checkpoints
         self.waits = TrainingWaits()  # of those, waiting in the dispatcher's exchanges
         self.exchange_wait_s = 0.0  # their total, once training ends
-        self.step_bytes = StepBytes(self.model, rt)  # what the training steps sent, nothing else
+        self.step_bytes = StepBytes(self.model, rt, self.step_fn)  # what the training steps sent, nothing else
         # parallel.pipeline_chunks auto: measured over the first steps where a node boundary is crossed
         auto = cfg.parallel.pipeline_chunks == "auto"
         self.tuner = ChunkTuner(self.model, auto and rt.ep_size > 1 and rt.ep_topology().num_nodes > 1, rt.device,
