@@ -120,11 +120,21 @@ def forecast(shape: ModelShape, topology: Topology, routing=None, ep: int | None
     """Bytes per token per level and predicted seconds per placement x dedup x pipeline chunks.
     ``routing``: None (uniform), or a callable (tokens, generator) -> [T, K] expert ids (e.g. a
     recorded run's); the ``sample`` tokens are drawn with a fixed seed, so a plan repeats."""
-    in_range(tflops, *TFLOPS_RANGE, "--tflops", " (TFLOP/s per rank)")
     if ep is not None and (isinstance(ep, bool) or not isinstance(ep, int) or ep < 1):
         raise ValueError(f"--ep must be an int >= 1, got {ep!r}")
     ep = ep if ep is not None else math.gcd(topology.world_size, shape.experts)
     group = ep_topology(topology, ep)
+    return {"topology": topology.describe(), "ep_group": group.describe(), "ep": ep,
+            "replicas": topology.world_size // ep,
+            **group_forecast(shape, group, routing, tflops, sample, placements, chunks)}
+
+
+def group_forecast(shape: ModelShape, group: Topology, routing=None, tflops: float = 400.0, sample: int | None = None,
+                   placements=PLACEMENTS, chunks=(1,)) -> dict:
+    """``forecast``'s rows for one expert-parallel group of the topology ``group`` (its own nodes and ranks
+    per node; the other groups are its copies)."""
+    in_range(tflops, *TFLOPS_RANGE, "--tflops", " (TFLOP/s per rank)")
+    ep = group.world_size
     sample = sample if sample is not None else min(shape.tokens_per_rank, max(16, -(-8192 // ep)))
     if sample < 1:
         raise ValueError(f"--sample must be >= 1, got {sample}")
@@ -138,9 +148,8 @@ def forecast(shape: ModelShape, topology: Topology, routing=None, ep: int | None
     idx = routing(t, g) if routing is not None else uniform_routing(t, shape.experts, shape.top_k, g)
     src = torch.arange(ep).repeat_interleave(sample)
     scale = shape.tokens_per_rank / sample
-    out: dict = {"topology": topology.describe(), "ep_group": group.describe(), "ep": ep,
-           "replicas": topology.world_size // ep, "token_bytes": shape.token_bytes, "sample_per_rank": sample,
-           "expert_seconds": shape.expert_seconds(tflops), "layers": shape.layers, "rows": []}
+    out: dict = {"token_bytes": shape.token_bytes, "sample_per_rank": sample,
+                 "expert_seconds": shape.expert_seconds(tflops), "layers": shape.layers, "rows": []}
     for kind in placements:
         placement = _placement(kind, shape.experts, group)
         if placement is None:

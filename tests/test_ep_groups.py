@@ -225,3 +225,26 @@ def test_what_cannot_hold_is_refused_in_one_line_on_every_rank(tmp_path):
     run_cases(4, [(_refused_worker, str(tmp_path / "runs"), str(tmp_path / "data"), str(tmp_path / "placement.yaml"))],
               timeout=300)
     assert not any((tmp_path / "runs").glob("*/metrics.jsonl"))
+
+
+def test_auto_takes_the_layout_plan_prices_fastest_among_those_its_engine_builds():
+    from dist_moe.train.config import load_config
+    from dist_moe.train.layout_choice import choose_layout, moe_shape
+    from placement.layouts import price_layouts
+
+    topo = Topology(("node", "gpu"), (2, 2))
+    # a big LM on a slow node link: the choice is the plan's fastest row for the run's own dedup
+    cfg = load_config(None, ["model.kind=lm", "data.name=corpus", "model.d_model=256", "model.ffn_hidden_size=1024",
+                             "router.num_experts=8", "parallel.dedup=node", "parallel.ep_size=auto"])
+    slow = Topology(topo.levels, topo.sizes, topo.cost.updated({"node": {"bandwidth_Bps": 5e7}}))
+    chosen, said = choose_layout(cfg, slow, 1e12)
+    plan = price_layouts(moe_shape(cfg), slow, None, 0.1, None, (1,), 1e12)["layouts"]
+    step = {(r["ep"], r["layout"]): min(x["step_seconds"] for x in r["rows"] if x["dedup"] == "node"
+                                        and x["placement"] == "contiguous") + r["grad_seconds"] for r in plan}
+    assert (chosen.parallel.ep_size, chosen.parallel.ep_layout) == min(step, key=step.get)
+    assert said.startswith(f"parallel.ep_size=auto: EP {chosen.parallel.ep_size} x ") and "fastest of 4 layouts" in said
+    megatron, _ = choose_layout(load_config(None, ["engine=megatron", "model.capacity_factor=null",
+                                                   "parallel.ep_size=auto", "router.num_experts=8"]), slow, 1e12)
+    assert megatron.parallel.ep_layout == "contiguous"  # the engines build consecutive groups only
+    with pytest.raises(ValueError, match="a placement file fixes the group size"):
+        choose_layout(load_config(None, ["parallel.ep_size=auto", "parallel.placement=p.yaml"]), topo, 1e12)

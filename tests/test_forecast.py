@@ -139,3 +139,36 @@ def test_the_plan_says_why_rows_agree_and_only_when_they_do(capsys):
     rows = [{**row, "placement": "contiguous"},
             {**row, "placement": "tree_prefix", "bytes_per_token_by_level": {"node": 50.0, "gpu": 10.0}}]
     assert why_rows_agree(rows, 32, 8, "uniform") == []
+
+
+def test_plan_prices_every_layout_with_its_gradient_sums_and_recommends_the_fastest_that_fits(capsys):
+    from dist_moe.cli import main
+    from placement.ep_groups import ExpertLayout, ring_allreduce_bytes
+    from placement.layouts import expert_parameters, layouts_of, price_layouts
+
+    topo = Topology(("node", "gpu"), (2, 2))
+    assert [(x.ep_size, x.layout) for x in layouts_of(topo, 8)] == [(1, "contiguous"), (2, "contiguous"),
+                                                                   (2, "strided"), (4, "contiguous")]
+    shape = ModelShape(256, 1024, 8, 2, 256, layers=2)
+    out = price_layouts(shape, topo, memory_bytes=1e12)
+    for r in out["layouts"]:  # each layout's gradient bytes: a ring all-reduce of a rank's experts per replica group
+        layout, want = ExpertLayout(topo, r["ep"], r["layout"]), {"node": 0, "gpu": 0}
+        for group in layout.replica_groups():
+            elements = 2 * 8 // r["ep"] * expert_parameters(shape)
+            for level, b in ring_allreduce_bytes(group, elements, 4, topo).items():
+                want[level] += b
+        assert r["grad_bytes_by_level"] == want and (r["grad_seconds"] > 0) == (r["replicas"] > 1)
+        assert r["step_seconds"] == pytest.approx(min(x["step_seconds"] for x in r["rows"]) + r["grad_seconds"])
+    steps = [r["step_seconds"] for r in out["layouts"]]
+    assert steps == sorted(steps) and out["recommended"] == out["layouts"][0]
+    # memory: the layouts that hold too many experts per rank are not recommended
+    tight = price_layouts(shape, topo, memory_bytes=16 * 2 * 2 * expert_parameters(shape))  # 2 experts x 2 layers
+    assert tight["recommended"]["ep"] == 4 and all(not r["fits"] for r in tight["layouts"] if r["ep"] < 4)
+    args = ["plan", "--topology", "node=2,gpu=2", "--hidden", "256", "--ffn", "1024", "--experts", "8", "--top-k", "2",
+            "--tokens-per-rank", "256", "--layers", "2"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    best = out["recommended"]
+    assert f"recommended: parallel.ep_size={best['ep']} parallel.ep_layout={best['layout']}" in text
+    assert main([*args, "--memory", "0.001"]) == 0
+    assert "recommended: none fits 0.001 GiB per rank (--memory)" in capsys.readouterr().out

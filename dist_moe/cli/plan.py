@@ -16,9 +16,10 @@ from dist_moe.cli.topology_arg import topology_of
 from dist_moe.config.choices import MAX_PIPELINE_CHUNKS
 from dist_moe.errors import shown
 from placement import check_output_file
-from placement.cost import in_bounds
+from placement.cost import in_bounds, in_range
 from placement.files import replacing
 from placement.forecast import PLACEMENTS, ModelShape, forecast
+from placement.layouts import price_layouts
 from placement.simulate import RoutingRecord
 
 _NUMBER = r"((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[+-]?[0-9]+)?)"  # what float() reads, without a sign, nan or inf
@@ -59,6 +60,12 @@ def add_parser(sub, debug) -> None:
     pp.add_argument("--overlap", type=float,
                     help="share of the shorter of exchanges and matmuls a pipelined layer hides, in [0, 1] "
                          "(default: the topology YAML's calibrated value, else 0: pipelining assumed to hide nothing)")
+    pp.add_argument("--memory", type=float, default=80.0,
+                    help="GiB of memory per rank for the experts' fp32 weights, gradients and Adam state (and the "
+                         "replicated weights'), which decides the layouts that fit (default 80, an H100's)")
+    pp.add_argument("--dense-params", type=int, default=0,
+                    help="the model's replicated (non-expert) parameters: their gradient sum over every rank is "
+                         "priced in each layout's step (default 0: left out; the same in every layout)")
     pp.add_argument("--plot", help="write a PNG of the predicted step time per placement and dedup here "
                                    "(default: no plot)")
     pp.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -130,6 +137,9 @@ def run(args) -> int:
     routing = None if args.routing == "uniform" else recorded_routing(args.routing, args.experts, args.top_k)
     out = forecast(shape, topo, routing, args.ep, args.tflops, args.sample, tuple(args.placement or PLACEMENTS),
                    chunks=chunks)
+    memory = in_range(args.memory, 1e-3, 1e6, "--memory", " GiB")
+    dense = in_range(args.dense_params, 0, 1e15, "--dense-params")
+    out.update(price_layouts(shape, topo, routing, args.tflops, args.sample, chunks, memory * 2**30, int(dense)))
     out["seconds_to_plan"] = round(time.time() - start, 2)
     # strict JSON, made before the plot is written: every input is bounded to keep the numbers finite
     text = json.dumps(out, indent=1, allow_nan=False) if args.json else None
@@ -159,7 +169,29 @@ def run(args) -> int:
           f"{out['seconds_to_plan']} s" + (f"; plot: {args.plot}" if args.plot else ""))
     for note in why_rows_agree(out["rows"], shape.experts, out["ep"], args.routing):
         print(f"note: {note}")
+    print_layouts(out, topo, args.memory)
     return 0
+
+
+def print_layouts(out: dict, topo, memory_gib: float) -> None:
+    """Every expert-parallel layout's predicted step, fastest first, and the one recommended."""
+    levels = list(topo.levels)
+    print(f"\nlayouts on {out['topology']} (each: its fastest placement / dedup / C; experts' gradients summed over "
+          f"their replicas as a ring all-reduce, fp32, not hidden behind the backward):")
+    print(f"{'ep_size':>8} {'layout':<11}{'groups':<14}{'row':<22}{'MoE ms':>9}{'grad ms':>9}"
+          + "".join(f"{'grad ' + lv + ' MB':>15}" for lv in levels) + f"{'step ms':>10}{'GiB':>7}")
+    for r in out["layouts"]:
+        row = f"{r['placement']}/{r['dedup']}/C={r['chunks']}"
+        grads = "".join(f"{r['grad_bytes_by_level'][lv] / 1e6:>15.1f}" for lv in levels)
+        print(f"{r['ep']:>8} {r['layout']:<11}{r['group']:<14}{row:<22}{1e3 * r['moe_seconds']:>9.2f}"
+              f"{1e3 * r['grad_seconds']:>9.2f}{grads}{1e3 * r['step_seconds']:>10.2f}"
+              f"{r['memory_bytes'] / 2**30:>7.1f}" + ("" if r["fits"] else f"  (over {memory_gib:g} GiB)"))
+    best = out["recommended"]
+    if best is None:
+        print(f"recommended: none fits {memory_gib:g} GiB per rank (--memory)")
+    else:
+        print(f"recommended: parallel.ep_size={best['ep']} parallel.ep_layout={best['layout']} "
+              f"({1e3 * best['step_seconds']:.2f} ms per step)")
 
 
 def why_rows_agree(rows: list[dict], experts: int, ep: int, routing: str) -> list[str]:

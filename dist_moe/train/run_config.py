@@ -88,7 +88,9 @@ class ParallelConfig:
     dispatcher: str = one_of("auto", DISPATCHER_CHOICES)
     # ranks per expert-parallel group: each MoE layer's experts are shared out over ep_size ranks, and the world
     # holds world / ep_size replicas of them, whose gradients are summed; null: the world (no replicas)
-    ep_size: int | None = key(None, "a positive int", lambda v: v >= 1)
+    # (auto: the layout dist-moe plan prices fastest for this run's model on the launched topology, said at start)
+    ep_size: int | str | None = key(None, "a positive int, auto",
+                                    lambda v: v == "auto" if isinstance(v, str) else v >= 1)
     # which ranks form a group: contiguous (consecutive ranks: inside a node when the group fits one, replicas
     # across nodes) or strided (every R-th rank, R the replicas: a group spread over the nodes, replicas side by side)
     ep_layout: str = one_of("contiguous", EP_LAYOUTS)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -27,7 +28,7 @@ from tqdm import tqdm
 
 from dist_moe.dispatch.agree import agree_on_errors
 from dist_moe.dispatch.all_to_all import blocked_seconds
-from dist_moe.dispatch.process_group import collective_failure
+from dist_moe.dispatch.process_group import collective_failure, launched_world_size, resolve_device
 from dist_moe.models.hf_export import settle_export
 from dist_moe.moe.view import moe_layers
 from dist_moe.routing.base import Scheduled
@@ -36,7 +37,9 @@ from dist_moe.train.build import data_and_model
 from dist_moe.train.chunk_tuning import ChunkTuner
 from dist_moe.train.config import model_changes
 from dist_moe.train.evaluate import evaluate
+from dist_moe.train.layout_choice import choose_layout
 from dist_moe.train.metrics import host_layer_metrics, layers_metrics, routing_tensors
+from dist_moe.train.rank_memory import available_per_rank
 from dist_moe.train.routing_record import record_routing
 from dist_moe.train.run_config import RunConfig, output_dir
 from dist_moe.train.rundir import RunDir, check_writable, open_metrics, truncate_metrics
@@ -44,7 +47,7 @@ from dist_moe.train.runtime import Runtime
 from dist_moe.train.step_bytes import StepBytes
 from dist_moe.train.training_state import DataCursor, restore_state, save_state
 from dist_moe.train.training_step import step_strategy
-from placement import random_pair_tree_distance, write_atomic
+from placement import Topology, random_pair_tree_distance, write_atomic
 
 
 def json_safe(value):
@@ -101,6 +104,8 @@ def train(cfg: RunConfig, quiet: bool = False, after=None) -> dict:
     if not isinstance(cfg, RunConfig):
         raise TypeError(f"train takes load_config's RunConfig (RunConfig.from_dict for a mapping), got "
                         f"{type(cfg).__name__}")
+    if cfg.parallel.ep_size == "auto":  # every rank prices the same layouts, before any process group
+        cfg = _with_planned_layout(cfg)
     runtime = Runtime(cfg.engine, cfg.parallel, cfg.train.precision, cfg.train.deterministic)
     failed = True
     try:
@@ -114,6 +119,16 @@ def train(cfg: RunConfig, quiet: bool = False, after=None) -> dict:
         raise
     finally:
         runtime.shutdown(failed=failed)
+
+
+def _with_planned_layout(cfg: RunConfig) -> RunConfig:
+    """``parallel.ep_size: auto`` resolved (``layout_choice``), said once by rank 0."""
+    world = launched_world_size()
+    device = resolve_device(cfg.parallel.device).type
+    cfg, said = choose_layout(cfg, Topology.launched(world), available_per_rank()[0], device)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"dist-moe: {said}", file=sys.stderr)
+    return cfg
 
 
 def _open_run(cfg: RunConfig, rt: Runtime, run_dir: RunDir | None):
