@@ -217,12 +217,16 @@ def test_same_task_groups_over_ranks_are_refused_for_engine_hosted_layers():
     from dist_moe.train.run_config import TrainConfig
     from dist_moe.train.training_step import GARStep
 
+    def runtime(world, engine):
+        return SimpleNamespace(world=world, ep_size=world, layout=SimpleNamespace(replicas=1),
+                               engine=SimpleNamespace(name=engine))
+
     tcfg = TrainConfig(gar=GARConfig(lam=1e-3), gar_groups="same_category")
     for engine, world in (("deepspeed", 2), ("megatron", 4)):
         with pytest.raises(ValueError, match=f"over {world} ranks needs engine=torch, got engine={engine}"):
-            GARStep(tcfg, SimpleNamespace(world=world, engine=SimpleNamespace(name=engine)))
-    GARStep(tcfg, SimpleNamespace(world=2, engine=SimpleNamespace(name="torch")))
-    GARStep(tcfg, SimpleNamespace(world=1, engine=SimpleNamespace(name="deepspeed")))
+            GARStep(tcfg, runtime(world, engine))
+    GARStep(tcfg, runtime(2, "torch"))
+    GARStep(tcfg, runtime(1, "deepspeed"))
 
 
 def test_gar_reduces_its_criterion_for_the_router():

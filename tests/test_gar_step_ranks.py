@@ -43,6 +43,7 @@ def _step_worker(rank, world):
 
     def runtime(r, w, group):
         return SimpleNamespace(rank=r, world=w, group=group, engine=SimpleNamespace(name="torch"),
+                               ep_size=w, layout=SimpleNamespace(replicas=1),
                                sum=(lambda t: all_reduce_sum(t, group)) if group is not None else (lambda t: t))
 
     tcfg = TrainConfig(gar=GARConfig(lam=50.0), gar_groups="same_category", gar_group_size=3, max_grad_norm=0.5)

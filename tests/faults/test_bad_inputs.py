@@ -258,10 +258,10 @@ def test_sequences_longer_than_the_data_or_the_model_are_refused(capsys, tmp_pat
 def test_every_rank_needs_a_training_row():
     cfg = load_config(None, ["data.max_rows=10", "router.num_experts=8", "router.top_k=2"])
     build = lambda config: config.build()  # noqa: E731
-    data, _ = data_and_model(cfg, types.SimpleNamespace(world=8, build_moe=build))
+    data, _ = data_and_model(cfg, types.SimpleNamespace(world=8, ep_size=8, build_moe=build))
     assert len(data.x_train) == 8
     with pytest.raises(ValueError, match="leaves 8 training rows for 9 ranks"):
-        data_and_model(cfg, types.SimpleNamespace(world=9, build_moe=build))
+        data_and_model(cfg, types.SimpleNamespace(world=9, ep_size=9, build_moe=build))
 
 
 # --- routing records, placements, topologies -----------------------------------------------------
