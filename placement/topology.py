@@ -171,9 +171,10 @@ class Topology:
 
     @classmethod
     def parse_env(cls, spec: str) -> Topology:
-        """``DIST_MOE_TOPOLOGY``'s value, or a ValueError naming the variable."""
+        """``DIST_MOE_TOPOLOGY``'s value, or a ValueError naming the variable: a spec (``node=2,gpu=4``) or a
+        topology file (``dist-moe calibrate --out``'s, with the measured link costs)."""
         try:
-            return cls.parse(spec)
+            return cls.from_yaml(spec) if spec.strip().endswith((".yaml", ".yml")) else cls.parse(spec)
         except ValueError as e:
             raise ValueError(f"DIST_MOE_TOPOLOGY={reprlib.repr(spec)}: {e}") from None
 

@@ -57,6 +57,21 @@ def test_topology_from_env_torchrun_deepspeed_and_override():
         Topology.parse("node:2")
 
 
+def test_topology_from_env_reads_a_calibrated_topology_file(tmp_path):
+    """DIST_MOE_TOPOLOGY naming dist-moe calibrate's file gives its ranks and its measured link costs."""
+    path = tmp_path / "cluster.yaml"
+    path.write_text("levels: [node, gpu]\nsizes: [2, 2]\ncost: {node: {bandwidth_Bps: 4.0e+7, alpha_s: 0.001}}\n"
+                    "exchange: {latency_s: 0.002}\n")
+    topo = Topology.from_env(env={"WORLD_SIZE": "4", "DIST_MOE_TOPOLOGY": str(path)})
+    assert topo == Topology(("node", "gpu"), (2, 2))
+    assert (topo.cost.levels["node"].bandwidth_Bps, topo.cost.levels["node"].alpha_s) == (4.0e7, 0.001)
+    assert topo.cost.latency_s == 0.002
+    with pytest.raises(ValueError, match="WORLD_SIZE=8"):
+        Topology.from_env(env={"WORLD_SIZE": "8", "DIST_MOE_TOPOLOGY": str(path)})
+    with pytest.raises(ValueError, match=r"^DIST_MOE_TOPOLOGY=.*missing.yaml' does not exist"):
+        Topology.from_env(env={"WORLD_SIZE": "4", "DIST_MOE_TOPOLOGY": str(tmp_path / "missing.yaml")})
+
+
 def test_topology_yaml_and_hostfile(tmp_path):
     y = tmp_path / "topo.yaml"
     y.write_text("levels: [node, gpu]\nsizes: [2, 8]\ncost:\n  node: {bandwidth_Bps: 5.0e10}\n")
