@@ -3,7 +3,8 @@ experts, with its groups of consecutive ranks (``contiguous``) or spread over th
 per training step (``dist-moe plan``, ``parallel.ep_size: auto``).
 
 A layout's step is its group's exchanges and experts' matmuls (``forecast.group_forecast``: the fastest
-placement x dedup x chunks row on the group's own topology), plus the sum of the experts' gradients over
+placement x dedup x chunks row on the group's own topology, a shared link's bandwidth split among the groups
+that exchange over it at once), plus the sum of the experts' gradients over
 their replica groups: a ring all-reduce of each rank's experts (fp32 gradients), 2 (R - 1) messages of
 1/R of them for R replicas, every message paying its level's alpha and its link's bytes over the
 bandwidth, the ring's slowest level setting the pace (``ring_sends`` counts each rank's bytes per level;
@@ -74,6 +75,20 @@ def grad_sum_seconds(layout: ExpertLayout, elements: int) -> tuple[float, dict[s
     return messages * per_message + buckets * cost.latency_s, by_level
 
 
+def group_links(layout: ExpertLayout) -> Topology:
+    """The topology one EP group sees, each shared link's bandwidth split among the groups that use it at once:
+    every replica's group exchanges in the same layer at the same time, so a node's one link (its NIC) carries
+    all of its groups' exchanges (EP 2 strided on 2 nodes x 2: two groups share each node's link)."""
+    group, full = layout.group_topology(0), layout.topology
+    overrides = {}
+    for i, name in enumerate(full.levels):
+        sharing = math.prod(full.sizes[i + 1:]) // math.prod(group.sizes[i + 1:])
+        link = full.cost.levels[name]
+        if link.shared and sharing > 1 and group.sizes[i] > 1:
+            overrides[name] = {"bandwidth_Bps": link.bandwidth_Bps / sharing}
+    return Topology(group.levels, group.sizes, full.cost.updated(overrides)) if overrides else group
+
+
 def price_layouts(shape: ModelShape, topology: Topology, routing=None, tflops: float = 400.0, sample: int | None = None,
                   chunks=(1,), memory_bytes: float = math.inf, dense_parameters: int = 0) -> dict:
     """Every layout's predicted step (with its fastest placement x dedup x chunks row; ``rows``: each such
@@ -82,7 +97,7 @@ def price_layouts(shape: ModelShape, topology: Topology, routing=None, tflops: f
     dense_s = grad_sum_seconds(ExpertLayout(topology, 1), dense_parameters)[0] if dense_parameters else 0.0
     rows = []
     for layout in layouts_of(topology, shape.experts):
-        group = layout.group_topology(0)
+        group = group_links(layout)
         options = group_forecast(shape, group, routing, tflops, sample, PLACEMENTS, chunks)["rows"]
         best = min(options, key=lambda r: r["step_seconds"])
         experts_here = shape.layers * shape.experts // layout.ep_size * expert_parameters(shape)

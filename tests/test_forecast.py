@@ -172,3 +172,56 @@ def test_plan_prices_every_layout_with_its_gradient_sums_and_recommends_the_fast
     assert f"recommended: parallel.ep_size={best['ep']} parallel.ep_layout={best['layout']}" in text
     assert main([*args, "--memory", "0.001"]) == 0
     assert "recommended: none fits 0.001 GiB per rank (--memory)" in capsys.readouterr().out
+
+
+def test_plan_takes_the_shape_a_train_config_trains(capsys):
+    """--config prices the model a train config trains (each flag given changes it); without it the shape's
+    flags are needed, and their absence is one line."""
+    from dist_moe.cli import main
+
+    common = ["plan", "--topology", "node=2,gpu=8", "--json", "--pipeline-chunks", "1"]
+    assert main([*common, "--config", "configs/lm_branch.yaml"]) == 0
+    from_config = json.loads(capsys.readouterr().out)
+    # configs/lm_branch.yaml: d_model 64, ffn 128, E=8 top-2, 16 sequences x 64 tokens per rank, 2 layers, fp32
+    flags = ["--hidden", "64", "--ffn", "128", "--experts", "8", "--top-k", "2", "--tokens-per-rank", "1024",
+             "--layers", "2", "--dtype", "fp32"]
+    assert main([*common, *flags]) == 0
+    want = json.loads(capsys.readouterr().out)
+    for out in (from_config, want):
+        out.pop("seconds_to_plan")
+    assert from_config == want and from_config["token_bytes"] == 64 * 4
+    assert {(r["ep"], r["layout"]) for r in want["layouts"]} == {(1, "contiguous"), (2, "contiguous"),
+                                                                  (2, "strided"), (4, "contiguous"),
+                                                                  (4, "strided"), (8, "contiguous"), (8, "strided")}
+    assert main([*common, "--config", "configs/lm_branch.yaml", "--experts", "16"]) == 0
+    assert json.loads(capsys.readouterr().out)["layouts"][0]["memory_bytes"] != want["layouts"][0]["memory_bytes"]
+    assert main(["plan", "--topology", "node=2,gpu=8", "--hidden", "64", "--experts", "8"]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "dist-moe plan needs --ffn, --top-k, --tokens-per-rank (the model's shape), or --config with a train config "
+        "that has it")
+
+
+def test_groups_sharing_a_node_link_are_priced_on_their_share_of_it():
+    """Every replica's group exchanges at once: EP 2 strided on 2 x 2 sends two groups through each node's one
+    (shared) link, so each is priced on half its bandwidth; groups inside a node, the world's one group and
+    private links keep the link whole."""
+    from placement import CostModel
+    from placement.ep_groups import ExpertLayout
+    from placement.forecast import group_forecast
+    from placement.layouts import group_links, price_layouts
+
+    def two_by_two(shared: bool) -> Topology:
+        cost = CostModel.default(["node", "gpu"]).updated({"node": {"shared": shared, "bandwidth_Bps": 1e9}})
+        return Topology(("node", "gpu"), (2, 2), cost)
+
+    shared = two_by_two(True)
+    strided = group_links(ExpertLayout(shared, 2, "strided"))
+    assert strided.sizes == (2, 1) and strided.cost.levels["node"].bandwidth_Bps == 5e8
+    for layout in (ExpertLayout(shared, 2, "contiguous"), ExpertLayout(shared, 4)):
+        assert group_links(layout).cost == shared.cost
+    assert group_links(ExpertLayout(two_by_two(False), 2, "strided")).cost == two_by_two(False).cost
+    shape = ModelShape(256, 128, 8, 2, 1024, 2, "fp32")
+    priced = next(r for r in price_layouts(shape, shared)["layouts"] if (r["ep"], r["layout"]) == (2, "strided"))
+    alone = group_forecast(shape, ExpertLayout(shared, 2, "strided").group_topology(0))["rows"]
+    halved = group_forecast(shape, strided)["rows"]
+    assert priced["moe_seconds"] == min(r["step_seconds"] for r in halved) > min(r["step_seconds"] for r in alone)
