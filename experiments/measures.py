@@ -5,16 +5,28 @@
 """
 from __future__ import annotations
 
+import json
+import os
+import tempfile
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
+import yaml
 
+from dist_moe.cli.plan import recorded_routing
 from dist_moe.dispatch.calibrate import calibrate, replay_dispatch, slowest, to_yaml
 from dist_moe.moe.view import moe_layers
 from dist_moe.train.expert_metrics import contingency, gradient_mass_purity, lvar, nmi, utilization
+from dist_moe.train.layout_choice import moe_shape
 from dist_moe.train.step_bytes import per_step_traffic
 from dist_moe.train.training_step import loss_of
 from placement import Topology
 from placement import Topology as Topo
+from placement.ep_groups import ExpertLayout, ring_allreduce_bytes
+from placement.files import write_atomic
+from placement.forecast import TFLOPS_RANGE
+from placement.layouts import expert_parameters, price_layouts
 from placement.report import analyze
 from placement.simulate import RoutingRecord, recorded_layers, simulate
 
@@ -172,6 +184,47 @@ def before_calibrate() -> dict:
     cost = calibrate(topo)
     _FITTED["cost"] = cost
     return {"calibration": to_yaml(topo, cost)["cost"], "exchange": to_yaml(topo, cost)["exchange"]}
+
+
+def before_calibrate_topology() -> dict:
+    """``before_calibrate``, its fit written as a topology file that DIST_MOE_TOPOLOGY names for the runs that
+    follow (so ``parallel.ep_size: auto`` prices this launch's links; every rank's fit is the same)."""
+    row = before_calibrate()
+    path = Path(tempfile.gettempdir()) / f"dist-moe-calibrated-{os.getpid()}.yaml"
+    write_atomic(path, yaml.safe_dump(to_yaml(Topo.from_env(), _FITTED["cost"])))
+    os.environ["DIST_MOE_TOPOLOGY"] = str(path)
+    return row
+
+
+def post_layout_step(summary: dict, cfg) -> dict:
+    """Measured step time and tokens/s of an expert-parallel layout; the experts' gradient bytes each step sent
+    across each level (every rank's, as logged) and the analytic ring count; and ``dist-moe plan``'s price of
+    the run's layout on this launch's calibrated links (``plan --routing RUN``: its group's exchanges from the
+    run's recorded routing with the run's placement and dedup, and the gradients' ring all-reduce over the
+    replicas), the matmuls left out (priced at a rate that makes them nothing): the communication plan adds
+    to a step's compute."""
+    out = Path(summary["output_dir"])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    topo = Topology.from_env()
+    topo = Topology(topo.levels, topo.sizes, _FITTED["cost"])
+    layout = ExpertLayout(topo, summary["ep_size"], summary.get("ep_layout", "contiguous"))  # one group: none said
+    shape = moe_shape(cfg)
+    analytic = {level: 0 for level in topo.levels}
+    for group in layout.replica_groups():
+        per_rank = shape.layers * shape.experts // layout.ep_size * expert_parameters(shape)
+        for level, sent in ring_allreduce_bytes(group, per_rank, 4, topo).items():
+            analytic[level] += sent
+    measured = {level: sum(r.get(f"grad_bytes_{level}", 0) for r in rows if "loss" in r) / summary["steps"]
+                for level in topo.levels}
+    plan = price_layouts(shape, topo, recorded_routing(str(out), shape.experts, shape.top_k), TFLOPS_RANGE[1])
+    priced = next(x for x in plan["layouts"] if (x["ep"], x["layout"]) == (layout.ep_size, layout.layout))
+    dedup = [x for x in priced["rows"] if x["dedup"] == cfg.parallel.dedup]
+    exchange = next((x for x in dedup if x["placement"] == cfg.parallel.placement), dedup[0])["step_seconds"]
+    step_s = summary["train_seconds"] / summary["steps"]
+    return {"step_s": step_s, "tokens_per_s": shape.tokens_per_rank * summary["world_size"] / step_s,
+            "exchange_wait_step_s": summary.get("exchange_wait_s", 0.0) / summary["steps"],
+            "grad_bytes_per_step": measured, "grad_bytes_analytic": analytic,
+            "plan_exchange_s": exchange, "plan_grad_s": priced["grad_seconds"]}
 
 
 def post_step_prediction(summary: dict, cfg) -> dict:

@@ -238,6 +238,35 @@ def throughput_link(seeds=(0,), steps: int = 40) -> Plan:
     return plan
 
 
+# arm: (router, placement, dedup, ep_size, ep_layout). The baseline is EP 4 without dedup; "auto" is what
+# parallel.ep_size: auto takes (with node dedup) on the launch's calibrated links
+LAYOUT_ARMS = {
+    "ep4": ("switch", "contiguous", "none", 4, "contiguous"),
+    "ep4_branch_node": ("branch_linear_limit1_bal", "tree_prefix", "node", 4, "contiguous"),
+    "ep2_contiguous": ("switch", "contiguous", "none", 2, "contiguous"),
+    "ep2_strided_node": ("switch", "contiguous", "node", 2, "strided"),
+    "ep1": ("switch", "contiguous", "none", 1, "contiguous"),
+    "auto": ("switch", "contiguous", "node", "auto", "contiguous"),
+}
+
+
+def ep_layouts(seeds=(0,), steps: int = 40) -> Plan:
+    """Expert-parallel layouts of 4.b's coarse LM on the emulated 2 x 2 (400 mbit): EP 4 over both nodes
+    (without dedup, and BRANCH-limited with node dedup), EP 2 groups inside each node with their replicas
+    across the link, EP 2 groups across the link with their replicas inside each node, EP 1 (every rank
+    every expert), and the layout parallel.ep_size: auto takes on the launch's calibrated links."""
+    plan = Plan("ep_layouts", "emulated", before="before_calibrate_topology", post="post_layout_step")
+    for arm, (router, placement, dedup, ep, layout) in LAYOUT_ARMS.items():
+        for seed in seeds:
+            plan.add(f"lmL-{arm}-s{seed}", {"arm": arm, "router": router, "placement": placement, "dedup": dedup,
+                                            "seed": seed},
+                     [f"seed={seed}", *ROUTER_ARMS[router], f"parallel.placement={placement}",
+                      f"parallel.dedup={dedup}", f"parallel.ep_size={ep}", f"parallel.ep_layout={layout}",
+                      *LINK_MODEL, f"train.max_steps={steps}", "train.batch_size=16", "data.per_domain=500",
+                      "train.log_every=20"], "configs/lm_branch.yaml")
+    return plan
+
+
 LM_ROUTER_ARMS = ("branch_linear", "branch_linear_limit1", "branch_linear_limit1_bal", "switch", "deepseek_v3",
                   "deepseek_v3_node1")
 
@@ -256,4 +285,4 @@ def lm_routers(seeds=range(3), steps: int = 200) -> Plan:
 
 
 PLANS = {"routers": routers, "specdrop": specdrop, "gar": gar, "gar_ep": gar_ep, "throughput": throughput,
-         "throughput_link": throughput_link, "lm_routers": lm_routers}
+         "throughput_link": throughput_link, "lm_routers": lm_routers, "ep_layouts": ep_layouts}

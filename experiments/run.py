@@ -1,6 +1,6 @@
 """Run an experiment's grid (skipping finished runs), then write its tables and plot.
 
-    .venv/bin/python -m experiments.run routers|lm_routers|specdrop|gar|gar_ep|throughput
+    .venv/bin/python -m experiments.run routers|lm_routers|specdrop|gar|gar_ep|throughput|throughput_link|ep_layouts
                                         [--seeds 0,1,2] [--tables-only] [--results FILE] [--out DIR]
 
 Rows accumulate in experiments/results/<name>.jsonl (the committed results: runs already there

@@ -8,7 +8,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from experiments import table_gar, table_routers, table_specdrop, table_throughput, table_throughput_link
+from experiments import (
+    table_ep_layouts,
+    table_gar,
+    table_routers,
+    table_specdrop,
+    table_throughput,
+    table_throughput_link,
+)
 
 
 def load_rows(results: Path) -> list[dict]:
@@ -32,7 +39,7 @@ def write(name: str, results: Path, docs: Path) -> str:
               # the expert-parallel GAR runs are read against the one-process runs beside them
               "gar_ep": lambda rows, out: table_gar.make_ep(rows, out, load_rows(results.parent / "gar.jsonl")),
               "throughput": table_throughput.make, "throughput_link": table_throughput_link.make,
-              "lm_routers": table_routers.make_lm}
+              "lm_routers": table_routers.make_lm, "ep_layouts": table_ep_layouts.make}
     rows = load_rows(results)
     if not rows:
         raise SystemExit(f"no results in {results}: run the experiment first")

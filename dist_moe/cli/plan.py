@@ -2,6 +2,7 @@
 
     dist-moe plan --topology node=2048,gpu=8 --link gpu=450GB/s --link node=400Gb/s@5us \\
         --hidden 7168 --ffn 2048 --experts 256 --top-k 8 --tokens-per-rank 8192 --layers 58
+    dist-moe plan --config configs/lm_branch.yaml --topology node=2,gpu=8     (the shape a train config trains)
 
 The arithmetic is ``placement/forecast.py``'s; this file parses, prints and plots.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from dist_moe.cli.topology_arg import topology_of
@@ -37,14 +39,17 @@ def add_parser(sub, debug) -> None:
     pp.add_argument("--shared", action="append", default=[], metavar="LEVEL",
                     help="that level's link is shared by the ranks of a unit inside it (one NIC per node); "
                          "repeatable (default: a topology YAML's setting, else a link per rank)")
-    for name, default, what in (("hidden", None, "the model's hidden size (values per token copy)"),
-                                ("ffn", None, "each expert's FFN hidden size (SwiGLU: 3 matrices of hidden x ffn)"),
-                                ("experts", None, "experts per MoE layer"),
-                                ("top-k", None, "experts each token is routed to"),
-                                ("tokens-per-rank", None, "tokens each rank routes per MoE layer and step"),
-                                ("layers", 1, "MoE layers per step (default: %(default)s)")):
-        pp.add_argument(f"--{name}", type=int, default=default, required=default is None, help=what)
-    pp.add_argument("--dtype", default="bf16", help="bf16 (default), fp16, fp32 or fp8: bytes per hidden value")
+    pp.add_argument("--config", help="a dist-moe train config (YAML): the model shape it trains, which the flags "
+                                     "below then change (default: none; give the shape's flags)")
+    for name, what in (("hidden", "the model's hidden size (values per token copy)"),
+                       ("ffn", "each expert's FFN hidden size (SwiGLU: 3 matrices of hidden x ffn)"),
+                       ("experts", "experts per MoE layer"),
+                       ("top-k", "experts each token is routed to"),
+                       ("tokens-per-rank", "tokens each rank routes per MoE layer and step")):
+        pp.add_argument(f"--{name}", type=int, help=f"{what} (default: --config's; one of the two is needed)")
+    pp.add_argument("--layers", type=int, help="MoE layers per step (default: --config's, else 1)")
+    pp.add_argument("--dtype", help="bf16, fp16, fp32 or fp8: bytes per hidden value (default: --config's precision, "
+                                    "else bf16)")
     pp.add_argument("--routing", default="uniform",
                     help="uniform (default) or a run directory whose recorded routing (routing.npz) is tiled "
                          "over the experts")
@@ -133,8 +138,8 @@ def run(args) -> int:
         overlap = in_bounds("overlap", args.overlap, "--overlap")
         topo = type(topo)(topo.levels, topo.sizes, topo.cost.with_exchange(topo.cost.latency_s, overlap,
                                                                            topo.cost.chunked))
-    shape = ModelShape(args.hidden, args.ffn, args.experts, args.top_k, args.tokens_per_rank, args.layers, args.dtype)
-    routing = None if args.routing == "uniform" else recorded_routing(args.routing, args.experts, args.top_k)
+    shape = model_shape(args)
+    routing = None if args.routing == "uniform" else recorded_routing(args.routing, shape.experts, shape.top_k)
     out = forecast(shape, topo, routing, args.ep, args.tflops, args.sample, tuple(args.placement or PLACEMENTS),
                    chunks=chunks)
     memory = in_range(args.memory, 1e-3, 1e6, "--memory", " GiB")
@@ -173,19 +178,37 @@ def run(args) -> int:
     return 0
 
 
+SHAPE_FIELDS = ("hidden", "ffn", "experts", "top_k", "tokens_per_rank", "layers", "dtype")  # ModelShape's, as flags
+
+
+def model_shape(args) -> ModelShape:
+    """The shape to plan: a train config's (``--config``), each flag given changing it; else the flags."""
+    given = {field: getattr(args, field) for field in SHAPE_FIELDS if getattr(args, field) is not None}
+    if args.config:
+        from dist_moe.train.config import load_config
+        from dist_moe.train.layout_choice import moe_shape
+
+        return replace(moe_shape(load_config(args.config, [])), **given)
+    missing = [f"--{field.replace('_', '-')}" for field in SHAPE_FIELDS[:5] if field not in given]
+    if missing:
+        raise ValueError(f"dist-moe plan needs {', '.join(missing)} (the model's shape), or --config with a train "
+                         "config that has it")
+    return ModelShape(**{"layers": 1, "dtype": "bf16", **given})
+
+
 def print_layouts(out: dict, topo, memory_gib: float) -> None:
     """Every expert-parallel layout's predicted step, fastest first, and the one recommended."""
     levels = list(topo.levels)
     print(f"\nlayouts on {out['topology']} (each: its fastest placement / dedup / C; experts' gradients summed over "
           f"their replicas as a ring all-reduce, fp32, not hidden behind the backward):")
     print(f"{'ep_size':>8} {'layout':<11}{'groups':<14}{'row':<22}{'MoE ms':>9}{'grad ms':>9}"
-          + "".join(f"{'grad ' + lv + ' MB':>15}" for lv in levels) + f"{'step ms':>10}{'GiB':>7}")
+          + "".join(f"{'grad ' + lv + ' MB':>15}" for lv in levels) + f"{'step ms':>12}{'GiB':>8}")
     for r in out["layouts"]:
         row = f"{r['placement']}/{r['dedup']}/C={r['chunks']}"
         grads = "".join(f"{r['grad_bytes_by_level'][lv] / 1e6:>15.1f}" for lv in levels)
-        print(f"{r['ep']:>8} {r['layout']:<11}{r['group']:<14}{row:<22}{1e3 * r['moe_seconds']:>9.2f}"
-              f"{1e3 * r['grad_seconds']:>9.2f}{grads}{1e3 * r['step_seconds']:>10.2f}"
-              f"{r['memory_bytes'] / 2**30:>7.1f}" + ("" if r["fits"] else f"  (over {memory_gib:g} GiB)"))
+        print(f"{r['ep']:>8} {r['layout']:<11}{r['group']:<14}{row:<22}{1e3 * r['moe_seconds']:>11.2f}"
+              f"{1e3 * r['grad_seconds']:>11.2f}{grads}{1e3 * r['step_seconds']:>12.2f}"
+              f"{r['memory_bytes'] / 2**30:>8.1f}" + ("" if r["fits"] else f"  (over {memory_gib:g} GiB)"))
     best = out["recommended"]
     if best is None:
         print(f"recommended: none fits {memory_gib:g} GiB per rank (--memory)")
