@@ -201,6 +201,8 @@ REFUSED = [
     (["parallel.ep_size=2", "parallel.placement=PLACEMENT"],
      "places 8 experts on 4 ranks, but this run has 8 experts on 2 ranks in each expert-parallel group "
      "(parallel.ep_size=2)"),
+    (["parallel.ep_size=auto", "parallel.placement=PLACEMENT"],
+     "parallel.ep_size=auto with parallel.placement='"),
 ]
 
 
