@@ -144,7 +144,7 @@ def training_balance(model, data, rt) -> dict:
 
 
 def worker(plan_path: str) -> None:
-    from dist_moe.dispatch.process_group import init_from_env, shutdown
+    from dist_moe.distributed.process_group import init_from_env, shutdown
     from dist_moe.train.config import load_config
     from dist_moe.train.trainer import train
 

@@ -5,7 +5,7 @@ intra-node one:
 
     launch/emulate_cluster.sh --nodes 2 --procs-per-node 2 --rate 400mbit benchmarks/dispatch_time.py
 
-1. Calibration (``dist_moe.dispatch.calibrate``, what ``dist-moe calibrate`` runs):
+1. Calibration (``placement.calibrate``, what ``dist-moe calibrate`` runs):
    all-to-all sweeps per topology level, the collective latency and the overlap
    share; and per router, the layer's compute without exchanges (every expert
    local, this rank's tokens, all ranks at once as under expert parallelism).
@@ -57,9 +57,9 @@ from benchmarks.link_bound import line_rate, line_seconds  # noqa: E402
 from benchmarks.paired import interleaved, ratio_text  # noqa: E402
 from benchmarks.stage_profile import print_profiles, stage_profile  # noqa: E402
 from dist_moe import MoELayer
-from dist_moe.dispatch.calibrate import calibrate, replay, replay_dispatch, slowest  # noqa: E402
-from dist_moe.dispatch.process_group import shutdown  # noqa: E402
+from dist_moe.distributed.process_group import shutdown  # noqa: E402
 from placement import Placement, Topology, Traffic  # noqa: E402
+from placement.calibrate import calibrate, replay, replay_dispatch, slowest  # noqa: E402
 
 D_MODEL = 512
 REPEATS = 5

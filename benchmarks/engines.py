@@ -57,15 +57,15 @@ from benchmarks.link_bound import line_rate, line_seconds  # noqa: E402
 from benchmarks.paired import ratio_text  # noqa: E402
 from benchmarks.stage_profile import print_profiles, stage_profile  # noqa: E402
 from dist_moe import MoELayer  # noqa: E402
-from dist_moe.dispatch.calibrate import replay, slowest  # noqa: E402
 from dist_moe.dispatch.contract import CountsBytes  # noqa: E402
-from dist_moe.dispatch.process_group import launched_world_size  # noqa: E402
+from dist_moe.distributed.process_group import launched_world_size  # noqa: E402
 from dist_moe.integrations.deepspeed import deepspeed_moe_layer, init_distributed, load_dist_moe_experts  # noqa: E402
 from dist_moe.integrations.megatron import load_dist_moe_experts as load_megatron  # noqa: E402
 from dist_moe.integrations.megatron import megatron_config, megatron_moe_layer, sent_bytes  # noqa: E402
 from dist_moe.integrations.megatron import patches as megatron_patches  # noqa: E402
 from dist_moe.integrations.megatron.layer import megatron_dist_moe_layer  # noqa: E402
 from placement import Placement, Topology  # noqa: E402
+from placement.calibrate import replay, slowest  # noqa: E402
 from tests.dist_utils import run_workers  # noqa: E402
 
 E, K = 8, 2

@@ -63,7 +63,7 @@ from dist_moe.data.paths import save_cache
 from dist_moe.data.sources import stdlib_code
 from dist_moe.dispatch.all_to_all import HOST_READS
 from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher
-from dist_moe.dispatch.process_group import init_from_env, resolve_device
+from dist_moe.distributed.process_group import init_from_env, resolve_device
 from dist_moe.optional_engines import engine_import
 from dist_moe.train.training_state import DataCursor, restore_state, save_state
 from tests.ep_checks import ROUTERS

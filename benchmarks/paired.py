@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 
-from dist_moe.dispatch.calibrate import slowest_once
+from placement.calibrate import slowest_once
 
 
 def interleaved(arms: dict[str, Callable[[], object]], repeats: int, group=None) -> dict[str, list[float]]:

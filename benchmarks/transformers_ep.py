@@ -29,7 +29,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dist_moe.integrations.transformers as dm_hf  # noqa: E402
-from dist_moe.dispatch.process_group import shutdown  # noqa: E402
+from dist_moe.distributed.process_group import shutdown  # noqa: E402
 from placement import Placement, Topology, dispatch_traffic  # noqa: E402
 
 EXPERTS, TOP_K, HIDDEN, FFN, VOCAB = 16, 4, 256, 128, 256

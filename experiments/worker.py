@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from dist_moe.dispatch.process_group import init_from_env, shutdown
+from dist_moe.distributed.process_group import init_from_env, shutdown
 from dist_moe.train.config import load_config
 from dist_moe.train.trainer import train
 from experiments import measures

@@ -11,7 +11,7 @@
 # loopback. One `torchrun --nnodes N --node_rank i` per node (or, with
 # --launcher deepspeed, one `deepspeed --no_ssh --node_rank i` over a generated
 # hostfile) runs SCRIPT inside its namespace with the active environment's python (else .venv's, else
-# python3). The ranks train on the CPU: parallel.device=auto is the CPU here (dist_moe/dispatch/device_choice.py).
+# python3). The ranks train on the CPU: parallel.device=auto is the CPU here (dist_moe/distributed/device_choice.py).
 # Node 0's output streams here; the other nodes' go to log files, named at the start and kept
 # only if the run fails. The first failing rank's line ends a failed run, and its exit code
 # is the script's. Namespaces are named dm<this script's pid>...: removed on every exit path,

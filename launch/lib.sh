@@ -44,7 +44,7 @@ start_run() {  # [CLEANUP...]: RUN_DIR for this run's error lines and launcher l
   DIST_MOE_ERROR_DIR="$RUN_DIR/errors"  # every rank writes its line here (dist_moe/errors.py)
   mkdir "$DIST_MOE_ERROR_DIR"
   export DIST_MOE_ERROR_DIR
-  export DIST_MOE_RANK_LINE=1  # each rank says its torch build, device and backend (dist_moe/dispatch/rank_line.py)
+  export DIST_MOE_RANK_LINE=1  # each rank says its torch build, device and backend (dist_moe/distributed/rank_line.py)
   KEEP=()  # logs a printed line named: end_run leaves them
   "$PY" "$DIST_MOE_HOME/launch/supervise.py" --watch "$$" --remove "$RUN_DIR" -- "$@" </dev/null >/dev/null 2>&1 &
   WATCHER=$!

@@ -58,7 +58,7 @@ def _entry(rank, fn, world_size, store, args, environ, cwd):
         fn(rank, world_size, *args)
         dist.barrier()  # nobody tears down while a peer still has collectives in flight
     finally:
-        from dist_moe.dispatch.dispatcher import release_node_groups
+        from dist_moe.distributed.groups import release_subgroups
 
         world = dist.distributed_c10d._world
         groups = [(weakref.ref(g), world.pg_names.get(g, '?')) for g in world.pg_map]
@@ -66,12 +66,12 @@ def _entry(rank, fn, world_size, store, args, environ, cwd):
             from dist_moe.integrations.deepspeed.patches import release_groups
 
             release_groups()
-        release_node_groups()
+        release_subgroups()
         dist.destroy_process_group()
     gc.collect()
     alive = [name for ref, name in groups if ref() is not None]
     # A group that outlives destroy_process_group keeps its gloo threads until interpreter teardown,
-    # where they can abort the process after a successful run (dist_moe/dispatch/groups.py): fail
+    # where they can abort the process after a successful run (dist_moe/distributed/groups.py): fail
     # every time the holder is back, not in 1 run of 12.
     assert not alive, f"rank {rank}: process groups still alive after destroy_process_group: {alive}"
     # The rank now exits the way a user's script does: interpreter teardown included, so an

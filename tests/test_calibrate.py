@@ -47,8 +47,8 @@ def test_calibrate_outside_a_launch_says_how_to_launch_it(capsys, monkeypatch):
 
 def _calibrate_with(monkeypatch, seconds):
     """calibrate() on node=2,gpu=2 with each timed exchange taking the next of ``seconds`` (no process group)."""
-    from dist_moe.dispatch import calibrate as cal
     from placement import Topology
+    from placement import calibrate as cal
 
     it = iter(seconds)
     monkeypatch.setattr(cal, "slowest", lambda fn, repeats=5, group=None: next(it))

@@ -17,9 +17,9 @@ def _inputs():
 
 
 def _step(layer, opt, x, w, group=None):
-    from dist_moe.dispatch.grads import sum_replicated_grads
-    from dist_moe.gar.step import rank_local_param_ids
     from dist_moe.moe.view import moe_views
+    from dist_moe.train.gar_step import rank_local_param_ids
+    from dist_moe.train.grads import sum_replicated_grads
 
     y, aux = layer(x)
     opt.zero_grad()

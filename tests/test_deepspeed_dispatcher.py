@@ -47,7 +47,7 @@ def _check_bytes(net, rank, dedup):
     import torch
     import torch.distributed as dist
 
-    from dist_moe.dispatch.stats import all_gather_rows
+    from dist_moe.distributed.reductions import all_gather_rows
     from placement import dispatch_traffic
 
     layer, gate = net.moe.deepspeed_moe, net.moe.deepspeed_moe.gate

@@ -5,8 +5,8 @@ import datetime
 import pytest
 import torch
 
-from dist_moe.dispatch.device_choice import EMULATED_NODES, choose_device
-from dist_moe.dispatch.process_group import group_options, resolve_device
+from dist_moe.distributed.device_choice import EMULATED_NODES, choose_device
+from dist_moe.distributed.process_group import group_options, resolve_device
 from dist_moe.train.config import load_config
 
 
@@ -56,7 +56,7 @@ class _FakeGPUs:
 
 @pytest.mark.parametrize("local", [0, 2, 3])
 def test_each_process_takes_the_gpu_of_its_local_rank(monkeypatch, local):
-    from dist_moe.dispatch.process_group import init_from_env
+    from dist_moe.distributed.process_group import init_from_env
 
     gpus = _FakeGPUs(monkeypatch, 4)
     monkeypatch.setenv("LOCAL_RANK", str(local))

@@ -2,7 +2,7 @@
 
 import torch
 
-from dist_moe.dispatch.moe_forward import Tokens
+from dist_moe.dispatch.contract import Tokens
 from dist_moe.routing.base import Routing
 from tests.dist_utils import run_cases
 
@@ -27,7 +27,7 @@ def _property_worker(rank, world):
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import strategies as st
 
-    from dist_moe.dispatch.combine import apply_experts
+    from dist_moe.dispatch.apply_experts import apply_experts
     from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher, routing_pairs
     from dist_moe.moe.experts import Experts
     from dist_moe.routing.capacity import apply_capacity, capacity_for
@@ -99,7 +99,7 @@ def _edge_worker(rank, world):
     import torch.distributed as dist
 
     from dist_moe import MoELayer
-    from dist_moe.dispatch.combine import apply_experts
+    from dist_moe.dispatch.apply_experts import apply_experts
     from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher, routing_pairs
     from dist_moe.moe.experts import Experts
     from placement import Placement, Topology

@@ -145,7 +145,7 @@ def test_the_emulated_nodes_ranks_take_the_cpu_on_a_gpu_host(tmp_path):
 import torch
 sys.path.insert(0, {str(ROOT)!r})
 torch.cuda.is_available, torch.cuda.device_count = lambda: True, lambda: 4
-from dist_moe.dispatch.process_group import resolve_device
+from dist_moe.distributed.process_group import resolve_device
 device = resolve_device("auto")
 print("rank", os.environ["RANK"], "device", device, flush=True)
 sys.exit(0 if device.type == "cpu" else 3)

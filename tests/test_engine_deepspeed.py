@@ -63,9 +63,9 @@ def _equivalence_worker(rank, world, routers):
 def _gar_worker(rank, world, host):
     import os
 
-    from dist_moe.gar.step import gar_train_step
     from dist_moe.integrations.deepspeed import DeepSpeedHostedMoE, init_distributed, load_dist_moe_experts
     from dist_moe.moe.layer import MoELayerConfig
+    from dist_moe.train.gar_step import gar_train_step
     from dist_moe.train.steppers import DeepSpeedStepper
     from tests.engine_checks import GAR_HIDDEN, GAR_KW, Record, gar_case
 

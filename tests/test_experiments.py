@@ -115,7 +115,7 @@ def _diagnostics_worker(rank, world):
     """after_gar_diagnostics with the experts over ``world`` ranks equals it in one process."""
     import torch.distributed as dist
 
-    from dist_moe.dispatch.stats import all_reduce_sum
+    from dist_moe.distributed.reductions import all_reduce_sum
     from placement import Placement
 
     class _Ranks:

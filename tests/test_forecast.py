@@ -82,7 +82,7 @@ def test_pipelined_rows_overlap_by_the_calibrated_share_and_pay_latency_per_chun
 def test_calibrated_topology_yaml_round_trips(tmp_path):
     import yaml
 
-    from dist_moe.dispatch.calibrate import to_yaml
+    from placement.calibrate import to_yaml
 
     topo = Topology.parse("node=2,gpu=2")
     cost = topo.cost.updated({"node": {"alpha_s": 1e-4, "bandwidth_Bps": 5e7, "shared": True}})

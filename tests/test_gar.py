@@ -7,8 +7,8 @@ from torch import nn
 
 from dist_moe import MoELayer
 from dist_moe.gar.observe import collect_observations, example_mean, group_route_summaries
-from dist_moe.gar.step import equal_task_weights, gar_objective, gar_train_step
 from dist_moe.routing.gar import gar_loss, gar_loss_gram
+from dist_moe.train.gar_step import equal_task_weights, gar_objective, gar_train_step
 
 H = 6
 

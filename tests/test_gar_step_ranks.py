@@ -10,7 +10,7 @@ def _step_worker(rank, world):
     import torch
     import torch.distributed as dist
 
-    from dist_moe.dispatch.stats import all_reduce_sum
+    from dist_moe.distributed.reductions import all_reduce_sum
     from dist_moe.models.text import TextMoE
     from dist_moe.moe.layer import MoELayer
     from dist_moe.routing.gar import GARConfig

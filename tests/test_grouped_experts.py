@@ -3,7 +3,7 @@ stays where a grouped GEMM cannot run. Both paths give the same outputs and grad
 import pytest
 import torch
 
-from dist_moe.dispatch.combine import apply_experts
+from dist_moe.dispatch.apply_experts import apply_experts
 from dist_moe.moe.experts import Experts, FactorCapture
 
 COUNTS = [[3, 0, 5, 1], [0, 0, 0, 0], [0, 9, 0, 0]]  # empty experts, no rows at all, one expert only

@@ -87,8 +87,8 @@ def test_the_walk_sees_relative_and_lazy_imports():
 
 
 def test_routing_is_pure_tensor_math():
-    """Routing strategies run no backward, no optimizer and no collective (GAR's step lives in
-    dist_moe/gar, gradient collectives in dist_moe/dispatch)."""
+    """Routing strategies run no backward, no optimizer and no collective (GAR's step and the gradient
+    collectives live in dist_moe/train, the routers' reductions in dist_moe/distributed)."""
     def calls(path, text=None):
         found = []
         for node in ast.walk(ast.parse(text or path.read_text())):
@@ -107,11 +107,69 @@ def test_routing_is_pure_tensor_math():
 
     assert not [c for path in sorted((ROOT / "dist_moe" / "routing").glob("*.py")) for c in calls(path)]
     # the check reads what it should: GAR's step and the gradient collectives fail it
-    assert {c.split(" ", 1)[1] for c in calls(ROOT / "dist_moe" / "gar" / "step.py")} >= {"backward", "optimizer step"}
-    assert calls(ROOT / "dist_moe" / "dispatch" / "stats.py")
+    gar_step = ROOT / "dist_moe" / "train" / "gar_step.py"
+    assert {c.split(" ", 1)[1] for c in calls(gar_step)} >= {"backward", "optimizer step"}
+    assert calls(ROOT / "dist_moe" / "distributed" / "reductions.py")
     flat = ROOT / "dist_moe" / "routing" / "flat.py"
     for planted in ("from torch import distributed", "from torch import optim", "import torch.distributed as d"):
         assert calls(flat, flat.read_text() + f"\n{planted}\n"), planted
+
+
+# dispatch/ is the exchange and nothing else
+EXCHANGE = {"__init__", "contract", "exchange", "dispatcher", "pipeline", "all_to_all", "apply_experts", "combine",
+            "agree", "stages"}
+# what the exchange and the process-group package may import of dist_moe: themselves and what lies below them
+BELOW = {"dist_moe.dispatch": ("dist_moe.dispatch", "dist_moe.distributed.groups", "dist_moe.distributed.reductions",
+                               "dist_moe.config", "dist_moe.errors"),
+         "dist_moe.distributed": ("dist_moe.distributed", "dist_moe.config", "dist_moe.errors")}
+# where torch.distributed is imported: the exchange, process groups and devices, the trainer's gradient sums,
+# expert groups and checkpoints, the engines' own groups, and the one placement module that needs a cluster
+TALKS_TO_TORCH_DISTRIBUTED = ("dist_moe/dispatch/", "dist_moe/distributed/", "dist_moe/train/",
+                              "dist_moe/integrations/", "placement/calibrate.py")
+
+
+def distributed_importers(planted: dict | None = None) -> list[str]:
+    """Modules of dist_moe and placement outside ``TALKS_TO_TORCH_DISTRIBUTED`` that import torch.distributed."""
+    found = []
+    for root in ("dist_moe", "placement"):
+        for path in sorted((ROOT / root).rglob("*.py")):
+            rel = str(path.relative_to(ROOT))
+            if rel.startswith(TALKS_TO_TORCH_DISTRIBUTED):
+                continue
+            for node in ast.walk(ast.parse((planted or {}).get(rel) or path.read_text())):
+                if isinstance(node, ast.Import):
+                    mods = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    mods = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+                else:
+                    continue
+                if any(m.startswith("torch.distributed") for m in mods):
+                    found.append(f"{rel}:{node.lineno}")
+    return found
+
+
+def reaching_up(graph: dict) -> list[str]:
+    """Imports of dispatch/ and distributed/ that reach a dist_moe module outside what lies below them."""
+    return [f"{m} -> {d}" for m in sorted(graph) for pkg, allowed in BELOW.items() if m.startswith(pkg)
+            for d in sorted(graph[m]) if d.startswith("dist_moe.") and not d.startswith(allowed)]
+
+
+def test_dispatch_is_the_exchange_and_only_named_packages_talk_to_torch_distributed():
+    assert {p.stem for p in (ROOT / "dist_moe" / "dispatch").glob("*.py")} == EXCHANGE
+    assert not distributed_importers(), distributed_importers()
+    graph = import_graph()
+    assert "dist_moe.distributed.reductions" in graph["dist_moe.dispatch.agree"]  # edges are read
+    assert not reaching_up(graph), reaching_up(graph)
+    # planted: a model module importing torch.distributed, the exchange reaching the trainer, the process
+    # groups reaching the exchange
+    experts = "dist_moe/moe/experts.py"
+    assert distributed_importers({experts: (ROOT / experts).read_text() + "\nfrom torch import distributed\n"}) \
+        == [f"{experts}:{len((ROOT / experts).read_text().splitlines()) + 2}"]
+    for module, line in (("dist_moe.dispatch.exchange", "from dist_moe.train.grads import clip_to"),
+                         ("dist_moe.distributed.process_group", "from dist_moe.dispatch.dispatcher import stage")):
+        path = ROOT / (module.replace(".", "/") + ".py")
+        planted = import_graph({module: path.read_text() + f"\n{line}\n"})
+        assert reaching_up(planted) == [f"{module} -> {line.split()[1]}"], reaching_up(planted)
 
 
 # what the config schema and the config package may import: the config vocabulary, the router and GAR
@@ -148,7 +206,7 @@ def test_the_config_schema_is_a_leaf_that_imports_no_implementation():
 LAYOUT = ["dist_moe/moe/layer.py", "dist_moe/moe/host.py", "dist_moe/moe/experts.py", "dist_moe/moe/view.py",
           "dist_moe/dispatch/contract.py", "dist_moe/dispatch/exchange.py", "dist_moe/dispatch/pipeline.py",
           "dist_moe/dispatch/agree.py", "dist_moe/train/run_config.py", "dist_moe/config/choices.py",
-          "dist_moe/routing/gar.py", "dist_moe/gar/step.py", "dist_moe/integrations/deepspeed/patches.py",
+          "dist_moe/routing/gar.py", "dist_moe/train/gar_step.py", "dist_moe/integrations/deepspeed/patches.py",
           "dist_moe/integrations/megatron/patches.py", "dist_moe/integrations/transformers/ep.py",
           *(f"dist_moe/cli/{c}.py" for c in ("train", "report", "place", "simulate", "plan", "calibrate"))]
 

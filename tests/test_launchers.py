@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dist_moe import errors
-from dist_moe.dispatch.rank_line import ASKED, rank_line, say_rank_line
+from dist_moe.distributed.rank_line import ASKED, rank_line, say_rank_line
 from tests.dist_utils import free_port
 from tests.faults.launch import descendants, wait_gone
 

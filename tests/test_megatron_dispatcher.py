@@ -78,7 +78,7 @@ def _check_bytes(model, topology, rank):
     import torch
     import torch.distributed as dist
 
-    from dist_moe.dispatch.stats import all_gather_rows
+    from dist_moe.distributed.reductions import all_gather_rows
     from placement import dispatch_traffic
 
     layers = [m for m in model.modules() if hasattr(m, "reset_traffic")]

@@ -140,7 +140,7 @@ def _calibration(path, sizes=(2, 2), node_Bps=50e6):
     """A topology YAML as `dist-moe calibrate` writes it, with a slow (400 mbit-like) node link."""
     import yaml
 
-    from dist_moe.dispatch.calibrate import to_yaml
+    from placement.calibrate import to_yaml
 
     topo = Topology(("node", "gpu"), sizes)
     cost = topo.cost.updated({"node": {"bandwidth_Bps": node_Bps, "alpha_s": 1e-4}})

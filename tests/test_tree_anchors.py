@@ -3,7 +3,7 @@ for every depth's gradient in the backward, with the values and gradients of the
 computation the paper writes (a sum per depth, each differentiable on its own)."""
 import torch
 
-from dist_moe.dispatch.stats import all_reduce_sum
+from dist_moe.distributed.reductions import all_reduce_sum
 from dist_moe.routing.tree_anchors import batch_anchors
 from placement.subtree import tree_probs
 from tests.dist_utils import run_workers

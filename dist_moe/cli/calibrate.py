@@ -7,9 +7,9 @@ from pathlib import Path
 import yaml
 
 from dist_moe.config.choices import MAX_TIMEOUT_S, MIN_TIMEOUT_S
-from dist_moe.dispatch.calibrate import calibrate, to_yaml
-from dist_moe.dispatch.process_group import init_from_env, launched_world_size, resolve_device, shutdown
+from dist_moe.distributed.process_group import init_from_env, launched_world_size, resolve_device, shutdown
 from placement import Topology, check_output_file
+from placement.calibrate import calibrate, to_yaml
 from placement.files import write_atomic
 
 

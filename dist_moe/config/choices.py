@@ -7,7 +7,7 @@ MODEL_KINDS = ("tabular", "image", "lm", "text", "hf")  # train/build.py
 PRECISIONS = ("fp32", "bf16")  # train/precision.py
 EXPERT_KINDS = ("swiglu", "gelu", "lora")  # moe/experts.py
 MEGATRON_DISPATCHERS = ("alltoall", "allgather")  # Megatron's own token dispatchers (integrations/megatron)
-DEVICES = ("auto", "cpu", "cuda")  # dispatch/process_group.py
+DEVICES = ("auto", "cpu", "cuda")  # distributed/process_group.py
 # How long a collective may wait for a peer: below a second the group's own start-up (the store's
 # rendezvous) times out before any peer could answer; beyond a week a hung peer is never reported,
 # and far beyond, the backends' own timers overflow.

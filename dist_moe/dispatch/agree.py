@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dist_moe.dispatch.stats import reduce_copy
+from dist_moe.distributed.reductions import reduce_copy
 
 # input_problem's bits, and what each says
 INPUT_PROBLEMS = {1: "NaN or Inf in the router input", 2: "category ids out of range"}
@@ -86,59 +86,10 @@ def agree(problem: Tensor, tag: int, group, what: str = "this MoE layer", maxima
     return agreed
 
 
-def buffers_of(module) -> list[Tensor]:
-    """Copies of a module's buffers (BRANCH anchors and EMA step, DeepSeek-V3 biases, SpecDrop's
-    schedule, load counters), for ``put_back`` when what moved them is refused or skipped."""
-    return [b.detach().clone() for b in module.buffers()]
-
-
-def put_back(module, saved: list[Tensor]) -> None:
-    """The buffers ``buffers_of`` copied, restored in place."""
-    with torch.no_grad():
-        for b, old in zip(module.buffers(), saved):
-            b.copy_(old)
-
-
-def put_back_if(module, saved: list[Tensor], skipped: Tensor) -> None:
-    """``put_back`` decided on the device: each buffer becomes its copy where ``skipped`` (a 0-dim
-    tensor, nonzero: put back) says so, with no host read."""
-    with torch.no_grad():
-        keep = skipped.bool()
-        for b, old in zip(module.buffers(), saved):
-            b.copy_(torch.where(keep, old, b))
-
-
 @contextlib.contextmanager
 def agreed_routing(router):
     """Route inside this block with the data checks left to the agreement (``input_problem``,
     then ``check_headers`` or ``agree``); when the agreement refuses, the router's buffers
     (anchors, biases, schedules) go back to what they were, and the error goes on."""
-    saved = buffers_of(router)
-    try:
-        with router.checks_by_caller():
-            yield
-    except (InputRejected, OutOfStep):
-        put_back(router, saved)
-        raise
-
-
-def agree_on_errors(check, group=None) -> None:
-    """Run ``check()`` (start-up checks: output directory, run lock, checkpoint) on every rank; a
-    ValueError on any rank is raised on every rank, so none is left waiting in the first collective
-    for a peer that has already stopped."""
-    error = None
-    try:
-        check()
-    except ValueError as e:
-        error = e
-    mine = None if error is None else (str(error) or type(error).__name__)
-    messages = [mine]
-    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        messages = [None] * dist.get_world_size(group)
-        dist.all_gather_object(messages, mine, group=group)  # strings from peers, never from disk
-    bad = [(rank, m) for rank, m in enumerate(messages) if m]
-    if bad:
-        rank, message = bad[0]
-        if message == mine and error is not None:
-            raise error  # this rank's own, its type kept (a CheckpointError stays one)
-        raise ValueError(f"rank {rank}: {message}")
+    with router.checks_by_caller(), router.restored_on(InputRejected, OutOfStep):
+        yield

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dist_moe.dispatch.agree import check_headers
-from dist_moe.dispatch.groups import strong, weak
+from dist_moe.distributed.groups import strong, weak
 from placement.plan import Exchange
 
 _PAIR_COLUMNS = 2  # local copy index; expert id << 32 | gate bits

@@ -1,6 +1,7 @@
 """The two contracts every MoE layer here is built from (Megatron-core's router / token dispatcher
 / experts split): a dispatcher moves routed tokens to their experts and back; experts compute
-on the rows that arrived. ``MoELayer`` and both engines' layers hold one of each.
+on the rows that arrived. ``MoELayer`` and both engines' layers hold one of each. What a dispatcher
+takes: one forward's ``Tokens`` (made once by ``tokens_in``) and their ``Routes``.
 
 Dispatchers: ``LocalDispatcher`` (every expert on this rank: nothing exchanged) and
 ``ExpertParallelDispatcher`` (over a process group; rank or node dedup; pipelined by chunk),
@@ -9,11 +10,43 @@ both in ``dispatcher.py``; ``make_dispatcher`` picks one. Experts: dist-moe's ``
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
-from dist_moe.dispatch.moe_forward import Tokens
+from dist_moe.dispatch.agree import input_problem
+
+
+@dataclass
+class Tokens:
+    """One forward's flat tokens and what travels with them."""
+
+    h: Tensor  # [T, H]
+    categories: Tensor | None = None  # [T] (SpecDrop's), or None
+    token_ids: Tensor | None = None  # [T] (hash routing's), or None
+    valid: Tensor | None = None  # [T] bool, False at padding: routed, but out of the router's statistics
+    problem: Tensor | None = None  # the input-problem code every rank agrees on before a token moves
+    tag: int | None = None  # the host's forward count: ranks at different forwards refuse together
+    copy_meta: Tensor | None = None  # [T] or [T, C] integers that travel with each copy (categories)
+    row_tags: Tensor | None = None  # [T] that reach the experts' capture at the destination (GAR's)
+    chosen: tuple[Tensor, Tensor] | None = None  # (expert ids, weights) [T, K] a model's own router chose
+    layout: tuple = ((), None)  # (the input's leading shape, its padding mask): per-example summaries (GAR)
+
+    def route(self, router):
+        """The strategy's ``Routing`` of these tokens (logical expert ids)."""
+        return router(self.h, categories=self.categories, token_ids=self.token_ids, valid=self.valid)
+
+    @property
+    def extras(self) -> dict:
+        return {"categories": self.categories, "token_ids": self.token_ids}
+
+
+def tokens_in(h: Tensor, tag: int, num_categories: int | None = None, categories: Tensor | None = None,
+              token_ids: Tensor | None = None, valid: Tensor | None = None) -> Tokens:
+    """``Tokens`` of ``h`` [T, H] (per-token tensors already flat), with its input-problem code
+    (category ids checked against ``num_categories``, the router's)."""
+    return Tokens(h, categories, token_ids, valid, input_problem(h, categories, num_categories), tag)
 
 
 class Routes(Protocol):

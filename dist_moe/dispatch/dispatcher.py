@@ -27,19 +27,17 @@ int64), per copy its integer tags (categories, row tags) at 8 bytes each.
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from dist_moe.dispatch.all_to_all import Chunk, plan_hops
-from dist_moe.dispatch.combine import apply_experts, apply_experts_in_order, take_rows
-from dist_moe.dispatch.contract import ExpertsContract, Routes
-from dist_moe.dispatch.groups import WeakGroup, free_import_time_defaults
-from dist_moe.dispatch.moe_forward import Tokens
+from dist_moe.dispatch.apply_experts import apply_experts, apply_experts_in_order
+from dist_moe.dispatch.combine import take_rows
+from dist_moe.dispatch.contract import ExpertsContract, Routes, Tokens
 from dist_moe.dispatch.pipeline import PipelineRun, chunk_bounds, run_pipeline
 from dist_moe.dispatch.stages import stage
+from dist_moe.distributed.groups import SUBGROUPS, WeakGroup
 from placement import Placement, Topology, Traffic
 from placement.plan import DispatchPlan, Exchange, check_dedup
 
@@ -123,10 +121,6 @@ def make_dispatcher(group, placement: Placement, topology: Topology, dedup: str 
     return ExpertParallelDispatcher(group, placement, topology, dedup, timeout, fixed_order)
 
 
-# weak values: torch.distributed owns the groups, and destroy_process_group() frees them (groups.py)
-_NODE_GROUPS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
 def node_subgroup(group, topology: Topology, timeout=None):
     """This rank's node as a process group, created once per (group, node layout, timeout).
 
@@ -140,24 +134,15 @@ def node_subgroup(group, topology: Topology, timeout=None):
     """
     rank = dist.get_rank(group)
     node, g = topology.node_of(rank), topology.ranks_per_node
-    key = (id(group), topology.num_nodes, g, node, timeout)
-    mine = _NODE_GROUPS.get(key)
+    key = ("node", id(group), topology.num_nodes, g, node, timeout)
+    mine = SUBGROUPS.get(key)
     if mine is None:
         for other in range(topology.num_nodes):
             ranks = [dist.get_global_rank(group, other * g + i) for i in range(g)]
             sub = dist.new_group(ranks, timeout=timeout)
             if other == node:
-                mine = _NODE_GROUPS[key] = sub
+                mine = SUBGROUPS[key] = sub
     return mine
-
-
-def release_node_groups() -> None:
-    """Destroy the cached per-node groups and drop torch's import-time hold on WORLD (groups.py; call
-    before ``destroy_process_group`` at shutdown)."""
-    free_import_time_defaults()
-    for sub in list(_NODE_GROUPS.values()):
-        dist.destroy_process_group(sub)
-    _NODE_GROUPS.clear()
 
 
 class ExpertParallelDispatcher:

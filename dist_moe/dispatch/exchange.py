@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from dist_moe.dispatch.agree import agree, agreed_routing
-from dist_moe.dispatch.contract import Dispatcher, ExpertsContract, Routes
+from dist_moe.dispatch.contract import Dispatcher, ExpertsContract, Routes, Tokens
 from dist_moe.dispatch.dispatcher import make_dispatcher
-from dist_moe.dispatch.groups import WeakGroup
-from dist_moe.dispatch.moe_forward import Tokens
 from dist_moe.dispatch.pipeline import check_chunks
+from dist_moe.distributed.groups import WeakGroup
 from placement import Placement, Topology
 from placement.plan import check_dedup
 

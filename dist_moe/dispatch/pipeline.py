@@ -26,7 +26,8 @@ from torch.autograd.function import once_differentiable
 
 from dist_moe.config.choices import MAX_PIPELINE_CHUNKS
 from dist_moe.dispatch.all_to_all import Hop, Pending, pairs_back
-from dist_moe.dispatch.combine import apply_experts, apply_experts_in_order, compute_dtype, row_places, sum_rows
+from dist_moe.dispatch.apply_experts import apply_experts, apply_experts_in_order, compute_dtype
+from dist_moe.dispatch.combine import row_places, sum_rows
 from dist_moe.dispatch.contract import ExpertsContract
 from dist_moe.dispatch.stages import stage
 

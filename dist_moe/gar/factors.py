@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dist_moe.dispatch.stats import all_gather_rows, all_reduce_sum_
+from dist_moe.distributed.reductions import all_gather_rows, all_reduce_sum_
 
 
 @dataclass

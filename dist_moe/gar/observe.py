@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from dist_moe.dispatch.stats import all_reduce_sum, all_reduce_sum_, group_size
+from dist_moe.distributed.reductions import all_reduce_sum, all_reduce_sum_, group_size
 from dist_moe.gar.factors import SlotRows, factor_gram, factor_observations
 from dist_moe.moe.experts import FactorCapture
 from dist_moe.moe.view import MoEView, moe_views

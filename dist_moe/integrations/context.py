@@ -20,7 +20,7 @@ from types import MappingProxyType
 
 from torch import Tensor
 
-from dist_moe.dispatch.moe_forward import Tokens, tokens_in
+from dist_moe.dispatch.contract import Tokens, tokens_in
 
 _CONTEXT: contextvars.ContextVar[Mapping] = contextvars.ContextVar("dist_moe_routing_context",
                                                                    default=MappingProxyType({}))

@@ -11,27 +11,7 @@ import re
 import shutil
 from pathlib import Path
 
-import torch.distributed as dist
-
 from dist_moe.optional_engines import engine_import
-
-
-def raise_on_every_rank(failure: BaseException | None, group) -> None:
-    """The main rank's ``failure`` (or nothing) raised on every rank of ``group``: the main rank's own, a
-    copy on the others (strings and numbers only cross)."""
-    told = None if failure is None else (
-        (failure.errno, failure.strerror, failure.filename) if isinstance(failure, OSError) else str(failure))
-    every = [told]
-    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        every = [None] * dist.get_world_size(group)
-        dist.all_gather_object(every, told, group=group)
-    if failure is not None:
-        raise failure
-    rank, told = next(((r, t) for r, t in enumerate(every) if t is not None), (None, None))
-    if isinstance(told, tuple):
-        raise OSError(*told)
-    if told is not None:
-        raise ValueError(f"rank {rank}: {told}")
 
 
 @contextlib.contextmanager

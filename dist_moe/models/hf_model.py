@@ -21,10 +21,11 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from dist_moe.distributed.every_rank import raise_on_every_rank
 from dist_moe.errors import first_line
 from dist_moe.integrations.transformers.hosted import HostedHFExperts, moe_blocks
 from dist_moe.models.hf_config import check_config
-from dist_moe.models.hf_export import os_errors_of_safetensors, raise_on_every_rank, settle_export, swap_in
+from dist_moe.models.hf_export import os_errors_of_safetensors, settle_export, swap_in
 from dist_moe.models.rust_panic import rust_panics, rust_stderr_held
 from dist_moe.optional_engines import engine_import
 

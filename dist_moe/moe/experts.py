@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dist_moe.config.choices import EXPERT_KINDS
-from dist_moe.dispatch.combine import compute_dtype
+from dist_moe.dispatch.apply_experts import compute_dtype
 
 KINDS = EXPERT_KINDS
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what F.grouped_mm takes here (CPU and CUDA)

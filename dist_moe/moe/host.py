@@ -19,9 +19,8 @@ import contextlib
 
 from torch import Tensor, nn
 
-from dist_moe.dispatch.contract import ExpertsContract
+from dist_moe.dispatch.contract import ExpertsContract, Tokens, tokens_in
 from dist_moe.dispatch.exchange import ExpertExchange
-from dist_moe.dispatch.moe_forward import Tokens, tokens_in
 from dist_moe.dispatch.stages import stage
 from dist_moe.routing.base import Router, Routing, expert_load
 from placement import Placement, Topology
@@ -100,6 +99,9 @@ class ChosenRouter:
         return []
 
     def checks_by_caller(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def restored_on(self, *errors: type[BaseException]) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
 

@@ -22,13 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
+from dist_moe.dispatch.contract import Tokens, tokens_in
 from dist_moe.dispatch.dispatcher import CountsTraffic
 from dist_moe.dispatch.exchange import ExchangeConfig
-from dist_moe.dispatch.groups import WeakGroup
-from dist_moe.dispatch.moe_forward import Tokens, tokens_in
+from dist_moe.distributed.groups import WeakGroup
+from dist_moe.distributed.reductions import group_rank, group_size
 from dist_moe.moe.experts import KINDS, Experts, SharedExpert
 from dist_moe.moe.host import ExchangedMoE, bind_to_topology, per_token
 from dist_moe.moe.view import MoEView, expert_locations
@@ -93,7 +93,7 @@ class MoELayerConfig:
 
 
 class MoELayer(ExchangedMoE, CountsTraffic, nn.Module):
-    group = WeakGroup()  # held weakly: torch.distributed owns the group (dispatch/groups.py)
+    group = WeakGroup()  # held weakly: torch.distributed owns the group (distributed/groups.py)
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, router: Router | RouterConfig | dict, placement=None,
                  topology=None, group=None, *, stats_group=None, **options):
@@ -105,7 +105,7 @@ class MoELayer(ExchangedMoE, CountsTraffic, nn.Module):
         expert-parallel groups smaller than the world, the world, so every replica keeps one router state."""
         super().__init__()
         config = MoELayerConfig.of(hidden_size, ffn_hidden_size, router, **options)
-        world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+        world = group_size(group)
         router = config.router
         if isinstance(router, (dict, RouterConfig)):
             given = router_config(router, given_later=("hidden_size",))
@@ -128,7 +128,7 @@ class MoELayer(ExchangedMoE, CountsTraffic, nn.Module):
         self.num_experts = e
         self.placement, self.topology, self.group, self.dedup = placement, topology, group, config.exchange.dedup
         bind_to_topology(router, placement, topology)  # may raise: before the dispatcher creates any group
-        rank = dist.get_rank(group) if world > 1 else 0
+        rank = group_rank(group)
         self.local_expert_ids = placement.local_experts(rank)
         self.exchange = config.exchange.build(group, placement, topology)
         self.experts = _local_experts(world, rank, len(self.local_expert_ids), hidden_size, ffn_hidden_size,

@@ -4,7 +4,7 @@ A Router turns token representations into a Routing: a full distribution over
 experts, the selected experts with their gates, an auxiliary loss and small
 statistics. Routers never move tokens and never talk to a process group
 themselves; statistics that must agree across data-parallel replicas are
-summed through ``dist_moe.dispatch.stats.all_reduce_sum``.
+summed through ``dist_moe.distributed.reductions.all_reduce_sum``.
 """
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ import torch
 from torch import Tensor, nn
 
 from dist_moe.dispatch.combine import take_rows
-from dist_moe.dispatch.groups import WeakGroup
-from dist_moe.dispatch.stats import all_reduce_sum
+from dist_moe.distributed.groups import WeakGroup
+from dist_moe.distributed.reductions import all_reduce_sum
+from dist_moe.routing.buffers import buffers_of, put_back
 from placement.names import MAX_EXPERTS
 
 
@@ -87,7 +88,7 @@ class Router(nn.Module):
 
     num_experts: int
     top_k: int
-    stats_group = WeakGroup()  # held weakly: torch.distributed owns the group (dispatch/groups.py)
+    stats_group = WeakGroup()  # held weakly: torch.distributed owns the group (distributed/groups.py)
     # what layers and engine hosts may ask of any router; a strategy that has one sets its own
     aux_loss_coeff: float = 0.0  # the scale already applied to the aux loss it returns
     capacity_factor: float | None = None  # its own capacity (Switch), which a layer's must not repeat
@@ -171,6 +172,17 @@ class Router(nn.Module):
             yield self
         finally:
             self._caller_checks = previous
+
+    @contextlib.contextmanager
+    def restored_on(self, *errors: type[BaseException]):
+        """This router's buffers put back as they were when one of ``errors`` leaves the block (a
+        refusal every rank agreed on), and the error goes on."""
+        saved = buffers_of(self)
+        try:
+            yield self
+        except errors:
+            put_back(self, saved)
+            raise
 
     def reduce_stats(self, t: Tensor) -> Tensor:
         """Sum small statistics over ``stats_group`` (identity when there is none)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dist_moe.dispatch.stats import all_reduce_sum, sum_gradient_over
+from dist_moe.distributed.reductions import all_reduce_sum, sum_gradient_over
 
 _TINY = torch.finfo(torch.float32).tiny
 

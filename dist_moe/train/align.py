@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from dist_moe.dispatch.stats import all_reduce_sum
+from dist_moe.distributed.reductions import all_reduce_sum
 from dist_moe.moe.layer import MoELayer
 from dist_moe.moe.view import moe_layers
 

@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_moe.dispatch.agree import agree_on_errors
-from dist_moe.dispatch.process_group import barrier
+from dist_moe.distributed.every_rank import agree_on_errors
+from dist_moe.distributed.process_group import barrier
 from dist_moe.errors import first_line
 from dist_moe.moe.view import MoEHost
 from dist_moe.train.checkpoint_files import (

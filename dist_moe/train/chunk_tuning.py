@@ -19,7 +19,7 @@ import time
 import torch
 from torch import nn
 
-from dist_moe.dispatch.stats import all_reduce_max
+from dist_moe.distributed.reductions import all_reduce_max
 
 CANDIDATES = (1, 2, 4)
 STEPS_EACH = 3  # the first step of a candidate is not timed: its exchanges' buffers change size

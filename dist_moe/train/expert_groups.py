@@ -1,14 +1,14 @@
 """The process groups of a run whose expert-parallel groups are smaller than the world (``parallel.ep_size``):
 this rank's EP group (its MoE layers' exchanges) and its replica group (the ranks holding the same experts,
 which sum their gradients). ``new_group`` is collective over the whole world, so every rank creates every
-group, in one order; each keeps its own, weakly (``dispatch/groups.py``)."""
+group, in one order; each keeps its own, weakly (``distributed/groups.py``)."""
 from __future__ import annotations
 
 import datetime
 
 import torch.distributed as dist
 
-from dist_moe.dispatch.groups import WeakGroup
+from dist_moe.distributed.groups import WeakGroup
 from placement import Topology
 from placement.ep_groups import ExpertLayout
 

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from dist_moe.dispatch.exchange import ExchangeConfig
-from dist_moe.dispatch.groups import WeakGroup
-from dist_moe.dispatch.process_group import init_from_env, launched_world_size, resolve_device, shutdown
-from dist_moe.dispatch.rank_line import say_rank_line
-from dist_moe.dispatch.stats import all_reduce_sum
+from dist_moe.distributed.groups import WeakGroup
+from dist_moe.distributed.process_group import init_from_env, launched_world_size, resolve_device, shutdown
+from dist_moe.distributed.rank_line import say_rank_line
+from dist_moe.distributed.reductions import all_reduce_sum
 from dist_moe.moe.layer import MoELayerConfig
 from dist_moe.train.engines import ENGINES
 from dist_moe.train.expert_groups import ExpertGroups
@@ -27,7 +27,7 @@ from placement.ep_groups import ExpertLayout
 class Runtime:
     """Process group, engine set-up and the MoE layer factory for one training run."""
 
-    group = WeakGroup()  # held weakly (dist_moe/dispatch/groups.py)
+    group = WeakGroup()  # held weakly (dist_moe/distributed/groups.py)
 
     def __init__(self, engine: str, parallel: ParallelConfig, precision: str = "fp32", deterministic: bool = False):
         if engine not in ENGINES:

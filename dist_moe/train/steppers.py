@@ -1,7 +1,7 @@
 """Who steps: zero_grad, backward, gradient reduction, clip and the optimizer step of one batch.
 
 ``LocalStepper`` is dist-moe's (engines torch and megatron): replicated parameters are
-all-reduced while backward runs (``dispatch/grad_overlap.py``) and divided by the world, rank-local
+all-reduced while backward runs (``train/grad_overlap.py``) and divided by the world, rank-local
 experts (whose gradients already hold their expert-parallel group's tokens) are summed over their
 replica group, on a communicator of their own, while backward runs (when the EP group is smaller than
 the world) and divided by the world, then one clip over the global norm and a fused Adam step, all on
@@ -15,12 +15,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dist_moe.dispatch.grad_overlap import OverlappedGradSum, overlapped_grad_sum
-from dist_moe.dispatch.grads import all_finite, clip_to, global_norm, group_size, scale_grads
-from dist_moe.dispatch.groups import WeakGroup
-from dist_moe.gar.step import rank_local_param_ids
+from dist_moe.distributed.groups import WeakGroup
 from dist_moe.moe.view import moe_views
 from dist_moe.optional_engines import engine_import
+from dist_moe.train.gar_step import rank_local_param_ids
+from dist_moe.train.grad_overlap import OverlappedGradSum, overlapped_grad_sum
+from dist_moe.train.grads import all_finite, clip_to, global_norm, group_size, scale_grads
 from placement.ep_groups import ring_sends
 
 
@@ -31,7 +31,7 @@ class LocalStepper:
 
     finish_external = None  # GAR reduces, clips and steps itself (DeepSpeedStepper hands that to DeepSpeed)
 
-    group = WeakGroup()  # held weakly (dist_moe/dispatch/groups.py)
+    group = WeakGroup()  # held weakly (dist_moe/distributed/groups.py)
 
     def __init__(self, model: nn.Module, lr: float, max_grad_norm, group, world: int, timeout=None, experts=None):
         """``experts``: the run's ``ExpertGroups`` when its expert-parallel groups are smaller than the world."""

@@ -26,9 +26,9 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from dist_moe.dispatch.agree import agree_on_errors
 from dist_moe.dispatch.all_to_all import blocked_seconds
-from dist_moe.dispatch.process_group import collective_failure, launched_world_size, resolve_device
+from dist_moe.distributed.every_rank import agree_on_errors
+from dist_moe.distributed.process_group import collective_failure, launched_world_size, resolve_device
 from dist_moe.models.hf_export import settle_export
 from dist_moe.moe.view import moe_layers
 from dist_moe.routing.base import Scheduled

@@ -8,9 +8,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from dist_moe.dispatch.agree import buffers_of, put_back, put_back_if
-from dist_moe.dispatch.stats import all_reduce_max
-from dist_moe.gar.step import equal_task_weights, gar_train_step
+from dist_moe.distributed.reductions import all_reduce_max
+from dist_moe.routing.buffers import buffers_of, put_back, put_back_if
+from dist_moe.train.gar_step import equal_task_weights, gar_train_step
 from dist_moe.train.run_config import TrainConfig
 
 

@@ -1,4 +1,4 @@
-"""A job that succeeded exits 0: no abort in interpreter teardown (dist_moe/dispatch/groups.py).
+"""A job that succeeded exits 0: no abort in interpreter teardown (dist_moe/distributed/groups.py).
 
 Before the fix, 8 of 12 such 4-rank runs with node dedup died at exit with `terminate called
 without an active exception` (SIGABRT), so torchrun reported the job FAILED."""

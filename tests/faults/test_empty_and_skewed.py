@@ -2,7 +2,7 @@
 results of a single process with the same weights."""
 import torch
 
-from dist_moe.dispatch.moe_forward import Tokens
+from dist_moe.dispatch.contract import Tokens
 from dist_moe.routing.base import Routing
 from tests.dist_utils import run_workers
 
@@ -32,7 +32,7 @@ def _one_expert_worker(rank, world):
     import torch
     import torch.distributed as dist
 
-    from dist_moe.dispatch.combine import apply_experts
+    from dist_moe.dispatch.apply_experts import apply_experts
     from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher, routing_pairs
     from dist_moe.moe.experts import Experts
     from placement import Placement, Topology

@@ -19,7 +19,7 @@ RUN = ["data.max_rows=2000", "train.max_steps=100000", f"parallel.timeout_s={TIM
 STOP_IN_ENGINE_GROUP = """
 import os, signal, sys
 import torch.distributed as dist
-from dist_moe.dispatch import stats
+from dist_moe.distributed import reductions as stats
 real, calls = stats.reduce_copy, [0]
 def stopping(t, group, *rest):
     if group is not None and group != dist.group.WORLD:

@@ -89,7 +89,7 @@ def test_gloo_pair_closure_is_a_collective_failure():
     """A link cut while an exchange is in flight surfaces from gloo as a pair closed by its timeout (the
     metadata's all-to-all is waited for after the payload leaves): every rank reports it as a failed
     collective, not as an internal error."""
-    from dist_moe.dispatch.process_group import collective_failure
+    from dist_moe.distributed.process_group import collective_failure
 
     error = RuntimeError("Application timeout caused pair closure")  # as the CLI printed it
     failure = collective_failure(error, 1, 2, 15.0)

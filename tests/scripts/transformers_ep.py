@@ -111,7 +111,7 @@ def _smaller_mesh(rank, world, folder):
 def _expected_bytes(model, routings, topology, dedup):
     """[W, W]: ``dispatch_traffic`` of every rank's routings (each layer, each forward), summed, which
     every rank's measured rows must make up together."""
-    from dist_moe.dispatch.stats import all_gather_rows
+    from dist_moe.distributed.reductions import all_gather_rows
     from placement import dispatch_traffic
 
     rank, world = dist.get_rank(), dist.get_world_size()

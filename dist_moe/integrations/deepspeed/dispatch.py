@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import dist_moe.integrations.deepspeed.patches as deepspeed_patches
-from dist_moe.dispatch.combine import compute_dtype
+from dist_moe.dispatch.apply_experts import compute_dtype
+from dist_moe.dispatch.contract import Tokens
 from dist_moe.dispatch.dispatcher import CountsTraffic
 from dist_moe.dispatch.exchange import ExchangeConfig, ExpertExchange
-from dist_moe.dispatch.moe_forward import Tokens
 from dist_moe.integrations.stacked import RestacksExperts, grouped_mm, stack_in_place, stacked_alias, stacked_view
 from dist_moe.moe.experts import SingleExpert, grouped_ok, offsets
 from dist_moe.moe.host import ExchangedMoE, bind_to_topology

@@ -44,9 +44,9 @@ from torch import Tensor, nn
 
 import dist_moe.integrations.deepspeed.patches as deepspeed_patches
 from dist_moe.dispatch.agree import agree, agreed_routing
-from dist_moe.dispatch.groups import WeakGroup
-from dist_moe.dispatch.moe_forward import Tokens
-from dist_moe.dispatch.process_group import shutdown
+from dist_moe.dispatch.contract import Tokens
+from dist_moe.distributed.groups import WeakGroup
+from dist_moe.distributed.process_group import shutdown
 from dist_moe.integrations.context import context_tokens, routing_extras
 from dist_moe.integrations.deepspeed.dispatch import per_expert, use_dist_moe_dispatcher
 from dist_moe.integrations.hosted import DispatchedHost, HostedMoE
@@ -76,7 +76,7 @@ def _f32(value: float) -> float:
 
 
 class DistMoEGate(nn.Module):
-    ep_group = WeakGroup()  # DeepSpeed's EP group, held weakly (dist_moe/dispatch/groups.py)
+    ep_group = WeakGroup()  # DeepSpeed's EP group, held weakly (dist_moe/distributed/groups.py)
 
     def __init__(self, router: Router | dict, hidden_size: int, ep_size: int = 1, placement: Placement | None = None,
                  capacity_factor: float | None = None, min_capacity: int = 8, topology=None):
@@ -254,8 +254,8 @@ def init_distributed(timeout_s: float | None = None, device: torch.device | None
 
 def shutdown_distributed() -> None:
     """The end of a job that ``init_distributed`` started: DeepSpeed's cached groups are dropped, then
-    the group is left (``dist_moe.dispatch.process_group.shutdown``), so none of them outlives it and
-    aborts the process at exit (dist_moe/dispatch/groups.py)."""
+    the group is left (``dist_moe.distributed.process_group.shutdown``), so none of them outlives it and
+    aborts the process at exit (dist_moe/distributed/groups.py)."""
     deepspeed_patches.release_groups()
     shutdown()
 

@@ -45,7 +45,7 @@ def release_groups() -> None:
     """Drop DeepSpeed's cached process groups (its expert, expert-data, world and model-parallel
     groups). 0.19.8 releases them only when the group is destroyed through deepspeed.comm; a run
     whose group torch destroys would otherwise keep every one alive until interpreter exit, where
-    their threads can abort the process (dist_moe/dispatch/groups.py). Its dicts hold nothing but
+    their threads can abort the process (dist_moe/distributed/groups.py). Its dicts hold nothing but
     groups, so the garbage collector cannot see them as referrers either."""
     groups = engine_import("deepspeed.utils", "groups")
 

@@ -24,10 +24,10 @@ import torch
 from torch import Tensor
 
 import dist_moe.integrations.megatron.patches as megatron_patches
-from dist_moe.dispatch.combine import compute_dtype
+from dist_moe.dispatch.apply_experts import compute_dtype
+from dist_moe.dispatch.contract import Tokens
 from dist_moe.dispatch.dispatcher import CountsTraffic
 from dist_moe.dispatch.exchange import ExchangeConfig
-from dist_moe.dispatch.moe_forward import Tokens
 from dist_moe.integrations.megatron.router import DistMoERouter
 from dist_moe.integrations.stacked import RestacksExperts, grouped_mm, stack_in_place, stacked_alias, stacked_view
 from dist_moe.moe.experts import grouped_ok, offsets

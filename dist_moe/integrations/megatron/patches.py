@@ -101,7 +101,7 @@ def release_parallel_state() -> list[str]:
     ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP`` and its ``_GLOO`` twin stay set; the aux-loss
     tracker keeps the reduce groups of every layer that logged a loss). A group kept
     past ``destroy_process_group`` lives until interpreter exit, where its threads can abort the
-    process (dist_moe/dispatch/groups.py). Runs on CPU and GPU alike; returns the names it cleared."""
+    process (dist_moe/distributed/groups.py). Runs on CPU and GPU alike; returns the names it cleared."""
     parallel_state = engine_import("megatron.core", "parallel_state")
     parallel_state.destroy_model_parallel()
     cleared = []

@@ -29,9 +29,9 @@ from torch import Tensor, nn
 
 import dist_moe.integrations.megatron.patches as megatron_patches
 from dist_moe.dispatch.agree import agree, agreed_routing
-from dist_moe.dispatch.groups import WeakGroup
-from dist_moe.dispatch.moe_forward import Tokens
+from dist_moe.dispatch.contract import Tokens
 from dist_moe.dispatch.stages import stage
+from dist_moe.distributed.groups import WeakGroup
 from dist_moe.integrations.context import context_tokens, routing_extras
 from dist_moe.moe.host import bind_to_topology
 from dist_moe.optional_engines import engine_import
@@ -42,7 +42,7 @@ from placement import Placement
 
 
 class DistMoERouter(nn.Module):
-    agree_group = WeakGroup()  # the ranks that route their own tokens, held weakly (dispatch/groups.py)
+    agree_group = WeakGroup()  # the ranks that route their own tokens, held weakly (distributed/groups.py)
     track_group = WeakGroup()  # the aux-loss tracker's reduction group, held weakly too
 
     def __init__(self, *, config, pg_collection=None, router: Router | RouterConfig | dict,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dist_moe.dispatch.combine import compute_dtype
+from dist_moe.dispatch.apply_experts import compute_dtype
 from dist_moe.dispatch.exchange import ExchangeConfig
 from dist_moe.integrations.stacked import grouped_mm
 from dist_moe.moe.experts import grouped_ok, offsets

@@ -16,11 +16,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from dist_moe.dispatch.contract import Tokens
 from dist_moe.dispatch.dispatcher import CountsTraffic
 from dist_moe.dispatch.exchange import ExchangeConfig
-from dist_moe.dispatch.groups import WeakGroup
-from dist_moe.dispatch.moe_forward import Tokens
-from dist_moe.dispatch.stats import all_gather_rows
+from dist_moe.distributed.groups import WeakGroup
+from dist_moe.distributed.reductions import all_gather_rows
 from dist_moe.integrations.transformers.ep import StackedExperts
 from dist_moe.moe.host import ChosenRouter, ChosenRoutes
 from dist_moe.moe.view import MoEView, expert_locations
@@ -33,7 +33,7 @@ class HostedHFExperts(ChosenRoutes, CountsTraffic, nn.Module):
     dispatcher. ``forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K])`` as the
     experts module it replaces."""
 
-    group = WeakGroup()  # held weakly: torch.distributed owns the group (dist_moe/dispatch/groups.py)
+    group = WeakGroup()  # held weakly: torch.distributed owns the group (dist_moe/distributed/groups.py)
 
     def __init__(self, experts: nn.Module, gate: nn.Module, placement: Placement, topology: Topology, group,
                  exchange: ExchangeConfig):

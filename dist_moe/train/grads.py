@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from dist_moe.dispatch.stats import all_reduce_sum, group_size
+from dist_moe.distributed.reductions import all_reduce_sum, group_size
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from dist_moe.config.choices import DEVICES
-from dist_moe.dispatch.dispatcher import release_node_groups
+from dist_moe.distributed.groups import release_subgroups
 from dist_moe.errors import CollectiveError
 
 
@@ -34,7 +34,7 @@ def resolve_device(choice: str = "auto") -> torch.device:
     """``parallel.device``: the CPU, or this process's GPU (LOCAL_RANK); auto takes a GPU when one is
     visible, except on an emulated cluster (``device_choice.choose_device``). A group that already
     exists decides (NCCL: its GPU; gloo: the CPU)."""
-    from dist_moe.dispatch.device_choice import choose_device, emulated_nodes
+    from dist_moe.distributed.device_choice import choose_device, emulated_nodes
 
     if choice not in DEVICES:
         raise ValueError(f"parallel.device must be one of {DEVICES}, got {choice!r}")
@@ -83,7 +83,7 @@ def shutdown(wait: bool = True) -> None:
     if dist.is_initialized():
         if wait:
             barrier(dist.group.WORLD)  # nobody tears down while a peer still has collectives in flight
-        release_node_groups()
+        release_subgroups()
         dist.destroy_process_group()
 
 

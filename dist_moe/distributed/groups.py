@@ -25,8 +25,7 @@ that saved a checkpoint, and every DeepSpeed run, kept WORLD alive past
 ``destroy_process_group`` that way (the abort at exit seen in 2 of 12 full
 suites). ``free_import_time_defaults`` replaces such defaults with None: what
 those functions get when imported before the group exists, and read as the
-default group; ``process_group.shutdown`` and ``release_node_groups`` call it
-before they destroy the groups.
+default group; ``release_subgroups`` calls it before it destroys the groups.
 """
 from __future__ import annotations
 
@@ -35,6 +34,7 @@ import sys
 import warnings
 import weakref
 
+import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 # the packages whose functions may capture a live group in a default (torch 2.13, deepspeed 0.19.8)
@@ -109,3 +109,16 @@ def _functions_of(module) -> list:
                 found.append(v)
                 v = getattr(v, "__wrapped__", None)
     return found
+
+
+# subgroups made once per key and reused (the dispatcher's node groups); weak values: torch.distributed owns them
+SUBGROUPS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def release_subgroups() -> None:
+    """Destroy the cached subgroups and drop torch's import-time hold on WORLD (call before
+    ``destroy_process_group`` at shutdown)."""
+    free_import_time_defaults()
+    for sub in list(SUBGROUPS.values()):
+        dist.destroy_process_group(sub)
+    SUBGROUPS.clear()

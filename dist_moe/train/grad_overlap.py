@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dist_moe.dispatch.grads import BUCKET_BYTES
-from dist_moe.dispatch.groups import WeakGroup
+from dist_moe.distributed.groups import WeakGroup
+from dist_moe.train.grads import BUCKET_BYTES
 
 
 def _buckets(params: list, bucket_bytes: int) -> list[list]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dist_moe.dispatch.groups import strong, weak
+from dist_moe.distributed.groups import strong, weak
 
 
 def group_device(group) -> torch.device:
@@ -80,6 +80,11 @@ def sum_gradient_over(local: torch.Tensor, total: torch.Tensor, group=None) -> t
 def group_size(group) -> int:
     """Ranks in ``group``; 1 without one."""
     return 1 if not _active(group) else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    """This process's rank in ``group``; 0 without one."""
+    return 0 if not _active(group) else dist.get_rank(group)
 
 
 def _active(group) -> bool:
