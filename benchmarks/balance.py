@@ -109,7 +109,8 @@ def _record_training_loads(model) -> None:
 
 def _patch_trainer(run: dict) -> None:
     """The trainer builds data and model through these names: a run may sort its data and records loads."""
-    from dist_moe.train import build, trainer, training_state
+    from dist_moe.train import build, trainer
+    from dist_moe.train.checkpoint import state as training_state
 
     def data_and_model(cfg, rt):
         data, model = build.data_and_model(cfg, rt)

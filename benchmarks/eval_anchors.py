@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dist_moe.moe.view import moe_layers  # noqa: E402
 from dist_moe.train.config import load_config  # noqa: E402
-from dist_moe.train.metrics import routing_metrics  # noqa: E402
+from dist_moe.train.metrics.routing import routing_metrics  # noqa: E402
 from dist_moe.train.trainer import train  # noqa: E402
 
 ROWS = 2048  # validation sequences per rank

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dist_moe.gar import observe
 from dist_moe.models import MoERegressor
-from dist_moe.train.gar_step import equal_task_weights, gar_objective
+from dist_moe.train.step.gar_step import equal_task_weights, gar_objective
 
 
 def main() -> None:

@@ -65,7 +65,7 @@ from dist_moe.dispatch.all_to_all import HOST_READS
 from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher
 from dist_moe.distributed.process_group import init_from_env, resolve_device
 from dist_moe.optional_engines import engine_import
-from dist_moe.train.training_state import DataCursor, restore_state, save_state
+from dist_moe.train.checkpoint.state import DataCursor, restore_state, save_state
 from tests.ep_checks import ROUTERS
 from tests.sync_budget import counting
 
@@ -360,9 +360,9 @@ class _Net(torch.nn.Module):
 
 @check("train step sync: one trainer step through the EP dispatcher, no sync but its exchange's read")
 def train_step_sync(device):
-    from dist_moe.train.steppers import LocalStepper
+    from dist_moe.train.step.steppers import LocalStepper
+    from dist_moe.train.step.training_step import PlainStep
     from dist_moe.train.trainer import screened
-    from dist_moe.train.training_step import PlainStep
 
     group = _one_rank_group(device)
     torch.manual_seed(0)

@@ -16,10 +16,10 @@ import yaml
 
 from dist_moe.cli.plan import recorded_routing
 from dist_moe.moe.view import moe_layers
-from dist_moe.train.expert_metrics import contingency, gradient_mass_purity, lvar, nmi, utilization
 from dist_moe.train.layout_choice import moe_shape
-from dist_moe.train.step_bytes import per_step_traffic
-from dist_moe.train.training_step import loss_of
+from dist_moe.train.metrics.experts import contingency, gradient_mass_purity, lvar, nmi, utilization
+from dist_moe.train.metrics.step_bytes import per_step_traffic
+from dist_moe.train.step.training_step import loss_of
 from placement import Topology
 from placement import Topology as Topo
 from placement.calibrate import calibrate, replay_dispatch, slowest, to_yaml

@@ -75,7 +75,7 @@ class GARCase:
     def __init__(self, rank: int, world: int, even: bool = False):
         """``even``: every rank holds 3 examples per group (Megatron's allgather dispatcher needs
         equal token counts on every rank); otherwise rank r holds 2 + r."""
-        from dist_moe.train.gar_step import equal_task_weights, gar_train_step
+        from dist_moe.train.step.gar_step import equal_task_weights, gar_train_step
 
         # no aux loss: Megatron adds it inside the output's backward, the loss_fn here leaves it out
         self.router = {"type": "switch", "num_experts": 4, "top_k": 2, "jitter_eps": 0.0, "aux_loss_coeff": 0.0}

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from dist_moe import MoELayer
-from dist_moe.train import checkpoint
+from dist_moe.train.checkpoint import store as checkpoint
 from placement import Placement
 from tests.dist_utils import run_workers
 
@@ -18,8 +18,8 @@ def _inputs():
 
 def _step(layer, opt, x, w, group=None):
     from dist_moe.moe.view import moe_views
-    from dist_moe.train.gar_step import rank_local_param_ids
-    from dist_moe.train.grads import sum_replicated_grads
+    from dist_moe.train.step.gar_step import rank_local_param_ids
+    from dist_moe.train.step.grads import sum_replicated_grads
 
     y, aux = layer(x)
     opt.zero_grad()
@@ -227,7 +227,7 @@ def test_a_ctrl_c_inside_a_save_reaches_the_trainer_as_ctrl_c():
     failure that only followed it; a real error comes out as itself."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from dist_moe.train.checkpoint_dcp import _unwrapped
+    from dist_moe.train.checkpoint.dcp import _unwrapped
 
     def raised(failures):
         with pytest.raises(BaseException) as info, _unwrapped():

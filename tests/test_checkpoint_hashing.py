@@ -8,7 +8,7 @@ import os
 import torch
 
 from dist_moe import MoELayer
-from dist_moe.train import checkpoint
+from dist_moe.train.checkpoint import store as checkpoint
 from placement import Placement
 from tests.dist_utils import run_workers
 
@@ -18,7 +18,7 @@ H, F, E = 6, 8, 8
 def _save_worker(rank, world, directory):
     import torch.distributed as dist
 
-    from dist_moe.train import checkpoint_files
+    from dist_moe.train.checkpoint import files as checkpoint_files
 
     hashed = []
     real = checkpoint_files._sha256
@@ -57,7 +57,7 @@ def _failing_worker(rank, world, directory):
     import pytest
     import torch.distributed as dist
 
-    from dist_moe.train import checkpoint_files
+    from dist_moe.train.checkpoint import files as checkpoint_files
 
     real = checkpoint_files.hash_files
 

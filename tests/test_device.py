@@ -78,7 +78,7 @@ def test_a_checkpoint_restores_this_rank_s_gpu_random_stream_bit_for_bit(monkeyp
     resume sets it back on that GPU, not on another one."""
     from types import SimpleNamespace
 
-    from dist_moe.train.training_state import DataCursor, restore_state, save_state
+    from dist_moe.train.checkpoint.state import DataCursor, restore_state, save_state
 
     gpus = _FakeGPUs(monkeypatch, 4, visible=False)
     rt = SimpleNamespace(device=torch.device("cuda", 2), world=1, rank=0, group=None)

@@ -124,7 +124,7 @@ def _deepspeed_worker(rank, world):
     import torch
 
     from dist_moe.integrations.deepspeed import init_distributed
-    from dist_moe.train.steppers import DeepSpeedStepper
+    from dist_moe.train.step.steppers import DeepSpeedStepper
     from tests.test_deepspeed_dispatcher import _net
 
     init_distributed()

@@ -65,8 +65,8 @@ def _gar_worker(rank, world, host):
 
     from dist_moe.integrations.deepspeed import DeepSpeedHostedMoE, init_distributed, load_dist_moe_experts
     from dist_moe.moe.layer import MoELayerConfig
-    from dist_moe.train.gar_step import gar_train_step
-    from dist_moe.train.steppers import DeepSpeedStepper
+    from dist_moe.train.step.gar_step import gar_train_step
+    from dist_moe.train.step.steppers import DeepSpeedStepper
     from tests.engine_checks import GAR_HIDDEN, GAR_KW, Record, gar_case
 
     os.environ.setdefault("LOCAL_RANK", str(rank))  # deepspeed.initialize checks it; launchers set it
@@ -123,7 +123,7 @@ def test_a_users_own_expert_module_is_hosted_like_deepspeed_moe_does():
 
     from dist_moe.integrations.deepspeed import DeepSpeedHostedMoE
     from dist_moe.moe.layer import MoELayerConfig
-    from dist_moe.train.checkpoint import _expert_keys
+    from dist_moe.train.checkpoint.store import _expert_keys
 
     class Mine(torch.nn.Module):
         def __init__(self):

@@ -74,7 +74,7 @@ def _gar_worker(rank, world, dispatcher):
 
     from dist_moe.integrations.megatron import MegatronHostedMoE, load_dist_moe_experts
     from dist_moe.moe.layer import MoELayerConfig
-    from dist_moe.train.gar_step import gar_train_step
+    from dist_moe.train.step.gar_step import gar_train_step
     from tests.engine_checks import GAR_HIDDEN, GAR_KW, Record, gar_case
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=world)

@@ -119,15 +119,16 @@ def test_the_trainer_waits_for_the_timing_events_only_outside_its_steps(tmp_path
     its start, around each evaluation and at the end, never in a step; a log step reads unsettled."""
     from dist_moe.train import trainer
     from dist_moe.train.config import load_config
+    from dist_moe.train.metrics import log
 
     calls = []
-    real = trainer.blocked_seconds
+    real = log.blocked_seconds
 
     def counted(settled=True):
         calls.append(settled)
         return real(settled)
 
-    monkeypatch.setattr(trainer, "blocked_seconds", counted)
+    monkeypatch.setattr(log, "blocked_seconds", counted)
     summary = trainer.train(load_config(None, ["data.max_rows=600", "train.max_steps=6", "train.log_every=2",
                                                f"output.dir={tmp_path}"]), quiet=True)
     assert summary["steps"] == 6

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from dist_moe.train.expert_metrics import (
+from dist_moe.train.metrics.experts import (
     ari,
     contingency,
     gradient_mass_purity,

@@ -8,7 +8,7 @@ from torch import nn
 from dist_moe import MoELayer
 from dist_moe.gar.observe import collect_observations, example_mean, group_route_summaries
 from dist_moe.routing.gar import gar_loss, gar_loss_gram
-from dist_moe.train.gar_step import equal_task_weights, gar_objective, gar_train_step
+from dist_moe.train.step.gar_step import equal_task_weights, gar_objective, gar_train_step
 
 H = 6
 
@@ -190,7 +190,7 @@ def test_same_task_groups_over_ranks_are_the_groups_of_one_process(world):
     """train.gar_groups=same_category under expert parallelism: each rank's part of every unit, put
     back at its place in the batch, gives the groups one process forms from the whole batch (each
     task's rows in order, runs of g), with the same tasks and sizes on every rank."""
-    from dist_moe.train.training_step import same_category_units
+    from dist_moe.train.step.training_step import same_category_units
 
     g = torch.Generator().manual_seed(3)
     cb = torch.randint(0, 5, (48,), generator=g)
@@ -215,7 +215,7 @@ def test_same_task_groups_over_ranks_are_refused_for_engine_hosted_layers():
 
     from dist_moe.routing.gar import GARConfig
     from dist_moe.train.run_config import TrainConfig
-    from dist_moe.train.training_step import GARStep
+    from dist_moe.train.step.training_step import GARStep
 
     def runtime(world, engine):
         return SimpleNamespace(world=world, ep_size=world, layout=SimpleNamespace(replicas=1),

@@ -13,7 +13,7 @@ def _gar_worker(rank, world, router_type, mode="materialized", unit="group", chu
     import torch.distributed as dist
 
     from dist_moe.models import MoERegressor
-    from dist_moe.train.gar_step import equal_task_weights, gar_train_step
+    from dist_moe.train.step.gar_step import equal_task_weights, gar_train_step
     from placement import Placement, Topology
 
     H, E = 6, 4 * world // 2 if world > 2 else 4

@@ -15,7 +15,7 @@ def _step_worker(rank, world):
     from dist_moe.moe.layer import MoELayer
     from dist_moe.routing.gar import GARConfig
     from dist_moe.train.run_config import TrainConfig
-    from dist_moe.train.training_step import GARStep
+    from dist_moe.train.step.training_step import GARStep
     from placement import Placement
 
     H, E, classes = 16, 4, (2, 3, 2)

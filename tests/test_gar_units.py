@@ -7,7 +7,7 @@ from torch import nn
 
 from dist_moe import MoELayer
 from dist_moe.gar.observe import collect_observations
-from dist_moe.train.gar_step import equal_task_weights, gar_objective, gar_train_step
+from dist_moe.train.step.gar_step import equal_task_weights, gar_objective, gar_train_step
 
 H, S = 6, 4
 

@@ -107,7 +107,7 @@ def test_routing_is_pure_tensor_math():
 
     assert not [c for path in sorted((ROOT / "dist_moe" / "routing").glob("*.py")) for c in calls(path)]
     # the check reads what it should: GAR's step and the gradient collectives fail it
-    gar_step = ROOT / "dist_moe" / "train" / "gar_step.py"
+    gar_step = ROOT / "dist_moe" / "train" / "step" / "gar_step.py"
     assert {c.split(" ", 1)[1] for c in calls(gar_step)} >= {"backward", "optimizer step"}
     assert calls(ROOT / "dist_moe" / "distributed" / "reductions.py")
     flat = ROOT / "dist_moe" / "routing" / "flat.py"
@@ -165,7 +165,7 @@ def test_dispatch_is_the_exchange_and_only_named_packages_talk_to_torch_distribu
     experts = "dist_moe/moe/experts.py"
     assert distributed_importers({experts: (ROOT / experts).read_text() + "\nfrom torch import distributed\n"}) \
         == [f"{experts}:{len((ROOT / experts).read_text().splitlines()) + 2}"]
-    for module, line in (("dist_moe.dispatch.exchange", "from dist_moe.train.grads import clip_to"),
+    for module, line in (("dist_moe.dispatch.exchange", "from dist_moe.train.step.grads import clip_to"),
                          ("dist_moe.distributed.process_group", "from dist_moe.dispatch.dispatcher import stage")):
         path = ROOT / (module.replace(".", "/") + ".py")
         planted = import_graph({module: path.read_text() + f"\n{line}\n"})
@@ -193,20 +193,21 @@ def test_the_config_schema_is_a_leaf_that_imports_no_implementation():
     from dist_moe.integrations.megatron.patches import DISPATCHERS
     from dist_moe.moe.experts import KINDS
     from dist_moe.train.build import MODEL_KINDS
-    from dist_moe.train.engines import ENGINES
+    from dist_moe.train.step.engines import ENGINES
     assert tuple(ENGINES) == choices.ENGINES and MODEL_KINDS == choices.MODEL_KINDS
     assert KINDS is choices.EXPERT_KINDS and DISPATCHERS is choices.MEGATRON_DISPATCHERS
     # planted: the schema reading the engines again is caught
     schema = (ROOT / "dist_moe" / "train" / "run_config.py").read_text()
-    planted = import_graph({"dist_moe.train.run_config": schema + "\nfrom dist_moe.train.engines import ENGINES\n"})
-    assert config_imports(planted) == ["dist_moe.train.run_config -> dist_moe.train.engines"]
+    planted = import_graph({"dist_moe.train.run_config":
+                            schema + "\nfrom dist_moe.train.step.engines import ENGINES\n"})
+    assert config_imports(planted) == ["dist_moe.train.run_config -> dist_moe.train.step.engines"]
 
 
 # the layout by stage, and the public names where users import them
 LAYOUT = ["dist_moe/moe/layer.py", "dist_moe/moe/host.py", "dist_moe/moe/experts.py", "dist_moe/moe/view.py",
           "dist_moe/dispatch/contract.py", "dist_moe/dispatch/exchange.py", "dist_moe/dispatch/pipeline.py",
           "dist_moe/dispatch/agree.py", "dist_moe/train/run_config.py", "dist_moe/config/choices.py",
-          "dist_moe/routing/gar.py", "dist_moe/train/gar_step.py", "dist_moe/integrations/deepspeed/patches.py",
+          "dist_moe/routing/gar.py", "dist_moe/train/step/gar_step.py", "dist_moe/integrations/deepspeed/patches.py",
           "dist_moe/integrations/megatron/patches.py", "dist_moe/integrations/transformers/ep.py",
           *(f"dist_moe/cli/{c}.py" for c in ("train", "report", "place", "simulate", "plan", "calibrate"))]
 

@@ -194,7 +194,7 @@ def test_validation_and_the_routing_record_read_a_bounded_prefix_of_a_large_spli
 
 
 def test_every_rank_takes_an_equal_part_of_the_rows_in_as_many_forwards():
-    from dist_moe.train.evaluate import shared_rows
+    from dist_moe.train.metrics.evaluate import shared_rows
 
     for total, world in ((10_000, 2), (5, 4), (9_000, 3)):
         parts = [shared_rows(total, world, r, 4096) for r in range(world)]

@@ -75,7 +75,7 @@ def _demo(precision: str, tmp_path, steps: int = 60) -> dict:
 
 
 def test_a_bf16_run_keeps_fp32_weights_and_optimizer_state_and_tracks_the_fp32_loss(tmp_path, monkeypatch):
-    from dist_moe.train import steppers
+    from dist_moe.train.step import steppers
 
     kept = {}
     real = steppers.LocalStepper.__call__

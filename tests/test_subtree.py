@@ -194,7 +194,7 @@ def test_simulate_limits_racks_and_nodes_from_the_cli(tmp_path, capsys):
 
 
 def test_node_share_in_metrics_and_report(tmp_path):
-    from dist_moe.train.metrics import routing_metrics
+    from dist_moe.train.metrics.routing import routing_metrics
     from placement.report import write_report
 
     idx = torch.tensor([[0, 1], [0, 2], [3, 1], [3, -1]])  # slots per expert: 2, 2, 1, 2

@@ -166,15 +166,17 @@ def test_the_local_path_never_stalls_the_host():
 
 # host-side by design: the dispatcher's byte ledger (host ints), the log step's host floats and the values
 # it read back, placement's and the metrics' math on the log step's one host copy of the routings
-TRAINER_BUILDS = frozenset({("dist_moe/dispatch/dispatcher.py", "traffic"), ("dist_moe/train/trainer.py", "reduced")})
-TRAINER_HOST_ONLY = frozenset({"placement/", "dist_moe/train/metrics.py"})
+TRAINER_BUILDS = frozenset({("dist_moe/dispatch/dispatcher.py", "traffic"),
+                            ("dist_moe/train/metrics/log.py", "reduced")})
+TRAINER_HOST_ONLY = frozenset({"placement/", "dist_moe/train/metrics/routing.py"})
 TRAINER_PLANT_RANK = 1
 
 
 def _trainer_worker(rank, world, out_dir, plant):
 
-    from dist_moe.train import trainer, training_step
+    from dist_moe.train import trainer
     from dist_moe.train.config import load_config
+    from dist_moe.train.step import training_step
     from tests.sync_budget import counting
 
     rows = []

@@ -105,7 +105,7 @@ def test_lm_trains_from_its_config_with_metrics_and_schedules_of_every_layer(tmp
     assert row["load_cv"] == pytest.approx((row["layer0_load_cv"] + row["layer1_load_cv"]) / 2)
     assert summary["val_load_cv"] == pytest.approx((summary["val_layer0_load_cv"] + summary["val_layer1_load_cv"]) / 2)
     # (SpecDrop routes both layers alike; the mean of layers that differ:)
-    from dist_moe.train.metrics import layers_metrics
+    from dist_moe.train.metrics.routing import layers_metrics
 
     assert layers_metrics([{"cv": 1.0, "share": [0.25, 0.75]}, {"cv": 3.0, "share": [0.5, 0.5]}]) == \
         {"cv": 2.0, "share": [0.375, 0.625], "layer0_cv": 1.0, "layer0_share": [0.25, 0.75], "layer1_cv": 3.0,

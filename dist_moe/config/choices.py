@@ -2,7 +2,7 @@
 against them, and the modules that implement each choice read them from here."""
 from placement.names import MAX_EXPERTS
 
-ENGINES = ("torch", "deepspeed", "megatron")  # train/engines.py
+ENGINES = ("torch", "deepspeed", "megatron")  # train/step/engines.py
 MODEL_KINDS = ("tabular", "image", "lm", "text", "hf")  # train/build.py
 PRECISIONS = ("fp32", "bf16")  # train/precision.py
 EXPERT_KINDS = ("swiglu", "gelu", "lora")  # moe/experts.py

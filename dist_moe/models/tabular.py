@@ -20,7 +20,7 @@ class TabularMoE(nn.Module):
     def __init__(self, num_features: int, num_classes: int, moe: nn.Module | MoELayerConfig | dict,
                  d_model: int = 0, post_norm: bool = False, class_category: Tensor | None = None,
                  label_mask: bool = False):
-        """``moe``: the MoE layer (an engine-hosted one with MoELayer's interface, ``dist_moe.train.engines``),
+        """``moe``: the MoE layer (an engine-hosted one with MoELayer's interface, ``dist_moe.train.step.engines``),
         its ``MoELayerConfig`` (built here, locally), or a router config (a local MoELayer with 32-wide
         SwiGLU experts, dropless)."""
         super().__init__()

@@ -17,8 +17,8 @@ import yaml
 
 from dist_moe.errors import shown
 from dist_moe.routing.registry import ROUTERS, accepted_keys
-from dist_moe.train.engines import ENGINES
 from dist_moe.train.run_config import OLD_DISPATCHER_KEYS, RunConfig, verbatim_keys
+from dist_moe.train.step.engines import ENGINES
 from placement import parse_yaml, read_yaml, yaml_problem
 
 DEFAULT_CONFIG: dict = RunConfig().to_dict()  # the embedded default, as a mapping (configs/demo.yaml writes it out)

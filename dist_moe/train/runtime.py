@@ -1,5 +1,5 @@
 """One training run's runtime: the device, the process group, the topology and placement, and the
-engine (``dist_moe.train.engines``) that builds its MoE layers and steps."""
+engine (``dist_moe.train.step.engines``) that builds its MoE layers and steps."""
 from __future__ import annotations
 
 import datetime
@@ -16,10 +16,10 @@ from dist_moe.distributed.process_group import init_from_env, launched_world_siz
 from dist_moe.distributed.rank_line import say_rank_line
 from dist_moe.distributed.reductions import all_reduce_sum
 from dist_moe.moe.layer import MoELayerConfig
-from dist_moe.train.engines import ENGINES
 from dist_moe.train.expert_groups import ExpertGroups
 from dist_moe.train.precision import compute_context, restore, set_up
 from dist_moe.train.run_config import ParallelConfig
+from dist_moe.train.step.engines import ENGINES
 from placement import Placement, Topology
 from placement.ep_groups import ExpertLayout
 
@@ -32,7 +32,7 @@ class Runtime:
     def __init__(self, engine: str, parallel: ParallelConfig, precision: str = "fp32", deterministic: bool = False):
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {tuple(ENGINES)}, got {engine!r}")
-        self.engine = ENGINES[engine]()  # what differs between torch, deepspeed and megatron (train/engines.py)
+        self.engine = ENGINES[engine]()  # what differs between torch, deepspeed and megatron (train/step/engines.py)
         self.engine.check_version()
         self.parallel = parallel
         self.precision, self.deterministic = precision, deterministic  # train.precision, train.deterministic

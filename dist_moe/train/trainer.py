@@ -14,7 +14,6 @@ SpecDrop's Align (category c's assigned expert is c mod E).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -26,71 +25,28 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from dist_moe.dispatch.all_to_all import blocked_seconds
 from dist_moe.distributed.every_rank import agree_on_errors
 from dist_moe.distributed.process_group import collective_failure, launched_world_size, resolve_device
 from dist_moe.models.hf_export import settle_export
 from dist_moe.moe.view import moe_layers
 from dist_moe.routing.base import Scheduled
-from dist_moe.train import checkpoint
 from dist_moe.train.build import data_and_model
+from dist_moe.train.checkpoint import store as checkpoint
+from dist_moe.train.checkpoint.state import DataCursor, restore_state, save_state
 from dist_moe.train.chunk_tuning import ChunkTuner
 from dist_moe.train.config import model_changes
-from dist_moe.train.evaluate import evaluate
 from dist_moe.train.layout_choice import choose_layout
-from dist_moe.train.metrics import host_layer_metrics, layers_metrics, routing_tensors
+from dist_moe.train.metrics.evaluate import evaluate
+from dist_moe.train.metrics.log import JsonlLogger, TrainingWaits, json_safe, reduced, to_device
+from dist_moe.train.metrics.routing import host_layer_metrics, layers_metrics, routing_tensors
+from dist_moe.train.metrics.routing_record import record_routing
+from dist_moe.train.metrics.step_bytes import StepBytes
 from dist_moe.train.rank_memory import available_per_rank
-from dist_moe.train.routing_record import record_routing
 from dist_moe.train.run_config import RunConfig, output_dir
-from dist_moe.train.rundir import RunDir, check_writable, open_metrics, truncate_metrics
+from dist_moe.train.rundir import RunDir, check_writable, truncate_metrics
 from dist_moe.train.runtime import Runtime
-from dist_moe.train.step_bytes import StepBytes
-from dist_moe.train.training_state import DataCursor, restore_state, save_state
-from dist_moe.train.training_step import step_strategy
+from dist_moe.train.step.training_step import step_strategy
 from placement import Topology, random_pair_tree_distance, write_atomic
-
-
-def json_safe(value):
-    """NaN / inf (e.g. tree distance with top-1 routing) become null, at any depth (an experiment's
-    measures in the summary): strict JSON has no NaN."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
-
-
-class JsonlLogger:
-    """metrics.jsonl, and with ``tensorboard`` the same numbers as TensorBoard scalars (under the
-    record's step, in ``<run>/tensorboard``; needs the optional ``tensorboard`` package)."""
-
-    def __init__(self, path: Path, append: bool = False, tensorboard: bool = False):
-        self._tb = None
-        if tensorboard:
-            try:
-                # tensorboard: optional, only with output.tensorboard
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:  # torch's writer imports the tensorboard package
-                raise ValueError(f"output.tensorboard needs the tensorboard package: .venv/bin/pip install -e "
-                                 f"'.[tensorboard]' ({e})") from None
-            self._tb = SummaryWriter(str(path.parent / "tensorboard"))
-        self._f = open_metrics(path, append)
-
-    def log(self, record: dict) -> None:
-        self._f.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
-        self._f.flush()
-        if self._tb is not None:
-            prefix = "val/" if any(k.startswith("val_") for k in record) else "train/"
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar(prefix + key, value, record["step"])
-
-    def close(self) -> None:
-        self._f.close()
-        if self._tb is not None:
-            self._tb.close()
 
 
 def train(cfg: RunConfig, quiet: bool = False, after=None) -> dict:
@@ -131,13 +87,13 @@ def _with_planned_layout(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
-def _open_run(cfg: RunConfig, rt: Runtime, run_dir: RunDir | None):
+def _open_run(cfg: RunConfig, rt: Runtime, out_dir: Path, run_dir: RunDir | None):
     """The start-up checks, agreed before any training collective. First rank 0 alone (``run_dir``)
     creates the output directory, takes its lock and refuses a directory whose run files are symlinks
     or that holds a run this config neither resumes nor overwrites; then every rank checks that it
     can write there and that a resumed checkpoint fits this config. Returns the checkpoint to resume,
     None, or ``EXPORTED`` (resuming a run without checkpoints that had trained and exported its model)."""
-    out_dir, found = output_dir(cfg), []
+    found: list = []
     group = rt.group if rt.world > 1 else None
 
     def claim():  # rank 0 alone; the others wait for its verdict
@@ -185,19 +141,20 @@ def trained_and_exported(out_dir: Path) -> bool:
 
 
 def _train(cfg: RunConfig, rt: Runtime, quiet: bool, after=None) -> dict:
-    run_dir = RunDir(output_dir(cfg)) if rt.is_main else None
+    out_dir = output_dir(cfg)
+    run_dir = RunDir(out_dir) if rt.is_main else None
     run = None
     try:
-        resume_from = _open_run(cfg, rt, run_dir)
+        resume_from = _open_run(cfg, rt, out_dir, run_dir)
         if resume_from is EXPORTED:  # nothing to train, nothing to resume from: say where the model is
-            return {"name": cfg.name, "output_dir": str(output_dir(cfg)),
-                    "hf_model": str(output_dir(cfg) / HF_MODEL), "exported_before": True}
-        run = _TrainingRun(cfg, rt, output_dir(cfg), resume_from, quiet)
+            return {"name": cfg.name, "output_dir": str(out_dir), "hf_model": str(out_dir / HF_MODEL),
+                    "exported_before": True}
+        run = _TrainingRun(cfg, rt, out_dir, resume_from, quiet)
         return _train_in(run, after)
     except BaseException as e:
         if run_dir is not None and (run is None or run.step == run.first_step):
             run_dir.discard()  # stopped before its first step: leave nothing it created behind
-        newest = _newest_checkpoint(output_dir(cfg)) if isinstance(e, KeyboardInterrupt) else None
+        newest = _newest_checkpoint(out_dir) if isinstance(e, KeyboardInterrupt) else None
         if newest is not None:  # Ctrl-C: where the run goes on from (every rank: a launcher shows one's line)
             raise KeyboardInterrupt(f"train.resume=true continues from {newest}") from None
         raise
@@ -446,61 +403,8 @@ def export_hf(model, target: Path, rt: Runtime) -> None:
     model.export(target, rt.is_main, rt.group if rt.world > 1 else None)
 
 
-class TrainingWaits:
-    """This run's time waiting in exchanges during training steps: ``blocked_seconds`` since the run
-    started, less what evaluation waited (``outside``)."""
-
-    def __init__(self):
-        self.start, self.elsewhere = blocked_seconds(), 0.0
-
-    @contextlib.contextmanager
-    def outside(self):
-        before = blocked_seconds()  # settles the steps' waits first: they stay training's
-        try:
-            yield
-        finally:
-            self.elsewhere += blocked_seconds() - before
-
-    def read(self, settled: bool) -> float:
-        return blocked_seconds(settled) - self.start - self.elsewhere
-
-
 HF_MODEL = "hf_model"  # under output.dir: model.kind hf's trained model, for from_pretrained
 SKIPPED_SO_FAR = "skipped so far"  # rides with a logged record's values, popped before it is written
-
-
-def reduced(record: dict, sums: torch.Tensor, rt: Runtime, copy=()) -> tuple[dict, torch.Tensor, list]:
-    """(the record's values averaged over ranks, ``sums`` [host int64] summed over them, host copies of
-    ``copy``'s device tensors): one all-reduce and one read for all three. The record holds device
-    scalars and host floats (times); the host values go up through pinned memory, which does not wait
-    for the device. Integer tensors travel as float64: exact below 2**53."""
-    keys = sorted(record)
-    on_device = [k for k in keys if torch.is_tensor(record[k])]
-    on_host = [k for k in keys if not torch.is_tensor(record[k])]
-    host = torch.cat([torch.tensor([float(record[k]) for k in on_host], dtype=torch.float64),
-                      sums.reshape(-1).double()])
-    parts = [to_device(host, rt.device)]
-    if on_device:
-        parts.insert(0, torch.stack([record[k].to(rt.device, torch.float64).reshape(()) for k in on_device]))
-    values = torch.cat(parts)
-    values = rt.sum(values) if rt.world > 1 else values
-    read = torch.cat([values, *(t.detach().to(rt.device, torch.float64).reshape(-1) for t in copy)]).tolist()
-    n, m = len(keys), values.numel()
-    means = {k: v / rt.world for k, v in zip(on_device + on_host, read[:n])}
-    summed = torch.tensor(read[n:m], dtype=torch.float64).round().long().reshape(sums.shape)
-    copies, start = [], m
-    for t in copy:
-        copies.append(torch.tensor(read[start:start + t.numel()], dtype=torch.float64).to(t.dtype).reshape(t.shape))
-        start += t.numel()
-    return means, summed, copies
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device``: to a GPU from pinned memory without blocking (the copy is queued
-    behind the step's kernels instead of waiting for them)."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _random_pair(num_experts: int) -> float:

@@ -376,7 +376,8 @@ def test_a_run_summary_is_strict_json_at_any_depth(tmp_path):
     import json
     import math
 
-    from dist_moe.train.trainer import json_safe, train
+    from dist_moe.train.metrics.log import json_safe
+    from dist_moe.train.trainer import train
 
     assert json_safe({"a": {"b": [math.nan, 1.0]}, "c": math.inf, "d": "x"}) == {"a": {"b": [None, 1.0]}, "c": None,
                                                                                   "d": "x"}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_moe.train import engines
+from dist_moe.train.step import engines
 from placement import Placement
 from tests.faults.launch import start_ranks, wait_all
 

@@ -10,8 +10,9 @@ import pathlib
 import pytest
 import torch
 
-from dist_moe.train import trainer, training_step
+from dist_moe.train import trainer
 from dist_moe.train.config import load_config
+from dist_moe.train.step import training_step
 from tests.dist_utils import run_workers
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dist_moe import MoELayer
-from dist_moe.train import checkpoint
+from dist_moe.train.checkpoint import store as checkpoint
 
 
 def _saved(tmp_path):

@@ -15,7 +15,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from dist_moe import MoELayer
-from dist_moe.train import checkpoint, training_state
+from dist_moe.train.checkpoint import state as training_state
+from dist_moe.train.checkpoint import store as checkpoint
 from tests.file_audit import opened_files
 
 SHARD = "__0_0.distcp"

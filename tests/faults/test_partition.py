@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_moe.train import checkpoint
+from dist_moe.train.checkpoint import store as checkpoint
 from tests.dist_utils import free_port
 from tests.faults.launch import wait_for_checkpoint
 from tests.test_emulate_cluster import needs_netns

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from dist_moe.train import checkpoint
+from dist_moe.train.checkpoint import store as checkpoint
 from tests.faults.launch import ROOT, start_ranks, summary, wait_all, wait_for_checkpoint
 
 TIMEOUT_S = 20
@@ -46,7 +46,7 @@ def test_sigkill_mid_step_stops_every_rank_and_the_checkpoint_resumes(tmp_path):
 
 KILL_IN_SAVE = """
 import os, signal, sys
-from dist_moe.train import checkpoint
+from dist_moe.train.checkpoint import store as checkpoint
 real = checkpoint.write_manifest
 def dying(path, *rest):
     if path.name == ".tmp-step-20":  # DCP has written every file; the rename has not happened

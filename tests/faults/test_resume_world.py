@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from dist_moe.train.training_state import DataCursor
+from dist_moe.train.checkpoint.state import DataCursor
 from tests.dist_utils import run_workers
 
 pytestmark = pytest.mark.slow  # two resumed runs per case: 10-15 s each in one process

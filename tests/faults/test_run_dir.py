@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from dist_moe.cli import main
-from dist_moe.train import checkpoint
+from dist_moe.train.checkpoint import store as checkpoint
 from dist_moe.train.config import load_config
 from dist_moe.train.trainer import train
 from tests.dist_utils import run_workers

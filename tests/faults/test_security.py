@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from dist_moe import MoELayer
-from dist_moe.train import checkpoint
+from dist_moe.train.checkpoint import store as checkpoint
 from dist_moe.train.config import load_config
 from tests.dist_utils import free_port
 

@@ -13,7 +13,7 @@ def _soak_worker(rank, world, out):
     import torch.distributed as dist
 
     from dist_moe import MoELayer
-    from dist_moe.train.steppers import LocalStepper
+    from dist_moe.train.step.steppers import LocalStepper
     from placement import Placement, Topology
 
     torch.manual_seed(0)

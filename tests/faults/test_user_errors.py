@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dist_moe.cli import main
-from dist_moe.train import checkpoint
+from dist_moe.train.checkpoint import store as checkpoint
 from tests.faults.launch import ROOT
 
 TINY = ["--quiet", "data.max_rows=300", "router.num_experts=8", "router.top_k=2", "train.epochs=1"]

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from dist_moe.train.checkpoint_files import METADATA, CheckpointError, Identity, open_regular
+from dist_moe.train.checkpoint.files import METADATA, CheckpointError, Identity, open_regular
 
 
 class CheckedFileSystem(FileSystem):

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from dist_moe.distributed.reductions import all_reduce_max
 from dist_moe.routing.buffers import buffers_of, put_back, put_back_if
-from dist_moe.train.gar_step import equal_task_weights, gar_train_step
 from dist_moe.train.run_config import TrainConfig
+from dist_moe.train.step.gar_step import equal_task_weights, gar_train_step
 
 
 def loss_of(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Who steps: zero_grad, backward, gradient reduction, clip and the optimizer step of one batch.
 
 ``LocalStepper`` is dist-moe's (engines torch and megatron): replicated parameters are
-all-reduced while backward runs (``train/grad_overlap.py``) and divided by the world, rank-local
+all-reduced while backward runs (``train/step/grad_overlap.py``) and divided by the world, rank-local
 experts (whose gradients already hold their expert-parallel group's tokens) are summed over their
 replica group, on a communicator of their own, while backward runs (when the EP group is smaller than
 the world) and divided by the world, then one clip over the global norm and a fused Adam step, all on
@@ -18,9 +18,9 @@ from torch import nn
 from dist_moe.distributed.groups import WeakGroup
 from dist_moe.moe.view import moe_views
 from dist_moe.optional_engines import engine_import
-from dist_moe.train.gar_step import rank_local_param_ids
-from dist_moe.train.grad_overlap import OverlappedGradSum, overlapped_grad_sum
-from dist_moe.train.grads import all_finite, clip_to, global_norm, group_size, scale_grads
+from dist_moe.train.step.gar_step import rank_local_param_ids
+from dist_moe.train.step.grad_overlap import OverlappedGradSum, overlapped_grad_sum
+from dist_moe.train.step.grads import all_finite, clip_to, global_norm, group_size, scale_grads
 from placement.ep_groups import ring_sends
 
 

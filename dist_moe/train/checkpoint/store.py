@@ -40,7 +40,7 @@ from dist_moe.distributed.every_rank import agree_on_errors
 from dist_moe.distributed.process_group import barrier
 from dist_moe.errors import first_line
 from dist_moe.moe.view import MoEHost
-from dist_moe.train.checkpoint_files import (
+from dist_moe.train.checkpoint.files import (
     CONFIG,
     MANIFEST,
     SAFE_GLOBALS,
@@ -128,7 +128,7 @@ def save(directory: str | Path, step: int, model: nn.Module, optimizer, extra: d
         _remove(tmp)  # a save that died earlier
         tmp.mkdir(mode=0o700)
     barrier(group)
-    from dist_moe.train.checkpoint_dcp import save_state  # torch.distributed.checkpoint: ~1.6 s to import
+    from dist_moe.train.checkpoint.dcp import save_state  # torch.distributed.checkpoint: ~1.6 s to import
 
     written = save_state(state, tmp, group)
     if _rank(group) == 0 and config is not None:
@@ -231,7 +231,7 @@ def load(path: str | Path, model: nn.Module, optimizer, extra: dict, group=None)
     The checkpoint is verified first (``checkpoint_files``): an untrusted or damaged one raises
     ``CheckpointError`` and loads nothing; a loaded tensor that is not finite raises it too."""
     # torch.distributed.checkpoint: ~1.6 s to import, only when a checkpoint is read
-    from dist_moe.train.checkpoint_dcp import load_state
+    from dist_moe.train.checkpoint.dcp import load_state
 
     metadata, identities = verify(path)
     _materialise_optimizer_state(model, optimizer)

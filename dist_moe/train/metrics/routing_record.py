@@ -8,7 +8,7 @@ import torch
 from dist_moe.dispatch.contract import CountsBytes
 from dist_moe.distributed.reductions import all_gather_rows
 from dist_moe.moe.view import moe_layers
-from dist_moe.train.evaluate import shared_rows
+from dist_moe.train.metrics.evaluate import shared_rows
 from placement.simulate import RoutingRecord, recorded_layers, routing_file
 
 

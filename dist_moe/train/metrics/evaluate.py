@@ -8,8 +8,8 @@ import torch
 
 from dist_moe.moe.view import moe_layers
 from dist_moe.train.align import specdrop_align
-from dist_moe.train.metrics import layers_metrics, routing_metrics
-from dist_moe.train.training_step import loss_of
+from dist_moe.train.metrics.routing import layers_metrics, routing_metrics
+from dist_moe.train.step.training_step import loss_of
 
 EVAL_BATCH_ROWS = 4096  # rows a validation forward takes
 

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from dist_moe.distributed.reductions import all_reduce_sum_
 from dist_moe.gar.observe import Observations, collect_observations
 from dist_moe.routing.gar import GARConfig, gar_loss, gar_loss_gram
-from dist_moe.train.grads import all_finite, clip_global, group_size, sum_replicated_grads
+from dist_moe.train.step.grads import all_finite, clip_global, group_size, sum_replicated_grads
 
 
 def equal_task_weights(tasks: Sequence[int], sizes: Sequence[int]) -> list[float]:

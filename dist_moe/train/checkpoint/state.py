@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from dist_moe.train import checkpoint
+from dist_moe.train.checkpoint import store as checkpoint
 
 
 class DataCursor:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from dist_moe.distributed.groups import WeakGroup
-from dist_moe.train.grads import BUCKET_BYTES
+from dist_moe.train.step.grads import BUCKET_BYTES
 
 
 def _buckets(params: list, bucket_bytes: int) -> list[list]:

@@ -39,7 +39,7 @@ from dist_moe.integrations.megatron import patches as megatron_patches
 from dist_moe.integrations.megatron.patches import DISPATCHERS, release_parallel_state
 from dist_moe.moe.layer import MoELayerConfig
 from dist_moe.optional_engines import engine_import
-from dist_moe.train.steppers import DeepSpeedStepper, LocalStepper
+from dist_moe.train.step.steppers import DeepSpeedStepper, LocalStepper
 
 # the engine releases whose internals dist-moe's adapters and patches were written against
 SUPPORTED = {"deepspeed": ("deepspeed", "0.19."), "megatron": ("megatron-core", "0.16.")}
