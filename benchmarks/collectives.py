@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dist_moe import MoELayer
 from placement import Placement, Topology
-from tests.dist_utils import run_workers  # noqa: E402
+from tests.support.dist_utils import run_workers  # noqa: E402
 
 ROUTER = {"type": "branch", "num_experts": 16, "top_k": 4, "subtree_limit": 1}  # the node level
 CASES = [(dedup, chunks) for dedup in ("none", "rank", "node") for chunks in (1, 4)]

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import ROUTERS, E, optimized_placement, train_router  # noqa: E402
 from dist_moe import MoELayer
 from placement import Placement, Topology, dispatch_traffic, tree_distance  # noqa: E402
-from tests.dist_utils import run_workers  # noqa: E402
+from tests.support.dist_utils import run_workers  # noqa: E402
 
 TOPOLOGY = Topology(("node", "gpu"), (2, 2))
 DEDUPS = ("none", "rank", "node")

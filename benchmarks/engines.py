@@ -66,7 +66,7 @@ from dist_moe.integrations.megatron import patches as megatron_patches  # noqa: 
 from dist_moe.integrations.megatron.layer import megatron_dist_moe_layer  # noqa: E402
 from placement import Placement, Topology  # noqa: E402
 from placement.calibrate import replay, slowest  # noqa: E402
-from tests.dist_utils import run_workers  # noqa: E402
+from tests.support.dist_utils import run_workers  # noqa: E402
 
 E, K = 8, 2
 ROUTER = {"type": "switch", "num_experts": E, "top_k": K, "jitter_eps": 0.0}

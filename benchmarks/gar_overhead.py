@@ -34,7 +34,7 @@ from dist_moe.models import MoERegressor
 from dist_moe.moe.view import moe_views
 from dist_moe.train.step.gar_step import equal_task_weights, gar_train_step, rank_local_param_ids
 from dist_moe.train.step.grads import sum_replicated_grads
-from tests.dist_utils import run_workers  # noqa: E402
+from tests.support.dist_utils import run_workers  # noqa: E402
 
 
 def worker(rank, world, args, out_path):

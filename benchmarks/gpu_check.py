@@ -32,9 +32,9 @@ reason) line, then a summary; ``--out`` also writes gpu_check.json. Budget: a fe
 ``--throughput`` adds tokens/s of the layer, dispatched and pipelined, against Megatron-core's.
 
 ``--cpu``: the device is the CPU and the rank a gloo one; "every synchronising call raises" is
-the aten-level count of ``tests/sync_budget.py`` (reads and tensors built from Python data, the
+the aten-level count of ``tests/support/sync_budget.py`` (reads and tensors built from Python data, the
 ops that block on CUDA), and the comparisons are with the CPU's local layer. Checks 4 and 5 need
-a GPU; ``tests/test_device.py`` covers them on the CPU with the CUDA calls faked.
+a GPU; ``tests/train/test_device.py`` covers them on the CPU with the CUDA calls faked.
 """
 from __future__ import annotations
 
@@ -66,8 +66,8 @@ from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher
 from dist_moe.distributed.process_group import init_from_env, resolve_device
 from dist_moe.optional_engines import engine_import
 from dist_moe.train.checkpoint.state import DataCursor, restore_state, save_state
-from tests.ep_checks import ROUTERS
-from tests.sync_budget import counting
+from tests.support.ep_checks import ROUTERS
+from tests.support.sync_budget import counting
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS: list[dict] = []
@@ -249,7 +249,7 @@ def ep_bf16(device):
 @check("cuda rng: a checkpoint restores this GPU's random stream bit for bit")
 def cuda_rng(device):
     if device.type != "cuda":
-        return "skip: needs a GPU (tests/test_device.py covers save and restore with the CUDA calls faked)"
+        return "skip: needs a GPU (tests/train/test_device.py covers save and restore with the CUDA calls faked)"
 
     rt = SimpleNamespace(device=device, world=1, rank=0, group=None)
     model = torch.nn.Linear(3, 2).to(device)
@@ -272,7 +272,7 @@ def cuda_rng(device):
 @check("device: parallel.device=cuda takes cuda:LOCAL_RANK and makes it current")
 def device_choice(device):
     if device.type != "cuda":
-        return "skip: needs a GPU (tests/test_device.py covers LOCAL_RANK with the device count faked)"
+        return "skip: needs a GPU (tests/train/test_device.py covers LOCAL_RANK with the device count faked)"
 
     count, saved = torch.cuda.device_count(), os.environ.get("LOCAL_RANK")
     try:

@@ -2,7 +2,7 @@
 
 pyproject.toml requires ``torch>=`` this floor and no newer: a GPU image's CUDA build of torch that is
 at least this old is kept at install, not replaced by (or, offline, refused for) a newer wheel.
-tests/test_torch_floor.py holds pyproject to ``TORCH_FLOOR`` and checks, on whichever torch is
+tests/architecture/test_torch_floor.py holds pyproject to ``TORCH_FLOOR`` and checks, on whichever torch is
 installed, that every torch name the code reaches exists and takes the keywords it is given.
 """
 

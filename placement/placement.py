@@ -243,7 +243,7 @@ def balanced_partition(c: torch.Tensor, n: int, sweeps: int = 200) -> list[int]:
     Refined from the contiguous split, the greedy one and ``RANDOM_STARTS`` random balanced ones; the
     smallest cut wins. The random starts were added when the exact partition (placement/exact.py)
     showed the two fixed starts stuck 36% above the best split of a switch router's co-activation
-    at E=32 (tests/test_exact_partition.py); with them the refinement reached it."""
+    at E=32 (tests/placement/test_exact_partition.py); with them the refinement reached it."""
     m = c.shape[0]
     if n == 1:
         return [0] * m

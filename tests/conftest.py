@@ -13,24 +13,36 @@ def _seed():
     torch.manual_seed(0)
 
 
-# What launches processes: the spawn harness (tests/dist_utils.py), torchrun or a CLI subprocess.
+# What launches processes: the spawn harness (tests/support/dist_utils.py), torchrun or a CLI subprocess.
 _LAUNCHERS = {"run_workers", "run_cases", "subprocess", "Popen", "_torchrun", "torchrun", "spawn", "start_ranks"}
 _ENGINES = ("deepspeed", "megatron")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Markers from what a test calls, so `make test-fast` needs no list kept by hand: ``multiprocess``
-    when the test function calls a launcher, itself or through its module's helpers, ``engine`` when
-    its module or name is DeepSpeed's or Megatron's. A file may also set ``pytestmark`` (``slow``: many
-    seconds of CPU in one process)."""
+    """The one rule for ``multiprocess`` and ``engine``, so `make test-fast` needs no list kept by hand and no
+    file sets them: ``multiprocess`` when the test function, or a fixture it takes, calls a launcher (itself or
+    through its module's helpers), ``engine`` when its module or its name with its parameters' ids names DeepSpeed
+or Megatron. ``slow``
+    (many seconds of CPU in one process) is the one marker a file sets by hand."""
     for item in items:
         function = getattr(item, "function", None)
-        if function is not None and _reached(function) & _LAUNCHERS:
+        if function is not None and _reached(function) & _LAUNCHERS or _fixtures_reach(item) & _LAUNCHERS:
             item.add_marker(pytest.mark.multiprocess)
-        name = getattr(item, "originalname", item.name)  # not its parameters' ids
-        where = f"{item.module.__name__} {name}".lower() if getattr(item, "module", None) else name
-        if any(e in where for e in _ENGINES):
+        where = f"{item.module.__name__} {item.name}" if getattr(item, "module", None) else item.name
+        if any(e in where.lower() for e in _ENGINES):
             item.add_marker(pytest.mark.engine)
+
+
+def _fixtures_reach(item) -> set:
+    """The names the fixtures a test takes use (``_reached``), its conftest's and modules' fixtures alike."""
+    info = getattr(item, "_fixtureinfo", None)
+    names: set = set()
+    for defs in (info.name2fixturedefs.values() if info is not None else ()):
+        for fixture in defs:
+            func = getattr(fixture.func, "__wrapped__", fixture.func)
+            if isinstance(func, types.FunctionType) and func.__module__ != __name__:
+                names |= _reached(func)
+    return names
 
 
 def _names(code) -> set:

@@ -20,7 +20,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> _Parser:
-    """The ``dist-moe`` parser with every subcommand (tests/test_cli_help.py walks it)."""
+    """The ``dist-moe`` parser with every subcommand (tests/cli/test_cli_help.py walks it)."""
     parser = _Parser(prog="dist-moe", description="distributed Mixture-of-Experts training")
     # the deepspeed launcher inserts --local_rank=N before the command; the rank comes from the environment
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)

@@ -19,7 +19,7 @@ Host integers serve only the collective API's split sizes. Everything the exchan
 (offsets, block positions, peer ids, the received pairs' copies) is derived on the payload's
 device from the exchanged counts, kept there as well (``Sizes.on_device``), with ``cumsum`` and
 ``repeat_interleave(..., output_size=<host int>)``: no tensor is built from Python data, which on
-a GPU would be a blocking host-to-device copy (``tests/test_sync_budget.py`` counts both kinds).
+a GPU would be a blocking host-to-device copy (``tests/train/test_sync_budget.py`` counts both kinds).
 
 After the plan phase each chunk is a ``Hop``: its payload rows go out and come back with async
 all-to-alls whose sizes are known, so nothing more is read back to the host. Gradients are not

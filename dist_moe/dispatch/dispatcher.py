@@ -171,7 +171,7 @@ class ExpertParallelDispatcher:
 
     def reset_traffic(self) -> None:
         # host ints: the counts are host ints already, and a ledger that builds no tensor during a
-        # forward cannot stall the device (tests/test_sync_budget.py counts every build)
+        # forward cannot stall the device (tests/train/test_sync_budget.py counts every build)
         self._sent_bytes = [0] * self.world
         self.metadata_bytes = 0
 

@@ -164,7 +164,7 @@ class Experts(nn.Module):
         the device), as Megatron's GroupedMLP does. The per-expert loop runs only where a grouped GEMM
         cannot: a width whose rows are not a multiple of 16 bytes (the kernels' stride rule, e.g.
         hidden 10 in fp32), a dtype it lacks, or GAR's factor capture, which records each expert's
-        block inputs and output gradients apart. Both give the same numbers (tests/test_grouped_experts.py).
+        block inputs and output gradients apart. Both give the same numbers (tests/moe/test_grouped_experts.py).
         ``weights`` (slot -> stacked [E, ...] tensor) stand in for the parameters: a pipelined dispatch
         casts them once per forward and runs every chunk on the same copies."""
         weights = {**self.template(), **(weights or {})}

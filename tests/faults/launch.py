@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.dist_utils import free_port
+from tests.support.dist_utils import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

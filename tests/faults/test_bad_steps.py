@@ -13,7 +13,7 @@ import torch
 from dist_moe.train import trainer
 from dist_moe.train.config import load_config
 from dist_moe.train.step import training_step
-from tests.dist_utils import run_workers
+from tests.support.dist_utils import run_workers
 
 
 def _state(model, opt) -> dict:
@@ -183,7 +183,7 @@ def _gar_engine_worker(rank, world, engine, coefficient, out, data_dir):
 
 
 def test_a_non_finite_gar_step_is_skipped_on_every_rank_of_each_engine(tmp_path):
-    from tests.dist_utils import run_cases
+    from tests.support.dist_utils import run_cases
 
     coefficients = {"torch": "train.gar.lambda=1e300", "deepspeed": "train.gar.lambda=null train.gar.share=1e300",
                     "megatron": "train.gar.lambda=1e300"}

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from dist_moe import MoELayer
 from dist_moe.train.checkpoint import state as training_state
 from dist_moe.train.checkpoint import store as checkpoint
-from tests.file_audit import opened_files
+from tests.support.file_audit import opened_files
 
 SHARD = "__0_0.distcp"
 

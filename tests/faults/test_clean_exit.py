@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import free_port
+from tests.support.dist_utils import free_port
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "exit_after_layers.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "support" / "scripts" / "exit_after_layers.py"
 
 
 @pytest.mark.parametrize("dedup,nproc,runs", [("node", 4, 2), ("rank", 2, 2)])

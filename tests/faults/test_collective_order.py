@@ -2,7 +2,7 @@
 rank is ever paired with another batch of its peers (Python API, exceptions caught and ignored)."""
 import pytest
 
-from tests.dist_utils import run_workers
+from tests.support.dist_utils import run_workers
 
 H, E = 8, 8
 

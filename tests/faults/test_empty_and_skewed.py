@@ -4,7 +4,7 @@ import torch
 
 from dist_moe.dispatch.contract import Tokens
 from dist_moe.routing.base import Routing
-from tests.dist_utils import run_workers
+from tests.support.dist_utils import run_workers
 
 
 def routes(idx, gates) -> Routing:

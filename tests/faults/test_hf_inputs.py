@@ -21,7 +21,7 @@ from dist_moe.integrations.transformers.hosted import host_experts
 from dist_moe.models import hf_export, hf_model
 from dist_moe.models.hf_model import HFCausalLM, load_model, load_tokenizer
 from placement import Placement, Topology
-from tests.hf_models import model_folder, text
+from tests.support.hf_models import model_folder, text
 
 pytest.importorskip("transformers", reason="transformers is not installed")
 
@@ -310,8 +310,8 @@ def test_a_full_disk_during_the_export_is_the_disk_full_line_and_keeps_the_previ
 def test_every_rank_ends_as_the_main_ranks_export_did():
     """A rank other than the writer raises the writer's error at once, of the same kind: a full disk is the
     disk-full line and exit 1 on every rank, a refusal exit 2."""
-    from tests.dist_utils import run_cases
     from tests.faults.hf_export_ranks import export_on_two_ranks
+    from tests.support.dist_utils import run_cases
 
     full = "no space left on the device (/run/hf_model); free space and resume with train.resume=true"
     nan = "not writing the trained model to /run/hf_model: 'x' holds NaN or Inf (nothing was written)"

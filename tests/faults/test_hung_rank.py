@@ -9,8 +9,6 @@ import pytest
 
 from tests.faults.launch import alive, start_ranks, wait_all
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.engine]
-
 TIMEOUT_S = 6
 RUN = ["data.max_rows=2000", "train.max_steps=100000", f"parallel.timeout_s={TIMEOUT_S}"]
 

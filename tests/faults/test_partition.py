@@ -9,14 +9,10 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from dist_moe.train.checkpoint import store as checkpoint
-from tests.dist_utils import free_port
 from tests.faults.launch import wait_for_checkpoint
-from tests.test_emulate_cluster import needs_netns
-
-pytestmark = pytest.mark.multiprocess  # every test here launches ranks (a fixture or a helper does)
+from tests.launch.test_emulate_cluster import needs_netns
+from tests.support.dist_utils import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 15

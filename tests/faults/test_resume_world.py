@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dist_moe.train.checkpoint.state import DataCursor
-from tests.dist_utils import run_workers
+from tests.support.dist_utils import run_workers
 
 pytestmark = pytest.mark.slow  # two resumed runs per case: 10-15 s each in one process
 

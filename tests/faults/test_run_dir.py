@@ -13,8 +13,8 @@ from dist_moe.cli import main
 from dist_moe.train.checkpoint import store as checkpoint
 from dist_moe.train.config import load_config
 from dist_moe.train.trainer import train
-from tests.dist_utils import run_workers
 from tests.faults.launch import ROOT
+from tests.support.dist_utils import run_workers
 
 TINY = ["data.max_rows=300", "router.num_experts=8", "router.top_k=2", "train.max_steps=2"]
 

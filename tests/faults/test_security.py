@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from dist_moe import MoELayer
 from dist_moe.train.checkpoint import store as checkpoint
 from dist_moe.train.config import load_config
-from tests.dist_utils import free_port
+from tests.support.dist_utils import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = [p for d in ("dist_moe", "placement", "experiments", "benchmarks") for p in (ROOT / d).rglob("*.py")]

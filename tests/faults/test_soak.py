@@ -1,6 +1,6 @@
 """Load: 150 small steps on 4 ranks with a different batch size every step (some ranks empty):
 no memory growth, and the replicated router state identical on every rank at the end."""
-from tests.dist_utils import run_workers
+from tests.support.dist_utils import run_workers
 
 STEPS = 150  # RSS read every 25 steps; growth measured over the last 100 (250 steps took 36 s of CI's 15 minutes)
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import free_port
-from tests.test_emulate_cluster import _namespaces
+from tests.launch.test_emulate_cluster import _namespaces
+from tests.support.dist_utils import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-SLEEPER = str(ROOT / "tests/scripts/sleep_forever.py")
+SLEEPER = str(ROOT / "tests/support/scripts/sleep_forever.py")
 DRIVER = "import sys; from experiments.run import run_forwarding, ROOT; sys.exit(run_forwarding(sys.argv[1:], " \
          "dict(__import__('os').environ), ROOT))"
 
