@@ -18,7 +18,7 @@ def make(rows, out_dir) -> str:
     base = next(r for r in runs if r["arm"] == "ep4")
     predictions = {r["id"]: predicted_step(r, base) for r in runs}
     fastest = max((r for r in runs if r["arm"] != "auto"), key=lambda r: r["tokens_per_s"])
-    lines = [f"{runs_header('ep_layouts', runs, 'arm')} 4.b's coarse LM (d_model {SHAPE['d_model']}, SwiGLU ffn "
+    lines = [f"{runs_header('ep_layouts', runs, 'arm')} 4b's coarse LM (d_model {SHAPE['d_model']}, SwiGLU ffn "
              f"{SHAPE['ffn_hidden_size']}, E={EXPERTS} top-{TOP_K}, {LAYERS} MoE layers, {BATCH} sequences x {SEQ} "
              f"bytes per rank, {base['steps']} steps) on the emulated 2 nodes x 2 at 400 mbit, in each expert-parallel "
              "layout. Predicted step: `dist-moe plan`'s price of the layout's communication (`placement/layouts.py`: "

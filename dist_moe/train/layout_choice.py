@@ -52,12 +52,15 @@ def choose_layout(cfg, topology: Topology, memory_bytes: float, device: str = "c
     # the engines build groups of consecutive ranks; the run keeps its own placement, dedup and chunks
     layouts = [r for r in plan["layouts"] if cfg.engine == "torch" or r["layout"] == "contiguous"]
     priced = sorted(((_step(r, parallel), r) for r in layouts), key=lambda pr: (not pr[1]["fits"], pr[0]))
-    step, best = priced[0]
-    others = ", ".join(f"EP {r['ep']} {r['layout']} {1e3 * s:.3g} ms" for s, r in priced[1:4])
-    fits = "" if best["fits"] else " (none fits this rank's memory: the most experts a rank can shed)"
+    # none fits: the layout whose ranks hold the fewest experts, the fastest of those (it may still fit:
+    # the memory counted is an estimate)
+    step, best = priced[0] if priced[0][1]["fits"] else min(priced, key=lambda pr: (pr[1]["memory_bytes"], pr[0]))
+    others = ", ".join([f"EP {r['ep']} {r['layout']} {1e3 * s:.3g} ms" for s, r in priced if r is not best][:3])
+    why = (f"the fastest of {len(priced)} layouts" if best["fits"] else
+           f"none of {len(priced)} layouts fits this rank's memory: the one holding the fewest experts a rank")
     said = (f"parallel.ep_size=auto: EP {best['ep']} x {best['replicas']} replicas ({best['layout']}, groups "
-            f"{best['group']}) predicted at {1e3 * step:.3g} ms per step, the fastest of {len(priced)} layouts on "
-            f"{topology.describe()}{fits}" + (f" (next: {others})" if others else "") + "; dist-moe plan prices them")
+            f"{best['group']}) predicted at {1e3 * step:.3g} ms per step, {why} on {topology.describe()}"
+            + (f" (next: {others})" if others else "") + "; dist-moe plan prices them")
     return replace(cfg, parallel=replace(parallel, ep_size=best["ep"], ep_layout=best["layout"])), said
 
 

@@ -246,5 +246,8 @@ def test_auto_takes_the_layout_plan_prices_fastest_among_those_its_engine_builds
     megatron, _ = choose_layout(load_config(None, ["engine=megatron", "model.capacity_factor=null",
                                                    "parallel.ep_size=auto", "router.num_experts=8"]), slow, 1e12)
     assert megatron.parallel.ep_layout == "contiguous"  # the engines build consecutive groups only
+    # nothing fits: the layout whose ranks hold the fewest experts (EP 4), said so
+    shed, said = choose_layout(cfg, slow, 1.0)
+    assert shed.parallel.ep_size == 4 and "none of 4 layouts fits this rank's memory" in said
     with pytest.raises(ValueError, match="a placement file fixes the group size"):
         choose_layout(load_config(None, ["parallel.ep_size=auto", "parallel.placement=p.yaml"]), topo, 1e12)
