@@ -23,10 +23,10 @@ from dist_moe.train.step.training_step import loss_of
 from placement import Topology
 from placement import Topology as Topo
 from placement.calibrate import calibrate, replay_dispatch, slowest, to_yaml
-from placement.ep_groups import ExpertLayout, ring_allreduce_bytes
+from placement.ep_groups import ExpertLayout
 from placement.files import write_atomic
 from placement.forecast import TFLOPS_RANGE
-from placement.layouts import expert_parameters, price_layouts
+from placement.layouts import price_layouts
 from placement.report import analyze
 from placement.simulate import RoutingRecord, recorded_layers, simulate
 
@@ -198,22 +198,17 @@ def before_calibrate_topology() -> dict:
 
 def post_layout_step(summary: dict, cfg) -> dict:
     """Measured step time and tokens/s of an expert-parallel layout; the experts' gradient bytes each step sent
-    across each level (every rank's, as logged) and the analytic ring count; and ``dist-moe plan``'s price of
-    the run's layout on this launch's calibrated links (``plan --routing RUN``: its group's exchanges from the
-    run's recorded routing with the run's placement and dedup, and the gradients' ring all-reduce over the
-    replicas), the matmuls left out (priced at a rate that makes them nothing): the communication plan adds
-    to a step's compute."""
+    across each level (every rank's, as logged) and the analytic ring count (``placement.layouts``'s); and
+    ``dist-moe plan``'s price of the run's layout on this launch's calibrated links (``plan --routing RUN``:
+    its group's exchanges from the run's recorded routing with the run's placement and dedup, and the
+    gradients' ring all-reduce over the replicas), the matmuls left out (priced at a rate that makes them
+    nothing): the communication plan adds to a step's compute."""
     out = Path(summary["output_dir"])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     topo = Topology.from_env()
     topo = Topology(topo.levels, topo.sizes, _FITTED["cost"])
     layout = ExpertLayout(topo, summary["ep_size"], summary.get("ep_layout", "contiguous"))  # one group: none said
     shape = moe_shape(cfg)
-    analytic = {level: 0 for level in topo.levels}
-    for group in layout.replica_groups():
-        per_rank = shape.layers * shape.experts // layout.ep_size * expert_parameters(shape)
-        for level, sent in ring_allreduce_bytes(group, per_rank, 4, topo).items():
-            analytic[level] += sent
     measured = {level: sum(r.get(f"grad_bytes_{level}", 0) for r in rows if "loss" in r) / summary["steps"]
                 for level in topo.levels}
     plan = price_layouts(shape, topo, recorded_routing(str(out), shape.experts, shape.top_k), TFLOPS_RANGE[1])
@@ -223,7 +218,8 @@ def post_layout_step(summary: dict, cfg) -> dict:
     step_s = summary["train_seconds"] / summary["steps"]
     return {"step_s": step_s, "tokens_per_s": shape.tokens_per_rank * summary["world_size"] / step_s,
             "exchange_wait_step_s": summary.get("exchange_wait_s", 0.0) / summary["steps"],
-            "grad_bytes_per_step": measured, "grad_bytes_analytic": analytic,
+            # the ring count of every replica group's sums, as plan prices them
+            "grad_bytes_per_step": measured, "grad_bytes_analytic": priced["grad_bytes_by_level"],
             "plan_exchange_s": exchange, "plan_grad_s": priced["grad_seconds"]}
 
 

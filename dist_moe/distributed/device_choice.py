@@ -1,6 +1,6 @@
 """Which device a rank trains on (``parallel.device``), from what its host shows: a pure function of the
 visible GPU count, LOCAL_RANK and how many emulated nodes share the host, so every case is testable
-without a GPU."""
+without a GPU; and how a host tensor gets there (``to_device``)."""
 from __future__ import annotations
 
 import os
@@ -37,3 +37,11 @@ def choose_device(choice: str, gpus: int, local_rank: int, nodes_on_host: int = 
         raise ValueError(f"LOCAL_RANK={local_rank}, but this node shows {gpus} CUDA devices: start at most {gpus} "
                          "processes per node (--nproc-per-node / --num_gpus)")
     return torch.device("cuda", local_rank)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``: to a GPU from pinned memory without blocking (the copy is queued
+    behind the step's kernels instead of waiting for them)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -60,7 +60,6 @@ class Runtime:
     def is_main(self) -> bool:
         return self.rank == 0
 
-
     def topology(self) -> Topology:
         return Topology.launched(self.world)
 

@@ -25,6 +25,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
+from dist_moe.distributed.device_choice import to_device
 from dist_moe.distributed.every_rank import agree_on_errors
 from dist_moe.distributed.process_group import collective_failure, launched_world_size, resolve_device
 from dist_moe.models.hf_export import settle_export
@@ -37,7 +38,7 @@ from dist_moe.train.chunk_tuning import ChunkTuner
 from dist_moe.train.config import model_changes
 from dist_moe.train.layout_choice import choose_layout
 from dist_moe.train.metrics.evaluate import evaluate
-from dist_moe.train.metrics.log import JsonlLogger, TrainingWaits, json_safe, reduced, to_device
+from dist_moe.train.metrics.log import JsonlLogger, TrainingWaits, json_safe, reduced
 from dist_moe.train.metrics.routing import host_layer_metrics, layers_metrics, routing_tensors
 from dist_moe.train.metrics.routing_record import record_routing
 from dist_moe.train.metrics.step_bytes import StepBytes

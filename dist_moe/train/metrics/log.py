@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from dist_moe.dispatch.all_to_all import blocked_seconds
+from dist_moe.distributed.device_choice import to_device
 from dist_moe.train.rundir import open_metrics
 
 
@@ -99,11 +100,3 @@ def reduced(record: dict, sums: torch.Tensor, rt, copy=()) -> tuple[dict, torch.
         copies.append(torch.tensor(read[start:start + t.numel()], dtype=torch.float64).to(t.dtype).reshape(t.shape))
         start += t.numel()
     return means, summed, copies
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device``: to a GPU from pinned memory without blocking (the copy is queued
-    behind the step's kernels instead of waiting for them)."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)

@@ -77,7 +77,6 @@ class LocalStepper:
             del self.opt.found_inf
         return skipped
 
-
     def _count_replica_sums(self) -> None:
         """What this rank's share of each of this step's expert-gradient sums sent, by topology level, as a
         ring all-reduce over its replica group sends it (``placement.ep_groups.ring_sends``)."""
