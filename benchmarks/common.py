@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from dist_moe import MoELayer
 from dist_moe.data.tabular import tabular_split
 from dist_moe.models import TabularMoE
-from dist_moe.train.build import layer_config
 from dist_moe.train.config import load_config
+from dist_moe.train.layer_config import layer_config
 from placement import Placement
 from placement.placement import coactivation
 
@@ -37,7 +37,7 @@ def train_router(router_cfg: dict, expert_groups: torch.Tensor, d_model: int = 0
     torch.manual_seed(seed)
     data = tabular_split("magic", 0.2, seed)
     features = data.x_train.shape[1]
-    layer = layer_config(cfg.model, cfg.model.d_model or features, copy.deepcopy(router_cfg))
+    layer = layer_config(cfg, cfg.model.d_model or features, copy.deepcopy(router_cfg))
     model = TabularMoE(features, data.num_classes, layer, **cfg.model.block_keys())
     if getattr(model.moe.router, "node_limit", None):
         model.moe.router.set_expert_groups(expert_groups)

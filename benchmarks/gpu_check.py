@@ -180,7 +180,7 @@ def _ep_run(row: dict, cfg: dict, dedup: str, chunks: int, device, dtype, group)
     # One GPU holds one NCCL rank, and a layer on a group of one runs locally: the dispatcher is
     # attached by hand, so the expert-parallel path runs over the one-rank group.
     ep.dispatcher = ExpertParallelDispatcher(group, ep.placement, ep.topology, dedup)
-    if dedup == "node":  # one node runs node dedup as rank dedup: its second stage is forced, so it runs too
+    if dedup == "node":  # one node runs node dedup as rank dedup: its second hop is forced, so it runs too
         ep.dispatcher.dedup, ep.dispatcher.node_group = "node", group
     if cfg.get("variant") == "bernoulli":  # its training masks are random draws, which differ per device
         ref.eval(), ep.eval()

@@ -1,4 +1,4 @@
-"""A layer's step split into its named stages (``dist_moe.dispatch.stages``), for the benchmarks.
+"""A layer's step split into its named stages (``dist_moe.dispatch.profiling``), for the benchmarks.
 
 Host seconds per stage on the CPU (gloo), where host time is the time: route, plan (the split
 sizes' exchange and its host read, the metadata's exchange), each exchange's wait, experts,
@@ -14,7 +14,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from dist_moe.dispatch.stages import StageClock
+from dist_moe.dispatch.profiling import ProfileClock
 
 FORWARD = ("route", "plan", "plan_inner", "shared_expert", "dispatch_wait", "dispatch_wait_inner", "experts",
            "combine_wait_inner", "combine_wait", "combine")
@@ -28,7 +28,7 @@ def stage_profile(loss_fn, repeats: int = 5) -> dict:
     totals: dict = defaultdict(float)
     for i in range(repeats + 1):
         dist.barrier()
-        with StageClock() as clock:
+        with ProfileClock() as clock:
             start = time.perf_counter()
             loss = loss_fn()
             mid = time.perf_counter()

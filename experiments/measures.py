@@ -78,7 +78,7 @@ def after_gar_diagnostics(model, data, rt, group_size: int = 8, batches_per_task
         for rows in torch.split(torch.arange(len(x)), 256):
             rows = fed(rows)
             model(x[rows], t[rows])
-            routing, ((b, s), padding) = moe.last_routing, moe.last_token_layout
+            routing, ((b, s), padding) = moe.last_routing, moe.last_forward.layout
             valid = ~padding.reshape(-1)
             gates = routing.dense_gates().double().reshape(b, s, e) * valid.reshape(b, s, 1)
             load += (gates.sum(1) / valid.reshape(b, s).sum(1, keepdim=True).clamp_min(1)).sum(0)
@@ -153,7 +153,7 @@ def after_exchange_time(model, data, rt) -> dict:
     """The all-to-all seconds of one training step, measured: each MoE layer's dispatch bytes for
     one training batch per rank (a forward), summed over ranks into its [W, W] matrix and replayed
     with ``all_to_all_single`` (``benchmarks/dispatch_time.py``'s replay; node dedup: its cross-node
-    stage, then its intra-node stage), four exchanges per layer per step (dispatch and combine,
+    hop, then its intra-node hop), four exchanges per layer per step (dispatch and combine,
     forward and backward). Median of 5, the slowest rank's."""
 
     # dist-moe's dispatcher, exchanging
@@ -238,17 +238,17 @@ def post_step_prediction(summary: dict, cfg) -> dict:
     tokens_per_rank = cfg.train.batch_size * cfg.data.seq_len
     steps_traffic = per_step_traffic(summary["output_dir"], topo)
     if steps_traffic is not None:
-        stages = [topo.cost.stage_seconds(t, dedup) for t in steps_traffic]
+        hops = [topo.cost.hop_seconds(t, dedup) for t in steps_traffic]
         comm = sum(4 * topo.cost.estimate(t, dedup) for t in steps_traffic)
     else:
         sims = [simulate(RoutingRecord.load(summary["output_dir"], layer), topo, cfg.parallel.placement,
                          tokens_per_rank=tokens_per_rank)["modes"][dedup]
                 for layer in range(recorded_layers(summary["output_dir"]))]
-        stages, comm = [s["stage_seconds"] for s in sims], sum(4 * s["estimated_seconds"] for s in sims)
+        hops, comm = [s["hop_seconds"] for s in sims], sum(4 * s["estimated_seconds"] for s in sims)
     step_s = summary["train_seconds"] / summary["steps"]
     return {"step_s": step_s, "tokens_per_s": tokens_per_rank * summary["world_size"] / step_s,
             # measured inside the training steps: time blocked in the dispatcher's exchanges
             "exchange_wait_step_s": summary.get("exchange_wait_s", 0.0) / summary["steps"],
-            "predicted_comm_s": comm, "predicted_stage_s": stages,
+            "predicted_comm_s": comm, "predicted_hop_s": hops,
             "priced_from": "validation routing" if steps_traffic is None else "training steps",
             "calibrated": bool(_FITTED)}

@@ -37,14 +37,14 @@ def exchange_s(row: dict) -> float:
 
 
 def predicted_steps(runs: list, base: dict, cost: CostModel, share: float) -> tuple[list, str]:
-    """(predicted step seconds and signed relative error of each run, from its ``predicted_stage_s``
+    """(predicted step seconds and signed relative error of each run, from its ``predicted_hop_s``
     per layer and ``chunks``; "median X%, max Y%" of the absolute errors)."""
     compute = base["step_s"] - exchange_s(base)
-    moe = compute * share / len(base["predicted_stage_s"])
+    moe = compute * share / len(base["predicted_hop_s"])
     out = []
     for r in runs:
-        pred = compute * (1 - share) + sum(cost.layer_time(stages, moe, r.get("chunks", 1))["layer_s"]
-                                           for stages in r["predicted_stage_s"])
+        pred = compute * (1 - share) + sum(cost.layer_time(hops, moe, r.get("chunks", 1))["layer_s"]
+                                           for hops in r["predicted_hop_s"])
         out.append((pred, (pred - r["step_s"]) / r["step_s"]))
     errors = [abs(e) for _, e in out]
     return out, f"median {100 * statistics.median(errors):.0f}%, max {100 * max(errors):.0f}%"

@@ -8,19 +8,19 @@ the level is as slow as its slowest link,
 
     t_l = alpha_l * max_r peers_l(r) + max_link max(sent, received) / bandwidth_l.
 
-A one-stage exchange (dedup none or rank) drives every level at once and takes
-max_l t_l; node dedup's two stages (cross the node boundary, then forward
+A one-hop exchange (dedup none or rank) drives every level at once and takes
+max_l t_l; node dedup's two hops (cross the node boundary, then forward
 inside the node) run one after the other and take sum_l t_l.
 
 A layer (``layer_seconds``) adds what the payload does not show: every collective
 costs ``latency_s`` (the launch, the split-size read; calibrated with empty
-all-to-alls), and a stage runs three small ones beside its four payload
+all-to-alls), and a hop runs three small ones beside its four payload
 exchanges (dispatch and combine, forward and backward): the split sizes and the
 metadata forward, the gates' gradients backward. Blocking exchanges add to the
 layer's compute; pipelined ones (C chunks) overlap it, ``overlap`` in [0, 1]
 being the share of the shorter of the two that hides under the longer (measured
 by ``dist-moe calibrate``: 1 where the link and compute use separate engines, less
-where the exchange needs the same cores); node dedup's two stages overlap each
+where the exchange needs the same cores); node dedup's two hops overlap each
 other the same way, chunks in flight together move at ``chunked`` times the time
 of one exchange sent whole (calibrated: several in flight can fill a link one
 leaves idle), and each chunk's exchanges pay their own latency.
@@ -150,15 +150,15 @@ class CostModel:
 
     def estimate(self, traffic, dedup: str = "rank") -> float:
         """Estimated all-to-all seconds for a ``placement.Traffic`` sent with ``dedup``."""
-        return sum(self.stage_seconds(traffic, dedup))
+        return sum(self.hop_seconds(traffic, dedup))
 
     def layer_seconds(self, traffic, dedup: str, compute_s: float, chunks: int = 1) -> dict:
         """Predicted forward + backward seconds of one MoE layer whose dispatch sends ``traffic``
         and whose own work (router, experts, gathers; no exchange) takes ``compute_s``."""
-        return self.layer_time(self.stage_seconds(traffic, dedup), compute_s, chunks)
+        return self.layer_time(self.hop_seconds(traffic, dedup), compute_s, chunks)
 
-    def stage_seconds(self, traffic, dedup: str) -> list:
-        """Seconds of each stage of the exchange: node dedup's one per level, else one (all levels at once)."""
+    def hop_seconds(self, traffic, dedup: str) -> list:
+        """Seconds of each hop of the exchange: node dedup's one per level, else one (all levels at once)."""
         phases = list(self.phase_times(traffic.matrix, traffic.topology).values())
         return phases if traffic.topology.effective_dedup(dedup) == "node" else [max(phases, default=0.0)]
 
@@ -168,15 +168,15 @@ class CostModel:
         long = max(times, default=0.0)
         return long + (sum(times) - long) * (1 - self.overlap + self.overlap / chunks)
 
-    def layer_time(self, stage_s: list, compute_s: float, chunks: int = 1) -> dict:
-        """``layer_seconds`` from the seconds of each stage of one dispatch exchange (node dedup's
-        two stages: one after the other, or pipelined against each other chunk by chunk)."""
-        n = len(stage_s)
+    def layer_time(self, hop_s: list, compute_s: float, chunks: int = 1) -> dict:
+        """``layer_seconds`` from the seconds of each hop of one dispatch exchange (node dedup's
+        two hops: one after the other, or pipelined against each other chunk by chunk)."""
+        n = len(hop_s)
         plan = 3 * n * self.latency_s
         if chunks == 1:
-            payload = 4 * sum(stage_s) + 4 * n * self.latency_s
+            payload = 4 * sum(hop_s) + 4 * n * self.latency_s
             return {"exchange_s": plan + payload, "compute_s": compute_s, "layer_s": plan + payload + compute_s}
-        payload = 4 * self._hidden(stage_s, chunks) * self.chunked + 4 * n * chunks * self.latency_s
+        payload = 4 * self._hidden(hop_s, chunks) * self.chunked + 4 * n * chunks * self.latency_s
         total = plan + self._hidden([payload, compute_s], chunks)
         return {"exchange_s": plan + payload, "compute_s": compute_s, "layer_s": total}
 

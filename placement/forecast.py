@@ -100,8 +100,8 @@ def uniform_routing(tokens: int, experts: int, top_k: int, generator: torch.Gene
     raise ValueError(f"could not draw {top_k} distinct experts of {experts}")
 
 
-def stage_seconds(per_level: dict, topology: Topology, scale: float, token_bytes: int) -> dict:
-    """``CostModel``'s alpha-beta seconds per level for one stage's counts (``DispatchPlan.copies_by_level``),
+def hop_seconds(per_level: dict, topology: Topology, scale: float, token_bytes: int) -> dict:
+    """``CostModel``'s alpha-beta seconds per level for one hop's counts (``DispatchPlan.copies_by_level``),
     scaled to the full batch, on the mean link and the expected peers."""
     out = {}
     cost = topology.cost
@@ -155,15 +155,15 @@ def group_forecast(shape: ModelShape, group: Topology, routing=None, tflops: flo
         if placement is None:
             continue
         for dedup in DEDUP_MODES:
-            stages = DispatchPlan.build(idx, placement, group, dedup, src_rank=src).copies_by_level(group)
-            bytes_per_token = {name: sum(st[name][0] for st in stages) * shape.token_bytes / t
+            hops = DispatchPlan.build(idx, placement, group, dedup, src_rank=src).copies_by_level(group)
+            bytes_per_token = {name: sum(st[name][0] for st in hops) * shape.token_bytes / t
                                for name in group.levels}
-            times = [stage_seconds(st, group, scale, shape.token_bytes) for st in stages]
-            # one stage drives every level at once; node dedup's two stages run one after the other
-            stage_s = [max(tm.values()) for tm in times]
-            exchange = sum(stage_s)
+            times = [hop_seconds(st, group, scale, shape.token_bytes) for st in hops]
+            # one hop drives every level at once; node dedup's two hops run one after the other
+            hop_s = [max(tm.values()) for tm in times]
+            exchange = sum(hop_s)
             for c in chunks:
-                layer = group.cost.layer_time(stage_s, out["expert_seconds"], c)
+                layer = group.cost.layer_time(hop_s, out["expert_seconds"], c)
                 out["rows"].append({"placement": kind, "dedup": dedup, "chunks": c,
                                     "bytes_per_token_by_level": bytes_per_token, "exchange_seconds": exchange,
                                     "step_seconds": shape.layers * layer["layer_s"],

@@ -5,8 +5,8 @@ node rules are written once (the byte rules of ``traffic.py``):
 
 none   one copy per pair (token, selected expert) to the expert's rank
 rank   one copy per (token, destination rank)
-node   stage 1: one copy per (token, destination node) to the gateway, the rank on that node
-       with the source's local index (the source itself for its own node); stage 2: the
+node   hop 1: one copy per (token, destination node) to the gateway, the rank on that node
+       with the source's local index (the source itself for its own node); hop 2: the
        gateway sends one copy per (token, destination rank) inside its node
 
 An ``Exchange`` is one all-to-all's worth: pairs grouped into copies by (destination, row),
@@ -96,7 +96,7 @@ def destination_ranks(expert_idx: Tensor, placement: Placement, world: int | Non
 
 
 def gateways(dst_rank: Tensor, src_rank: Tensor, topology: Topology) -> Tensor:
-    """Node dedup's stage-1 destination: the rank on ``dst_rank``'s node with the source's local index."""
+    """Node dedup's first-hop destination: the rank on ``dst_rank``'s node with the source's local index."""
     g, w = topology.ranks_per_node, topology.world_size
     return torch.where(dst_rank < w, (dst_rank // g) * g + src_rank % g, w)
 
@@ -105,23 +105,23 @@ def gateways(dst_rank: Tensor, src_rank: Tensor, topology: Topology) -> Tensor:
 class DispatchPlan:
     """Every exchange of one forward dispatch, for tokens of any source ranks (the analytic view).
 
-    ``stages[i]`` groups the pairs of stage i: its copies go from ``senders[i]`` (per pair) to
-    the stage's destinations. The dispatcher executes the same derivation on one rank: stage 1
-    from its own tokens, stage 2 (node dedup) on each gateway from the pairs it received.
+    ``hops[i]`` groups the pairs of hop i: its copies go from ``senders[i]`` (per pair) to
+    the hop's destinations. The dispatcher executes the same derivation on one rank: hop 1
+    from its own tokens, hop 2 (node dedup) on each gateway from the pairs it received.
     """
 
     dedup: str
     world: int
     pair_token: Tensor  # [P] token of each pair (all pairs, dropped ones included)
-    stages: list  # [Exchange]
-    senders: list  # [P] rank sending each pair in that stage (input order)
-    receivers: list  # [P] rank receiving each pair in that stage (input order; world = not sent)
+    hops: list  # [Exchange]
+    senders: list  # [P] rank sending each pair in that hop (input order)
+    receivers: list  # [P] rank receiving each pair in that hop (input order; world = not sent)
 
     @classmethod
     def build(cls, expert_idx, placement: Placement, topology: Topology, dedup: str = "rank",
               src_rank=0, local: bool = False) -> DispatchPlan:
         """``local``: only what the source rank sends itself (the dispatcher's view: node dedup's
-        stage 2 runs on the gateways, grouped from the pairs they receive)."""
+        hop 2 runs on the gateways, grouped from the pairs they receive)."""
         dedup = topology.effective_dedup(check_dedup(dedup))
         w = topology.world_size
         if placement.world_size != w:
@@ -141,42 +141,42 @@ class DispatchPlan:
         dst = destination_ranks(expert_idx.reshape(-1), placement, w)
         pair_src = src[token]
         if dedup != "node":
-            stage = Exchange.group(token, dst, w, t if dedup == "rank" else None)
-            return cls(dedup, w, token, [stage], [pair_src], [dst])
+            hop = Exchange.group(token, dst, w, t if dedup == "rank" else None)
+            return cls(dedup, w, token, [hop], [pair_src], [dst])
         gate = gateways(dst, pair_src, topology)
-        stage1 = Exchange.group(token, gate, w, t)
+        hop1 = Exchange.group(token, gate, w, t)
         if local:
-            return cls(dedup, w, token, [stage1], [pair_src], [gate])
-        stage2 = Exchange.group(token, dst, w, t)  # (token, rank) is (gateway copy, rank)
-        return cls(dedup, w, token, [stage1, stage2], [pair_src, torch.where(dst < w, gate, w)], [gate, dst])
+            return cls(dedup, w, token, [hop1], [pair_src], [gate])
+        hop2 = Exchange.group(token, dst, w, t)  # (token, rank) is (gateway copy, rank)
+        return cls(dedup, w, token, [hop1, hop2], [pair_src, torch.where(dst < w, gate, w)], [gate, dst])
 
     def sent(self, i: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Stage ``i``'s copies as (sender, receiver, sent) per sorted pair: ``sent`` marks one pair per
+        """Hop ``i``'s copies as (sender, receiver, sent) per sorted pair: ``sent`` marks one pair per
         copy that crosses to another rank (a copy is a leader pair; what a rank keeps, and dropped
         pairs, are not sent). Every count of copies and bytes starts here."""
-        stage, w = self.stages[i], self.world
-        s, r = self.senders[i][stage.order].cpu(), self.receivers[i][stage.order].cpu()
-        return s, r, stage.leader.cpu() & (r < w) & (s < w) & (s != r)
+        hop, w = self.hops[i], self.world
+        s, r = self.senders[i][hop.order].cpu(), self.receivers[i][hop.order].cpu()
+        return s, r, hop.leader.cpu() & (r < w) & (s < w) & (s != r)
 
     def traffic_matrix(self, token_bytes: int) -> Tensor:
         """[W, W] int64 payload bytes, sender row -> receiver column; nothing a rank keeps is counted."""
         w = self.world
         matrix = torch.zeros(w * w + 1, dtype=torch.long)
-        for i in range(len(self.stages)):
+        for i in range(len(self.hops)):
             s, r, send = self.sent(i)
             cell = torch.where(send, s * w + r, w * w)  # the sentinel cell collects what is not sent
             matrix.scatter_add_(0, cell, send.long() * token_bytes)
         return matrix[: w * w].reshape(w, w)
 
     def copies_by_level(self, topology: Topology) -> list[dict]:
-        """Per stage: {level: (copies, [W] copies each rank sends, [W] copies each receives)}, every copy
+        """Per hop: {level: (copies, [W] copies each rank sends, [W] copies each receives)}, every copy
         counted at the level its two ranks' coordinates cross (no [W, W] matrix: 16,384 ranks plan fast)."""
-        stages = []
-        for i in range(len(self.stages)):
+        hops = []
+        for i in range(len(self.hops)):
             s, r, send = self.sent(i)
             s, r = s[send], r[send]
             level = topology.crossing_levels(s, r)
-            stages.append({name: (int((level == j).sum()), torch.bincount(s[level == j], minlength=self.world),
+            hops.append({name: (int((level == j).sum()), torch.bincount(s[level == j], minlength=self.world),
                                   torch.bincount(r[level == j], minlength=self.world))
                            for j, name in enumerate(topology.levels)})
-        return stages
+        return hops

@@ -255,6 +255,6 @@ def simulate(record: RoutingRecord, topology: Topology, placement_kind: str = "t
                 "bytes_by_level": levels,
                 "bytes_per_token_by_level": {k: v / n for k, v in levels.items()},
                 "estimated_seconds": topology.cost.estimate(traffic, dedup),
-                "stage_seconds": topology.cost.stage_seconds(traffic, dedup),
+                "hop_seconds": topology.cost.hop_seconds(traffic, dedup),
             }
     return out

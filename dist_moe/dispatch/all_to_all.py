@@ -10,9 +10,9 @@ metadata (``start_merged``: per destination, chunk after chunk; the payload leav
 waiting for it, and the destination waits where it first reads a received pair: ``Metadata``),
 each chunk's packed into int64: per destination its copies' integer tags (categories, row
 tags; ``Mc`` columns) and then its pairs, two int64 each, the local copy index, and the expert
-id in the high 32 bits beside the gate's float32 bits. The backward returns a stage's gate
+id in the high 32 bits beside the gate's float32 bits. The backward returns a hop's gate
 gradients the same way, every chunk's in one all-to-all (``pairs_back``). So an exchange costs
-2 + 2C all-to-alls forward and 2C + 1 backward for C chunks, whatever the dedup mode's stages
+2 + 2C all-to-alls forward and 2C + 1 backward for C chunks, whatever the dedup mode's hops
 repeat.
 
 Host integers serve only the collective API's split sizes. Everything the exchange indexes with
@@ -187,10 +187,10 @@ class Sizes:
 
 @dataclass
 class Chunk:
-    """One chunk's pairs before an exchange: ``stage`` groups them; ``pair_row`` indexes ``row_meta``
+    """One chunk's pairs before an exchange: ``hop`` groups them; ``pair_row`` indexes ``row_meta``
     (and the payload rows the pipeline sends); a sent pair's index is ``first_pair`` + its index here."""
 
-    stage: Exchange
+    hop: Exchange
     pair_row: Tensor
     pair_expert: Tensor
     pair_gate: Tensor
@@ -264,12 +264,12 @@ class Metadata:
 
 def _counts(chunk: Chunk, expert_slot: Tensor, num_local: int) -> Tensor:
     """[W, 2 + num_local]: copies, pairs and pairs per destination expert slot, per destination."""
-    stage = chunk.stage
-    w = stage.num_dst
-    exp_s = chunk.pair_expert[stage.order]
+    hop = chunk.hop
+    w = hop.num_dst
+    exp_s = chunk.pair_expert[hop.order]
     per_expert = torch.zeros((w + 1) * num_local, dtype=torch.long, device=exp_s.device)
-    per_expert.scatter_add_(0, stage.dst * num_local + expert_slot[exp_s.clamp_min(0)], torch.ones_like(exp_s))
-    return torch.cat([stage.copies_per_dst.unsqueeze(1), stage.pairs_per_dst.unsqueeze(1),
+    per_expert.scatter_add_(0, hop.dst * num_local + expert_slot[exp_s.clamp_min(0)], torch.ones_like(exp_s))
+    return torch.cat([hop.copies_per_dst.unsqueeze(1), hop.pairs_per_dst.unsqueeze(1),
                       per_expert[: w * num_local].reshape(w, num_local)], 1)
 
 
@@ -280,7 +280,7 @@ def plan_hops(group, chunks: list[Chunk], expert_slot: Tensor, num_local: int, t
     ``expert_slot`` [E] maps an expert to its slot on its rank (``num_local`` slots per rank), so
     each destination learns from the header how many pairs each of its experts gets.
     """
-    w, device = chunks[0].stage.num_dst, chunks[0].pair_row.device
+    w, device = chunks[0].hop.num_dst, chunks[0].pair_row.device
     code = problem.reshape(1).long() if problem is not None else torch.zeros(1, dtype=torch.long, device=device)
     header = torch.cat([torch.full((1,), tag, dtype=torch.long, device=device), code]).expand(w, 2)
     counts = torch.cat([_counts(c, expert_slot, num_local) for c in chunks] + [header], 1).contiguous()
@@ -315,16 +315,16 @@ def plan_hops(group, chunks: list[Chunk], expert_slot: Tensor, num_local: int, t
 def _metadata(chunk: Chunk, sizes: Sizes):
     """One chunk's metadata buffer, peer-major (per destination: copies' tags, then pairs), and what
     ``_received`` needs besides the received buffer."""
-    stage = chunk.stage
+    hop = chunk.hop
     n_c, n_p, mc = sum(sizes.send_c), sum(sizes.send_p), chunk.row_meta.shape[1]
-    order = stage.order[:n_p]  # sent pairs come first; dropped ones sort last and stay
-    copy_row = stage.copy_values(chunk.pair_row, n_c)
+    order = hop.order[:n_p]  # sent pairs come first; dropped ones sort last and stay
+    copy_row = hop.copy_values(chunk.pair_row, n_c)
     send_c, _, send_p, _ = sizes.on_device
     pos_c, pos_p = _blocks(send_c, mc, send_p, _PAIR_COLUMNS, n_c, n_p)
     meta = torch.zeros(n_c * mc + n_p * _PAIR_COLUMNS, dtype=torch.long, device=chunk.pair_row.device)
     meta[pos_c.reshape(-1)] = chunk.row_meta[copy_row].reshape(-1)
     packed = (chunk.pair_expert[order] << 32) | _gate_bits(chunk.pair_gate[order].detach())
-    meta[pos_p.reshape(-1)] = torch.stack([stage.local_copy()[:n_p], packed], 1).reshape(-1)
+    meta[pos_p.reshape(-1)] = torch.stack([hop.local_copy()[:n_p], packed], 1).reshape(-1)
     return meta, (sizes, copy_row, order + chunk.first_pair, mc)
 
 
@@ -376,7 +376,7 @@ def start_merged(buffers: list[Tensor], send: Tensor, send_lists: list, recv: Te
 
 def pairs_back(hops: list[Hop], values: list[Tensor]) -> Merged:
     """Every chunk's per-received-pair values ([Q] each) back to their senders in one all-to-all;
-    ``wait()`` gives each chunk's [n_p] in its ``sent_pairs`` order (the gate gradients of a stage)."""
+    ``wait()`` gives each chunk's [n_p] in its ``sent_pairs`` order (the gate gradients of a hop)."""
     group = strong(hops[0]._group, "an exchange's way back")
     return start_merged(values, torch.stack([hop.counts[3] for hop in hops]), [hop.recv_p for hop in hops],
                         torch.stack([hop.counts[2] for hop in hops]), [hop.send_p for hop in hops], group)

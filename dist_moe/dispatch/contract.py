@@ -49,6 +49,19 @@ def tokens_in(h: Tensor, tag: int, num_categories: int | None = None, categories
     return Tokens(h, categories, token_ids, valid, input_problem(h, categories, num_categories), tag)
 
 
+def per_token(t: Tensor | None, shape, name: str) -> Tensor | None:
+    """Flatten a per-token tensor for inputs of ``shape``; a [B] tensor for [B, S, H] inputs is repeated
+    per position."""
+    if t is None:
+        return None
+    lead = shape[:-1]
+    if t.shape == lead:
+        return t.reshape(-1)
+    if len(lead) == 2 and t.shape == lead[:1]:
+        return t.unsqueeze(1).expand(lead).reshape(-1)
+    raise ValueError(f"{name} must have shape {tuple(lead)} (or [B] per sequence), got {tuple(t.shape)}")
+
+
 class Routes(Protocol):
     """What an exchange reads of a routing (``dist_moe.routing.Routing`` has it): [T, K] expert ids, highest
     first, -1 for a slot dropped by capacity, and the gates applied to the selected experts' outputs."""
@@ -79,19 +92,33 @@ class ExpertsContract(Protocol):
         ...
 
 
+class Dispatched(Protocol):
+    """A routed batch whose routes have been sent: the experts' half of the exchange."""
+
+    def experts_and_combine(self, experts: ExpertsContract,
+                            shared: nn.Module | None = None) -> tuple[Tensor, Tensor | None]:
+        """Payload out, ``experts`` on what arrived, gated outputs combined back per token: (y [T, H],
+        ``shared(h)`` or None). One call for the three, so the pipelined implementation can run one
+        chunk's experts while the others' exchanges are in flight."""
+        ...
+
+
 class Dispatcher(Protocol):
     """dispatch a routed batch by its ``DispatchPlan`` -> run ``experts`` on what arrived -> combine the
-    gated outputs back per token. One call does all three, so the pipelined implementation can run
-    one chunk's experts while the others' exchanges are in flight."""
+    gated outputs back per token."""
 
     exchanges: bool  # True: other ranks take part, and the exchange's header carries the agreement
     rank: int
     metadata_bytes: int
 
+    def dispatch(self, tokens: Tokens, routing: Routes, chunks: int = 1) -> Dispatched:
+        """``tokens.h`` [T, H], ``routing.expert_idx`` / ``routing.gates`` [T, K] (-1: dropped): the
+        routes sent, every rank knowing what it receives."""
+        ...
+
     def __call__(self, tokens: Tokens, routing: Routes, experts: ExpertsContract, chunks: int = 1,
                  shared: nn.Module | None = None) -> tuple[Tensor, Tensor | None]:
-        """``tokens.h`` [T, H], ``routing.expert_idx`` / ``routing.gates`` [T, K] (-1: dropped) ->
-        (y [T, H], ``shared(h)`` or None)."""
+        """``dispatch`` then ``experts_and_combine``."""
         ...
 
     @property
@@ -104,8 +131,8 @@ class Dispatcher(Protocol):
 
 @runtime_checkable
 class CountsBytes(Protocol):
-    """A layer whose tokens move through dist-moe's dispatcher (``CountsTraffic``, the engines'
-    dispatched hosts): what the trainer's byte log, the routing record and the benchmarks ask for."""
+    """A layer whose tokens move through dist-moe's dispatcher (its ``traffic`` is its exchange's): what
+    the trainer's byte log, the routing record and the benchmarks ask for."""
 
     topology: object  # placement.Topology
     placement: object  # placement.Placement

@@ -6,9 +6,9 @@ copy and reduces the gated outputs into one row, which returns the way it came.
 
 none   one copy per pair (what DeepSpeed and Megatron send)
 rank   one copy per (token, destination rank)
-node   stage 1: one copy per (token, destination node) to the rank on that node
+node   hop 1: one copy per (token, destination node) to the rank on that node
        with the sender's local index (the gateway; the sender itself for its own
-       node); stage 2: each gateway forwards one copy per destination rank inside
+       node); hop 2: each gateway forwards one copy per destination rank inside
        its node. The combine reduces inside the node before crossing back.
 
 The plan comes from ``placement.plan`` (the same one ``dispatch_traffic`` counts);
@@ -36,9 +36,9 @@ from dist_moe.dispatch.apply_experts import apply_experts, apply_experts_in_orde
 from dist_moe.dispatch.combine import take_rows
 from dist_moe.dispatch.contract import ExpertsContract, Routes, Tokens
 from dist_moe.dispatch.pipeline import PipelineRun, chunk_bounds, run_pipeline
-from dist_moe.dispatch.stages import stage
+from dist_moe.dispatch.profiling import profiled
 from dist_moe.distributed.groups import SUBGROUPS, WeakGroup
-from placement import Placement, Topology, Traffic
+from placement import Placement, Topology
 from placement.plan import DispatchPlan, Exchange, check_dedup
 
 
@@ -81,9 +81,32 @@ class LocalDispatcher:
         self.placement = placement  # its slot table maps expert ids to this rank's slots
         self.fixed_order = fixed_order
 
+    def dispatch(self, tokens: Tokens, routing: Routes, chunks: int = 1) -> LocalDispatch:
+        """Nothing travels: the tokens stay, their pairs are made once the experts are known."""
+        return LocalDispatch(tokens, routing, self.placement, self.fixed_order)
+
     def __call__(self, tokens: Tokens, routing: Routes, experts, chunks: int = 1,
                  shared: nn.Module | None = None) -> tuple[Tensor, Tensor | None]:
-        h, expert_idx, gates, row_tags = tokens.h, routing.expert_idx, routing.gates, tokens.row_tags
+        return self.dispatch(tokens, routing, chunks).experts_and_combine(experts, shared)
+
+    @property
+    def traffic(self) -> Tensor:
+        return torch.zeros(self.placement.world_size, self.placement.world_size, dtype=torch.long)
+
+    def reset_traffic(self) -> None:
+        pass
+
+
+class LocalDispatch:
+    """One forward's tokens when every expert is on this rank."""
+
+    def __init__(self, tokens: Tokens, routing: Routes, placement: Placement, fixed_order: bool):
+        self.tokens, self.routing, self.placement, self.fixed_order = tokens, routing, placement, fixed_order
+
+    def experts_and_combine(self, experts, shared: nn.Module | None = None) -> tuple[Tensor, Tensor | None]:
+        """(y [T, H] each token's gated expert outputs summed, ``shared(h)`` or None)."""
+        h, row_tags = self.tokens.h, self.tokens.row_tags
+        expert_idx, gates = self.routing.expert_idx, self.routing.gates
         t, k = expert_idx.shape
         if experts.grouped(h):  # grouped experts size their groups on the device: no host read in the local forward
             token, expert, gate = every_slot_pairs(expert_idx, gates)
@@ -92,19 +115,12 @@ class LocalDispatcher:
             place, expert, gate = kept_pairs(expert_idx, gates)
             token = place // k
         slot = self.placement.slot_table(h.device)[expert]
-        with stage("experts"):
+        with profiled("experts"):
             if self.fixed_order:  # a token's k outputs summed in its routing's slot order (place t * k + j)
                 y = apply_experts_in_order(experts, h, (token, slot, gate), k, row_tags, places=place)
             else:  # index_add: with atomics on a GPU
                 y = apply_experts(experts, h, token, slot, gate, row_tags)
         return y.to(h.dtype), None if shared is None else shared(h)  # y accumulated in fp32
-
-    @property
-    def traffic(self) -> Tensor:
-        return torch.zeros(self.placement.world_size, self.placement.world_size, dtype=torch.long)
-
-    def reset_traffic(self) -> None:
-        pass
 
 
 def make_dispatcher(group, placement: Placement, topology: Topology, dedup: str = "rank", timeout=None,
@@ -158,7 +174,7 @@ class ExpertParallelDispatcher:
         self.rank = dist.get_rank(group)
         topology.check_ranks(self.world)
         placement.check(placement.num_experts, self.world)
-        # the mode it runs: node dedup on one node (or one rank per node) is rank dedup, no second stage
+        # the mode it runs: node dedup on one node (or one rank per node) is rank dedup, no second hop
         self.dedup = topology.effective_dedup(check_dedup(dedup))
         self.placement, self.topology = placement, topology
         self.rank_of = placement.rank_table(torch.device("cpu"))
@@ -200,19 +216,17 @@ class ExpertParallelDispatcher:
             self.rank_of, self.slot_of = self.placement.rank_table(device), self.placement.slot_table(device)
         return self.rank_of, self.slot_of
 
-    def __call__(self, tokens: Tokens, routing: Routes, experts: ExpertsContract, chunks: int = 1,
-                 shared: nn.Module | None = None) -> tuple[Tensor, Tensor | None]:
-        """``tokens.h`` [T, H] this rank's tokens -> (y [T, H] sum of gated expert outputs per token,
-        ``shared(h)`` or None).
+    def dispatch(self, tokens: Tokens, routing: Routes, chunks: int = 1) -> ExpertParallelDispatch:
+        """``tokens.h`` [T, H] this rank's tokens, their routes sent: every rank learns how many rows and
+        pairs it receives from each peer, chunk by chunk, and the pairs' expert ids, gates and tags.
 
         ``tokens.copy_meta`` [T] or [T, C] integers travel with each copy (categories);
         ``tokens.row_tags`` [T] too, and reach the experts' capture at the destination.
         ``tokens.tag`` (the caller's forward count; None: this dispatcher's call count) and
         ``tokens.problem`` (``agree.input_problem``) ride with the split sizes: a problem on any rank,
         or ranks at different tags, raise on every rank before a token moves (``agree.py``).
-        ``chunks`` > 1 pipelines the exchanges by token (``pipeline.py``; every rank of the group
-        must pass the same number); ``shared`` (the shared experts) runs on h while the first chunks
-        are in flight.
+        ``chunks`` > 1 pipelines the payload by token (``pipeline.py``; every rank of the group
+        must pass the same number).
         """
         h, expert_idx, gates = tokens.h, routing.expert_idx, routing.gates
         copy_meta, row_tags, problem = tokens.copy_meta, tokens.row_tags, tokens.problem
@@ -224,23 +238,27 @@ class ExpertParallelDispatcher:
         meta = torch.cat(parts, 1) if parts else h.new_zeros((t, 0), dtype=torch.long)
         pair_expert, pair_gate = expert_idx.reshape(-1), gates.reshape(-1)
         row_bytes = h.shape[1] * h.element_size()
-        with stage("plan"):  # the split sizes' exchange (its one host read) and the routing metadata's
+        with profiled("plan"):  # the split sizes' exchange (its one host read) and the routing metadata's
             chunked: list = []
             for a, b in chunk_bounds(t, chunks):
                 plan = DispatchPlan.build(expert_idx[a:b], self.placement, self.topology, self.dedup, self.rank,
                                           local=True)
-                chunked.append(Chunk(plan.stages[0], plan.pair_token + a, pair_expert[a * k:b * k],
+                chunked.append(Chunk(plan.hops[0], plan.pair_token + a, pair_expert[a * k:b * k],
                                      pair_gate[a * k:b * k], meta, a * k))
             first = plan_hops(self.group, chunked, slot_of, self.num_local, tag, problem)
             self._record(first, 0, row_bytes, 8 * meta.shape[1])
-        # node dedup's stage 2 is planned from the pairs stage 1 delivers: while its payload crosses
-        second = (lambda: self._second_stage(first, tag, row_bytes)) if self.dedup == "node" else None
-        run = PipelineRun(first, second, experts, slot_of, row_tags is not None, shared, k, self.fixed_order)
-        y, shared_y = run_pipeline(run, h, gates)
-        return y, None if shared is None else shared_y
+        # node dedup's second hop is planned from the pairs the first delivers: while its payload crosses
+        second = (lambda: self._second_hop(first, tag, row_bytes)) if self.dedup == "node" else None
+        return ExpertParallelDispatch(h, gates, first, second, slot_of, row_tags is not None, k, self.fixed_order)
 
-    def _second_stage(self, first: list, tag: int, row_bytes: int) -> list:
-        """Node dedup's stage 2 on the gateway: one copy per destination rank inside this node."""
+    def __call__(self, tokens: Tokens, routing: Routes, experts: ExpertsContract, chunks: int = 1,
+                 shared: nn.Module | None = None) -> tuple[Tensor, Tensor | None]:
+        """``dispatch`` then ``experts_and_combine``: (y [T, H] sum of gated expert outputs per token,
+        ``shared(h)`` or None)."""
+        return self.dispatch(tokens, routing, chunks).experts_and_combine(experts, shared)
+
+    def _second_hop(self, first: list, tag: int, row_bytes: int) -> list:
+        """Node dedup's second hop on the gateway: one copy per destination rank inside this node."""
         node_base = self.topology.node_of(self.rank) * self.g
         chunks = [Chunk(Exchange.group(hop.pair_copy, self.rank_of[hop.pair_expert] - node_base, self.g,
                                        sum(hop.recv_c)), hop.pair_copy, hop.pair_expert, hop.pair_gate,
@@ -250,20 +268,22 @@ class ExpertParallelDispatcher:
         return second
 
 
-class CountsTraffic:
-    """``traffic`` and ``reset_traffic`` for a layer whose ``dispatcher`` (None: nothing exchanged) runs
-    over ``topology``: dist-moe's MoELayer and the engines' layers that use this dispatcher."""
+class ExpertParallelDispatch:
+    """One forward's tokens with their routes delivered and the payload's hops planned; the payload
+    itself has not moved yet."""
 
-    dispatcher: ExpertParallelDispatcher | None
-    topology: Topology
+    def __init__(self, h: Tensor, gates: Tensor, first: list, second, slot_of: Tensor, tagged: bool, top_k: int,
+                 fixed_order: bool):
+        self.h, self.gates, self.first, self.second = h, gates, first, second
+        self.slot_of, self.tagged, self.top_k, self.fixed_order = slot_of, tagged, top_k, fixed_order
 
-    @property
-    def traffic(self) -> Traffic:
-        """Payload bytes this rank sent in forward dispatch since the last reset (its row)."""
-        if self.dispatcher is None:
-            return Traffic.zeros(self.topology)
-        return Traffic(self.dispatcher.traffic.clone(), self.topology)
-
-    def reset_traffic(self) -> None:
-        if self.dispatcher is not None:
-            self.dispatcher.reset_traffic()
+    def experts_and_combine(self, experts: ExpertsContract,
+                            shared: nn.Module | None = None) -> tuple[Tensor, Tensor | None]:
+        """Each chunk's rows sent, the experts run on them as they arrive, their gated outputs combined
+        back: (y [T, H] summed per token, ``shared(h)`` or None; the shared experts run while the first
+        chunks are in flight). The three overlap chunk by chunk inside one autograd node
+        (``pipeline.py``), so the backward's collectives keep one order on every rank."""
+        run = PipelineRun(self.first, self.second, experts, self.slot_of, self.tagged, shared, self.top_k,
+                          self.fixed_order)
+        y, shared_y = run_pipeline(run, self.h, self.gates)
+        return y, None if shared is None else shared_y

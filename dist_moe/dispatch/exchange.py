@@ -1,6 +1,6 @@
-"""The exchange stage every MoE forward shares: its tokens to their experts and back (``ExpertExchange``,
-built from an ``ExchangeConfig``), and the agreement its route stage runs inside. The staged forward
-that uses it is ``dist_moe/moe/host.py``.
+"""The dispatch and combine stages every MoE forward shares: its tokens to their experts and back
+(``ExpertExchange``, built from an ``ExchangeConfig``), the agreement its route stage runs inside, and
+the bytes it sent. The forward that uses it is ``dist_moe/moe/forward.py``.
 
 Agreement (``agree.py``): with an exchanging dispatcher the ranks agree on bad input and on being at
 the same forward in the header of the first exchange; ranks beyond the exchange that route their own
@@ -14,14 +14,12 @@ import contextlib
 import datetime
 from dataclasses import dataclass
 
-from torch import Tensor, nn
-
 from dist_moe.dispatch.agree import agree, agreed_routing
-from dist_moe.dispatch.contract import Dispatcher, ExpertsContract, Routes, Tokens
+from dist_moe.dispatch.contract import Dispatcher, Routes, Tokens
 from dist_moe.dispatch.dispatcher import make_dispatcher
 from dist_moe.dispatch.pipeline import check_chunks
 from dist_moe.distributed.groups import WeakGroup
-from placement import Placement, Topology
+from placement import Placement, Topology, Traffic
 from placement.plan import check_dedup
 
 
@@ -54,7 +52,7 @@ class ExchangeConfig:
 
 
 class ExpertExchange:
-    """One layer's dispatcher as its forward's exchange stage (``what`` names the layer in refusals).
+    """One layer's dispatcher as its forward's dispatch and combine (``what`` names the layer in refusals).
     ``chunks`` may change between forwards (``train/chunk_tuning.py``), the same on every rank."""
 
     agree_group = WeakGroup()  # held weakly: torch.distributed owns the group (groups.py)
@@ -70,16 +68,25 @@ class ExpertExchange:
         return self.dispatcher is not None and self.dispatcher.exchanges or self.agree_group is not None
 
     def agreement(self, router) -> contextlib.AbstractContextManager:
-        """The context the route and exchange stages run in: ``agreed_routing`` when ranks agree."""
+        """The context the route, dispatch and combine stages run in: ``agreed_routing`` when ranks agree."""
         return agreed_routing(router) if self.agreed else contextlib.nullcontext()
 
-    def run(self, tokens: Tokens, routing: Routes, experts: ExpertsContract,
-            shared: nn.Module | None = None) -> tuple[Tensor, Tensor | None]:
-        """(y [T, H] the gated experts' outputs summed per token, ``shared(h)`` or None). ``shared`` (the
-        shared experts) runs while the first chunks are in flight."""
+    def dispatch(self, tokens: Tokens, routing: Routes):
+        """The tokens' routes sent (the payload's hops planned): ``experts_and_combine`` of what it returns
+        moves the payload, runs the experts and brings their outputs back."""
         if self.dispatcher is None:
             raise ValueError(f"{self.what} has no expert-parallel group to exchange over yet")
         if self.agree_group is not None:  # ranks beyond the exchange: one small all-reduce first
             assert tokens.problem is not None and tokens.tag is not None  # tokens_in sets both
             agree(tokens.problem, tokens.tag, self.agree_group, self.what)
-        return self.dispatcher(tokens, routing, experts, self.chunks, shared)
+        return self.dispatcher.dispatch(tokens, routing, self.chunks)
+
+    def traffic(self, topology: Topology) -> Traffic:
+        """Payload bytes this rank sent in forward dispatch since the last reset (its row)."""
+        if self.dispatcher is None:
+            return Traffic.zeros(topology)
+        return Traffic(self.dispatcher.traffic.clone(), topology)
+
+    def reset_traffic(self) -> None:
+        if self.dispatcher is not None:
+            self.dispatcher.reset_traffic()

@@ -1,13 +1,13 @@
 """The payload phase of a dispatch, chunk by chunk, with the link busy while experts compute.
 
-Every chunk's first-stage payload is sent at once (async all-to-alls); the shared expert runs
+Every chunk's first-hop payload is sent at once (async all-to-alls); the shared expert runs
 while they are in flight; then for each chunk in turn: wait for its copies, (node dedup: forward
-them inside the node, where the next chunks' first stage is still crossing the slow link), run
+them inside the node, where the next chunks' first hop is still crossing the slow link), run
 the experts, and start its combine without waiting for it (node dedup: the results of a chunk
 come back from inside the node while the gateway computes the next chunk). Backward runs the same way in
 reverse: every chunk's output gradients leave at once, the shared expert's backward runs under
 them, and each chunk's expert backward overlaps the later chunks' transfers; the gate gradients
-(4 bytes a pair) go back once per stage for all chunks (``all_to_all.pairs_back``).
+(4 bytes a pair) go back once per hop for all chunks (``all_to_all.pairs_back``).
 
 The whole dispatch is one autograd node (``_Pipelined``). Inside it, each chunk's experts run
 under ``enable_grad`` on leaves cut at the exchange, and its backward calls ``autograd.grad`` on
@@ -29,7 +29,7 @@ from dist_moe.dispatch.all_to_all import Hop, Pending, pairs_back
 from dist_moe.dispatch.apply_experts import apply_experts, apply_experts_in_order, compute_dtype
 from dist_moe.dispatch.combine import row_places, sum_rows
 from dist_moe.dispatch.contract import ExpertsContract
-from dist_moe.dispatch.stages import stage
+from dist_moe.dispatch.profiling import profiled
 
 
 def check_chunks(chunks) -> int:
@@ -56,7 +56,7 @@ class PipelineRun:
 
     def __init__(self, first: list[Hop], second, experts: ExpertsContract, slot_of: Tensor, tagged: bool,
                  side: nn.Module | None, top_k: int = 1, fixed_order: bool = False):
-        """``second``: node dedup's stage-2 hops, or what plans them (called once stage 1's payload has
+        """``second``: node dedup's second hops, or what plans them (called once the first hop's payload has
         left), or None. ``fixed_order``: every sum of rows (a copy's pairs, a token's copies, their gradients) in a
         fixed order (``combine.py``), each row taking at most ``top_k``, instead of with index_add."""
         self.first, self.second = first, second
@@ -73,15 +73,15 @@ class PipelineRun:
         dtype = h.dtype
         self.weights = self._weights(h)
         sent = [hop.out(h[hop.copy_row]) for hop in self.first]
-        if callable(self.second):  # node dedup's stage 2, planned while stage 1's payload is in flight
-            with stage("plan_inner"):
+        if callable(self.second):  # node dedup's second hop, planned while the first's payload is in flight
+            with profiled("plan_inner"):
                 self.second = self.second()
-        with stage("shared_expert"):
+        with profiled("shared_expert"):
             side = self._side(h)
         back = self._each_chunk(sent, lambda hop, x: self._experts(x, hop), dtype,
                                 ("dispatch_wait", "dispatch_wait_inner", "combine_wait_inner"))
         got = [_wait(pending, "combine_wait") for pending in back]
-        with stage("combine"):
+        with profiled("combine"):
             out = self._sum_rows(got, [hop.copy_row for hop in self.first], h.shape[0])
         return out.to(dtype), side
 
@@ -143,7 +143,7 @@ class PipelineRun:
         gate = hop.pair_gate
         if self.train:
             x, gate = x.detach().requires_grad_(), gate.detach().requires_grad_()
-        with torch.set_grad_enabled(self.train), stage("experts"):
+        with torch.set_grad_enabled(self.train), profiled("experts"):
             slot = self.slot_of[hop.pair_expert]
             if self.fixed_order:  # a copy takes at most top_k pairs
                 y = apply_experts_in_order(self.experts, x, (hop.pair_copy, slot, gate), self.top_k, tags,
@@ -176,7 +176,7 @@ class PipelineRun:
         param_grads = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
         wrt = self.leaves or self.params  # what each chunk's graph holds: the cast copies, or the parameters
         grad_h = torch.zeros(h_shape, dtype=torch.float32, device=grad_out.device)
-        with stage("backward.shared_expert"):
+        with profiled("backward.shared_expert"):
             side_grads = self._side_backward(side_saved, grad_side, grad_h)
         gate_grads = []
 
@@ -187,7 +187,7 @@ class PipelineRun:
 
         sent_rows = self._each_chunk(returned, chunk_backward, dtype, ("backward.combine_wait",
                                      "backward.combine_wait_inner", "backward.dispatch_wait_inner"))
-        # gate gradients are 4 bytes a pair: each stage returns every chunk's in one all-to-all
+        # gate gradients are 4 bytes a pair: each hop returns every chunk's in one all-to-all
         if self.second is not None:
             gate_grads = [back.new_zeros(hop.pair_gate.shape).index_put_((hop2.sent_pairs,), back) for hop, hop2, back
                           in zip(self.first, self.second, _wait(pairs_back(self.second, gate_grads),
@@ -195,7 +195,7 @@ class PipelineRun:
         gates_back = pairs_back(self.first, gate_grads)
         grad_gates = torch.zeros(gates_numel, dtype=torch.float32, device=grad_out.device)
         rows = [_wait(pending, "backward.dispatch_wait") for pending in sent_rows]
-        with stage("backward.combine"):
+        with profiled("backward.combine"):
             grad_h += self._sum_rows(rows, [hop.copy_row for hop in self.first], h_shape[0])
         for hop, back in zip(self.first, _wait(gates_back, "backward.gate_grads_wait")):
             grad_gates.index_put_((hop.sent_pairs,), back)
@@ -216,8 +216,8 @@ class PipelineRun:
 
 
 def _wait(pending, name: str):
-    """``pending.wait()`` as the named stage (an exchange's wait, or a merged one's)."""
-    with stage(name):
+    """``pending.wait()`` as a named range (an exchange's wait, or a merged one's)."""
+    with profiled(name):
         return pending.wait()
 
 
@@ -225,7 +225,7 @@ def _expert_grads(saved, grad_y: Tensor, params: list[Tensor], param_grads: list
     """One chunk's expert backward: gradients of its copies and gates; expert weights' added into
     ``param_grads`` (fp32, one buffer each, whatever dtype the chunk computed in)."""
     x, gate, y = saved
-    with stage("backward.experts"):
+    with profiled("backward.experts"):
         grads = torch.autograd.grad(y, [x, gate, *params], grad_y.float(), retain_graph=True, allow_unused=True)
     for acc, g in zip(param_grads, grads[2:]):
         if g is not None:

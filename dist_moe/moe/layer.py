@@ -1,8 +1,8 @@
 """MoELayer = router + dispatcher + local experts (+ shared expert).
 
-Its forward reads as its stages (``host.py``, shared with the engines' layers): tokens -> route
-(strategy, capacity, ablation) -> exchange (dispatch -> experts -> combine, ``dispatch/exchange.py``)
--> record. Its settings are an ``MoELayerConfig``: what the trainer, the engines' hosts
+Its forward reads as its stages: tokens -> route (strategy, capacity, ablation) -> dispatch -> experts
+-> combine (``forward.py``'s ``moe_forward``, which the engines' layers run too) -> what it keeps. Its
+settings are an ``MoELayerConfig``: what the trainer, the engines' hosts
 (``DeepSpeedHostedMoE(config, ...)``, ``MegatronHostedMoE(config, ...)``) and the examples pass;
 ``config.build(group, placement, topology)`` is this layer. The cluster (the process group, the
 placement of experts on its ranks, its topology) is not part of the config: it comes from the launch.
@@ -24,18 +24,19 @@ from dataclasses import dataclass, field, fields
 import torch
 from torch import Tensor, nn
 
-from dist_moe.dispatch.contract import Tokens, tokens_in
-from dist_moe.dispatch.dispatcher import CountsTraffic
+from dist_moe.config.choices import LORA_ALPHA, LORA_RANK, SHARED_EXPERT_HIDDEN
+from dist_moe.dispatch.contract import Tokens, per_token, tokens_in
 from dist_moe.dispatch.exchange import ExchangeConfig
 from dist_moe.distributed.groups import WeakGroup
 from dist_moe.distributed.reductions import group_rank, group_size
+from dist_moe.moe.cluster import bind_to_topology
 from dist_moe.moe.experts import KINDS, Experts, SharedExpert
-from dist_moe.moe.host import ExchangedMoE, bind_to_topology, per_token
+from dist_moe.moe.forward import ExchangeTraffic, LastForward, OfExchange, moe_forward
 from dist_moe.moe.view import MoEView, expert_locations
 from dist_moe.routing import Router, Routing
 from dist_moe.routing.capacity import capacity_for, capacity_step, check_one_capacity
 from dist_moe.routing.registry import RouterConfig, layer_router, router_config
-from dist_moe.seeding import fork_rng
+from dist_moe.seeding import per_rank_draw
 from placement import Placement, Topology
 
 
@@ -50,10 +51,10 @@ class MoELayerConfig:
     ffn_hidden_size: int | None
     router: Router | RouterConfig | dict
     capacity_factor: float | None = None
-    shared_expert_hidden: int = 0
+    shared_expert_hidden: int = SHARED_EXPERT_HIDDEN
     expert_type: str = "swiglu"
-    lora_rank: int = 8
-    lora_alpha: float = 16.0
+    lora_rank: int = LORA_RANK
+    lora_alpha: float = LORA_ALPHA
     exchange: ExchangeConfig = field(default_factory=ExchangeConfig)
 
     def __post_init__(self):
@@ -89,11 +90,19 @@ class MoELayerConfig:
         """dist-moe's ``MoELayer`` of this config over ``group`` (None: every expert here), its experts
         placed by ``placement`` (None: contiguous) on ``topology`` (None: the launch's); its router's
         statistics summed over ``stats_group`` (None: ``group``)."""
-        return MoELayer.from_config(self, group, placement, topology, stats_group)
+        options = {f.name: getattr(self, f.name) for f in fields(self)}
+        for given in ("hidden_size", "ffn_hidden_size", "router"):
+            del options[given]
+        return MoELayer(self.hidden_size, self.ffn_hidden_size, self.router, placement, topology, group,
+                        stats_group=stats_group, **options)
 
 
-class MoELayer(ExchangedMoE, CountsTraffic, nn.Module):
+class MoELayer(nn.Module):
     group = WeakGroup()  # held weakly: torch.distributed owns the group (distributed/groups.py)
+    dispatcher = OfExchange("dispatcher")  # benchmarks and checks may put another over the same experts
+    pipeline_chunks = OfExchange("chunks")
+    traffic = ExchangeTraffic()  # payload bytes this rank sent in forward dispatch since the last reset (its row)
+    reset_traffic = OfExchange("reset_traffic")
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, router: Router | RouterConfig | dict, placement=None,
                  topology=None, group=None, *, stats_group=None, **options):
@@ -137,28 +146,8 @@ class MoELayer(ExchangedMoE, CountsTraffic, nn.Module):
         self.shared_expert = SharedExpert(hidden_size, hidden) if hidden else None
         self.capacity_factor = config.capacity_factor
         self.ablated_experts: frozenset = frozenset()  # zero-ablation for diagnostics (SpecDrop's Align)
-        self.last_routing: Routing | None = None
-        self.last_router_input: Tensor | None = None
-        self.last_router_extras: dict = {}
-        self.last_token_layout: tuple = ((), None)
-
-    @classmethod
-    def from_config(cls, config: MoELayerConfig, group=None, placement=None, topology=None,
-                    stats_group=None) -> MoELayer:
-        options = {f.name: getattr(config, f.name) for f in fields(config)}
-        return cls(options.pop("hidden_size"), options.pop("ffn_hidden_size"), options.pop("router"), placement,
-                   topology, group, stats_group=stats_group, **options)
-
-    @property
-    def routed_experts(self) -> Experts:
-        return self.experts
-
-    @property
-    def strategy(self) -> Router:
-        return self.router
-
-    def shared(self):
-        return self.shared_expert
+        self.forwards = 0  # the exchanges' tag: counted before anything can raise (dist_moe/dispatch/agree.py)
+        self.last_forward = LastForward()
 
     def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None,
                 padding_mask: Tensor | None = None):
@@ -166,7 +155,10 @@ class MoELayer(ExchangedMoE, CountsTraffic, nn.Module):
         padding_mask [B, S] bool, True at padding (routed like any token, left out of the
         router's statistics: aux loss, loads, anchors, biases; and of per-example summaries such
         as GAR's). Returns (y [..., hidden], the router's aux loss)."""
-        y, routing = self.run_stages(x, categories, token_ids, padding_mask)
+        self.forwards += 1
+        tokens = self.tokens(x, categories, token_ids, padding_mask)
+        y, routing = moe_forward(tokens, self.route, self.router, self.exchange, self.experts, self.shared_expert)
+        self.last_forward.keep(tokens, routing)
         return y.reshape(x.shape), routing.aux_loss
 
     def tokens(self, x: Tensor, categories, token_ids, padding_mask) -> Tokens:
@@ -202,19 +194,17 @@ class MoELayer(ExchangedMoE, CountsTraffic, nn.Module):
             return None
         return capture.source_tags(x.shape[:-1], padding_mask, x.device)
 
-    def record(self, tokens: Tokens, routing: Routing) -> None:
-        """What diagnostics and GAR's recomputation read after the forward."""
-        self.last_routing = routing.detached()  # keeping the graph alive would pin activations
-        self.last_router_input = tokens.h.detach()
-        self.last_router_extras = tokens.extras
-        self.last_token_layout = tokens.layout
+    @property
+    def last_routing(self) -> Routing | None:
+        """The Routing of the latest forward (this rank's tokens), detached."""
+        return self.last_forward.routing
+
 
     def moe_view(self):
         """This layer's router, experts and last inputs (``dist_moe.moe.view.MoEView``)."""
         ep = self.dispatcher.exchanges
         return MoEView(self.router, {n: [p] for n, p in self.experts.template().items()}, True,
-                       list(self.experts.parameters()),
-                       lambda: (self.last_router_input, self.last_router_extras, self.last_token_layout),
+                       list(self.experts.parameters()), self.last_forward.inputs,
                        self.group if ep else None, self.dispatcher.rank if ep else 0, self.experts)
 
     @property
@@ -239,11 +229,8 @@ class MoELayer(ExchangedMoE, CountsTraffic, nn.Module):
 
 
 def _local_experts(world: int, rank: int, *args, **kwargs) -> Experts:
-    """This rank's experts. Under expert parallelism each rank draws them from its own stream
-    (one global seed would give every rank the same experts) and leaves the global stream
-    where it was, so the replicated modules built next stay identical across ranks."""
+    """This rank's experts, drawn from a stream of its own under expert parallelism."""
     if world == 1:
         return Experts(*args, **kwargs)
-    with fork_rng():
-        torch.manual_seed(torch.initial_seed() + 1 + rank)
+    with per_rank_draw(rank):
         return Experts(*args, **kwargs)

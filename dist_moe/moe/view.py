@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from dist_moe.dispatch.contract import CountsBytes
+
 
 @dataclass
 class MoEView:
@@ -57,6 +59,14 @@ def expert_locations(placement, topology) -> tuple:
         return None, None
     node = placement.expert_nodes(topology) if topology is not None and topology.num_nodes > 1 else None
     return node, placement.rank_table() if placement.world_size > 1 else None
+
+
+def bytes_counter(layer):
+    """What counts the bytes dist-moe's dispatcher moved for ``layer``: the layer itself (dist-moe's, the
+    transformers host), the engine layer it hosts (``layer.dispatched``: DeepSpeed's or Megatron's MoE
+    layer through dist-moe's dispatcher), or None (an engine's own dispatcher)."""
+    inner = getattr(layer, "dispatched", layer)
+    return inner if isinstance(inner, CountsBytes) else None
 
 
 def moe_layers(model) -> list[MoEHost]:

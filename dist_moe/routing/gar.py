@@ -23,7 +23,7 @@ DIFFERENTIABLE = ("switch", "deepseek_v3", "skywork", "branch")
 
 @dataclass(frozen=True)
 class GARConfig:
-    """GAR's settings: a training config's ``train.gar`` (``router.gar`` until the next release)."""
+    """GAR's settings: a training config's ``train.gar`` (``router.gar``, deprecated)."""
 
     lam: float = 1e-3  # the config's "lambda" (a Python keyword)
     eps: float = 1e-8  # added to each expert's routed mass, which GAR's objective divides by

@@ -5,7 +5,7 @@ its typed config (``config_class``) is derived from the constructor's signature,
 constructor parameter is a new config key with nothing else to write. Unknown keys, missing
 required keys and values of the wrong type raise ValueError naming the key. The key "gar" (GAR's
 settings, since moved to a training config's ``train.gar``) is still checked, with a deprecation
-warning, until the next release; the router itself does not use it.
+warning, until release ``DEPRECATED_KEYS_REMOVED_IN``; the router itself does not use it.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, make_dataclass, replace
 from dataclasses import fields as dataclass_fields
 from typing import ClassVar
 
+from dist_moe.config.choices import DEPRECATED_KEYS_REMOVED_IN
 from dist_moe.config.types import fits, hints, wanted
 from dist_moe.errors import shown
 from dist_moe.routing.base import Router, check_shape
@@ -236,5 +237,5 @@ def _takes_stats_group(kind: str) -> bool:
                for klass in ROUTERS[kind].__mro__[:ROUTERS[kind].__mro__.index(Router)])
 
 
-GAR_MOVED = ("GAR's settings under the router (config key 'router.gar', router key 'gar') are deprecated and go in "
-             "the next release: put them under train.gar")
+GAR_MOVED = ("GAR's settings under the router (config key 'router.gar', router key 'gar') are deprecated and "
+             f"refused from release {DEPRECATED_KEYS_REMOVED_IN}: put them under train.gar")

@@ -14,9 +14,9 @@ from dist_moe.models.image import ImageMoE
 from dist_moe.models.text import TextMoE
 from dist_moe.models.tiny_lm import VOCAB, TinyMoELM
 from dist_moe.moe.experts import expert_parameters
-from dist_moe.moe.layer import MoELayerConfig
 from dist_moe.routing.registry import RouterKeyError
 from dist_moe.train.build_hf import hf_data_and_model
+from dist_moe.train.layer_config import layer_config
 from dist_moe.train.rank_memory import available_per_rank
 
 
@@ -75,7 +75,7 @@ def _data_and_model(cfg, rt):
             data = lm_split(dcfg.seq_len, dcfg.per_domain, dcfg.val_fraction, seed, dcfg.categories)
         check_model_fits(cfg, rt.ep_size)
         router = categorised_router(cfg, data)
-        build = lambda i: rt.build_moe(layer_config(mcfg, mcfg.d_model, router))  # noqa: E731
+        build = lambda i: rt.build_moe(layer_config(cfg, mcfg.d_model, router))  # noqa: E731
         model = TinyMoELM(build, mcfg.d_model, mcfg.layers, mcfg.heads, max_len=dcfg.seq_len)
         model.class_category = None  # categories come from the data, not from classes
         return data, model
@@ -85,20 +85,15 @@ def _data_and_model(cfg, rt):
         data = text_split(dcfg.per_domain, dcfg.seq_len, dcfg.val_fraction, seed)
         check_model_fits(cfg, rt.ep_size, classes=sum(data.task_classes))
         router = categorised_router(cfg, data)
-        moe = rt.build_moe(layer_config(mcfg, TEXT_HIDDEN, router))
+        moe = rt.build_moe(layer_config(cfg, TEXT_HIDDEN, router))
         return data, TextMoE(moe, data.task_classes)
     data = tabular_split(dcfg.name, dcfg.val_fraction, seed, dcfg.max_rows, dcfg.categories)
     router = categorised_router(cfg, data)
     features = data.x_train.shape[1]
     check_model_fits(cfg, rt.ep_size, features, data.num_classes)
-    moe = rt.build_moe(layer_config(mcfg, mcfg.d_model or features, router))
+    moe = rt.build_moe(layer_config(cfg, mcfg.d_model or features, router))
     model_cls = ImageMoE if kind == "image" else TabularMoE
     return data, model_cls(features, data.num_classes, moe, class_category=data.class_category, **mcfg.block_keys())
-
-
-def layer_config(mcfg, hidden: int, router) -> MoELayerConfig:
-    """The MoE layer of the config's ``model`` section (``router``: the run's ``RouterConfig``)."""
-    return MoELayerConfig(hidden, mcfg.ffn_hidden_size, router, mcfg.capacity_factor, expert_type=mcfg.expert_type)
 
 
 def training_bytes(cfg, ep_size: int, features: int = 0, classes: int = 0) -> int:
@@ -108,15 +103,17 @@ def training_bytes(cfg, ep_size: int, features: int = 0, classes: int = 0) -> in
     m, r, kind = cfg.model, cfg.router, cfg.model.kind
     hidden = {"lm": m.d_model, "text": TEXT_HIDDEN}.get(kind, m.d_model or features)
     moe_layers = m.layers if kind == "lm" else 1
-    experts = expert_parameters(math.ceil(r.num_experts / ep_size), hidden, m.ffn_hidden_size, m.expert_type)
-    weights = moe_layers * (experts + r.num_experts * hidden) + hidden * classes
+    experts = expert_parameters(math.ceil(r.num_experts / ep_size), hidden, m.ffn_hidden_size, m.expert_type,
+                                m.lora_rank)
+    shared = expert_parameters(1, hidden, m.shared_expert_hidden, "swiglu")  # on every rank, whole
+    weights = moe_layers * (experts + shared + r.num_experts * hidden) + hidden * classes
     if kind == "lm":  # attention, embeddings, positions, the byte head
         weights += m.layers * 4 * hidden * hidden + (2 * VOCAB + cfg.data.seq_len) * hidden
     elif kind in ("tabular", "image"):  # the input projection (the image stem's last linear)
         weights += (32 * 7 * 7 if kind == "image" else features) * m.d_model
     tokens = cfg.train.batch_size * (cfg.data.seq_len if kind in ("lm", "text") else 1)
     k = getattr(r, "top_k", None) or r.num_experts  # a dense router (SpecDrop) reaches every expert
-    per_token = (6 + 2 * k) * hidden + 3 * k * m.ffn_hidden_size + r.num_experts
+    per_token = (6 + 2 * k) * hidden + 3 * (k * m.ffn_hidden_size + m.shared_expert_hidden) + r.num_experts
     if kind == "lm":
         per_token += m.heads * cfg.data.seq_len  # attention scores
     return 4 * 4 * weights + 2 * 4 * tokens * moe_layers * per_token  # activations and their gradients
@@ -132,7 +129,8 @@ def check_model_fits(cfg, ep_size: int, features: int = 0, classes: int = 0) -> 
         sizes = (f"model.d_model={m.d_model}" + (f" (input features {features})" if features else "")
                  + (f", model.layers={m.layers}, model.heads={m.heads}" if m.kind == "lm" else "")
                  + f", model.ffn_hidden_size={m.ffn_hidden_size}, {cfg.router.num_experts} experts, "
-                 f"train.batch_size={cfg.train.batch_size}" + (f", data.seq_len={cfg.data.seq_len}"
+                 + (f"model.shared_expert_hidden={m.shared_expert_hidden}, " if m.shared_expert_hidden else "")
+                 + f"train.batch_size={cfg.train.batch_size}" + (f", data.seq_len={cfg.data.seq_len}"
                                                                if m.kind in ("lm", "text") else ""))
         raise ValueError(f"model.kind={m.kind} with {sizes} needs about {needed / 2**30:.3g} GiB per rank to train "
                          f"(weights, gradients, Adam, activations), more than the {free / 2**30:.1f} GiB "

@@ -8,15 +8,16 @@ limits (size, nesting, aliases, no duplicate keys).
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
+from dataclasses import fields
 from pathlib import Path
 
 import yaml
 
 from dist_moe.errors import shown
-from dist_moe.routing.registry import ROUTERS, accepted_keys
+from dist_moe.routing.registry import ROUTERS, accepted_keys, config_class
+from dist_moe.train.checkpoint import store as checkpoint
 from dist_moe.train.run_config import OLD_DISPATCHER_KEYS, RunConfig, verbatim_keys
 from dist_moe.train.step.engines import ENGINES
 from placement import parse_yaml, read_yaml, yaml_problem
@@ -168,14 +169,37 @@ def _leaves(d: dict, prefix: str = "") -> dict:
 
 def model_changes(saved: dict, cfg: RunConfig) -> list[tuple[str, object, object]]:
     """(key, checkpoint's value, this run's value) for every model-making key that differs, plus ``seed``
-    (it orders the data the saved position counts into). Both sides are compared as parsed, every
-    default filled in, so a checkpoint written before a key existed (or before ``router.gar`` moved to
-    ``train.gar``) resumes as it was saved."""
-    with contextlib.suppress(ValueError):  # a config this release no longer reads: compared as it was written
-        saved = RunConfig.from_dict(_merge(DEFAULT_CONFIG, saved), warn=False).to_dict(full=True)
-    new = cfg.to_dict(full=True)
-    old = _leaves({k: saved.get(k, {}) for k in MODEL_SECTIONS} | {"seed": saved.get("seed")})
-    new = _leaves({k: new.get(k, {}) for k in MODEL_SECTIONS} | {"seed": new.get("seed")}
-                  | {k: v for k, v in _leaves(new).items() if k in ENGINES[cfg.engine].resume_keys})
-    old.update({k: v for k, v in _leaves(saved).items() if k in ENGINES[cfg.engine].resume_keys})
+    (it orders the data the saved position counts into) and the keys the run's engine cannot carry over
+    (``Engine.resume_keys``). A checkpoint keeps its run's whole config (``to_dict(full=True)``); the two
+    are compared leaf by leaf, as the checkpoint holds them, without parsing the saved one again: a
+    checkpoint written before a key existed (or keeping only a router's non-default keys, or GAR's
+    settings under ``router.gar``) resumes as it was saved, its missing keys at their defaults."""
+    engine_keys = ENGINES[cfg.engine].resume_keys
+
+    def compared(config: dict) -> dict:
+        return {k: v for k, v in _leaves(config).items()
+                if k.split(".")[0] in (*MODEL_SECTIONS, "seed") or k in engine_keys}
+
+    old, new = compared(_with_defaults(saved)), compared(checkpoint.as_saved(cfg.to_dict(full=True)))
     return [(k, old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+
+
+def _with_defaults(saved: dict) -> dict:
+    """A checkpoint's config with every key it lacks at its default: ``DEFAULT_CONFIG``'s, and for the router
+    its type's constructor defaults (a config saved with only the keys that differ from them). GAR's settings
+    saved under ``router.gar`` move to ``train.gar``, where this release keeps them."""
+    out = {**copy.deepcopy(DEFAULT_CONFIG), **saved}
+    for name, section in DEFAULT_CONFIG.items():
+        if isinstance(section, dict) and isinstance(out[name], dict) and name != "router":
+            out[name] = {**section, **out[name]}
+    router = out["router"]
+    if isinstance(router, dict):
+        router = dict(router)
+        gar = router.pop("gar", None)
+        if gar is not None and isinstance(out["train"], dict):
+            out["train"] = {**out["train"], "gar": gar}
+        kind = router.get("type", DEFAULT_CONFIG["router"]["type"])
+        known = isinstance(kind, str) and kind in ROUTERS  # a router this release no longer has: as written
+        defaults = {f.name: f.default for f in fields(config_class(kind))} if known else {}
+        out["router"] = {"type": kind, **defaults, **router}
+    return checkpoint.as_saved(out)

@@ -20,15 +20,21 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 
 from dist_moe.config.choices import (
+    DEPRECATED_KEYS_REMOVED_IN,
     DEVICES,
     ENGINES,
     EXPERT_KINDS,
+    LORA_ALPHA,
+    LORA_RANK,
     MAX_CAPACITY_FACTOR,
     MAX_PIPELINE_CHUNKS,
     MAX_TIMEOUT_S,
+    MEGATRON_EXPERT_KINDS,
     MIN_TIMEOUT_S,
     MODEL_KINDS,
     PRECISIONS,
+    SHARED_EXPERT_ENGINES,
+    SHARED_EXPERT_HIDDEN,
 )
 from dist_moe.config.choices import MEGATRON_DISPATCHERS as DISPATCHERS
 from dist_moe.config.types import fits, hints, kinds, optional, wanted
@@ -152,10 +158,16 @@ class ModelConfig:
     # transformer's width (> 0)
     d_model: int = key(0, "an int >= 0 (0: no input projection)", lambda v: v >= 0)
     # each expert keeps at most ceil(capacity_factor x tokens x top_k / experts) of a batch's copies, the
-    # rest are dropped; null: dropless
+    # rest are dropped; null: dropless, the MoE layer's own default (a run's, 1.25, is the BRANCH paper's setup)
     capacity_factor: float | None = key(1.25, f"a number in (0, {MAX_CAPACITY_FACTOR:g}]",
                                         lambda v: 0 < v <= MAX_CAPACITY_FACTOR)
     expert_type: str = one_of("swiglu", EXPERT_KINDS)  # each expert's MLP (lora: low-rank experts, model.kind text)
+    # the width of a dense SwiGLU expert every token also runs through, added to the routed experts' output
+    # (0: none; engine torch only)
+    shared_expert_hidden: int = key(SHARED_EXPERT_HIDDEN, "an int >= 0 (0: no shared expert)", lambda v: v >= 0)
+    lora_rank: int = _positive(LORA_RANK)  # model.expert_type lora: the rank of each expert's low-rank adapter
+    # model.expert_type lora: the adapters' output is scaled by lora_alpha / lora_rank
+    lora_alpha: float = key(LORA_ALPHA, "a finite number > 0", lambda v: v > 0)
     post_norm: bool = False  # a LayerNorm after the MoE block (tabular, image)
     label_mask: bool = False  # mask the logits of classes outside the row's category (SpecDrop's dense control)
     layers: int = _positive(2)  # transformer layers (lm), each with an MoE FFN
@@ -309,6 +321,33 @@ def _check_across(cfg: RunConfig) -> None:
                          "repeat: a deterministic run (train.deterministic: true) takes a number")
     _check_engine_dispatch(cfg)
     _check_hf(cfg)
+    _check_layer_options(cfg)
+
+
+# the model keys that only dist-moe's own MoE layers read, with the value that asks nothing of them
+LAYER_OPTIONS = {"shared_expert_hidden": SHARED_EXPERT_HIDDEN, "lora_rank": LORA_RANK, "lora_alpha": LORA_ALPHA}
+
+
+def _check_layer_options(cfg: RunConfig) -> None:
+    """A layer option that the run's layers would not read is refused, not silently dropped: LoRA's keys
+    without LoRA experts, and what an engine's host does not build (DeepSpeed's and Megatron's layers hold
+    no shared expert; Megatron's experts are its own MLPs); model.kind hf trains the model's own experts."""
+    model = cfg.model
+    asked = {k: getattr(model, k) for k, unset in LAYER_OPTIONS.items() if getattr(model, k) != unset}
+    if model.kind == "hf" and asked:
+        name, value = next(iter(asked.items()))
+        raise ValueError(f"model.{name}={value} shapes dist-moe's own MoE layers; model.kind=hf trains the model's "
+                         "own experts: remove it")
+    lora = [k for k in asked if k.startswith("lora_")]
+    if lora and model.expert_type != "lora":
+        raise ValueError(f"model.{lora[0]}={asked[lora[0]]} is read by model.expert_type=lora only (model.expert_type "
+                         f"is {model.expert_type!r})")
+    if model.shared_expert_hidden and cfg.engine not in SHARED_EXPERT_ENGINES:
+        raise ValueError(f"model.shared_expert_hidden={model.shared_expert_hidden}: engine {cfg.engine}'s MoE layer "
+                         f"holds no shared expert; set it to 0, or use engine {' or '.join(SHARED_EXPERT_ENGINES)}")
+    if cfg.engine == "megatron" and model.expert_type not in MEGATRON_EXPERT_KINDS:
+        raise ValueError(f"model.expert_type={model.expert_type}: engine megatron's experts are Megatron-core's "
+                         f"MLPs ({', '.join(MEGATRON_EXPERT_KINDS)}); use one of them, or engine torch or deepspeed")
 
 
 def _check_hf(cfg: RunConfig) -> None:
@@ -359,9 +398,9 @@ def _check_engine_dispatch(cfg: RunConfig) -> None:
 
 def _move_dispatcher_keys(d: dict, warn: bool) -> dict:
     """``parallel.megatron_dispatcher`` / ``parallel.deepspeed_dispatcher`` read as ``parallel.dispatcher``,
-    for one release, with a warning naming it (a checkpoint's saved config converts silently). Each old
-    key's value is checked as it was; the run's engine's own key sets the new one; two that disagree
-    are refused."""
+    until release ``DEPRECATED_KEYS_REMOVED_IN``, with a warning naming it (a checkpoint's saved config
+    converts silently). Each old key's value is checked as it was; the run's engine's own key sets the
+    new one; two that disagree are refused."""
     parallel = d.get("parallel") if isinstance(d, dict) else None
     if not isinstance(parallel, dict) or not any(k in parallel for k in OLD_DISPATCHER_KEYS):
         return d
@@ -378,8 +417,8 @@ def _move_dispatcher_keys(d: dict, warn: bool) -> dict:
         if warn:  # another engine's key never applied: naming its new spelling would advise a refused value
             advice = (f"use 'parallel.dispatcher: {new}'" if applies else
                       f"it applies to engine {old.split('_')[0]} only, and this run's engine is {engine}: remove it")
-            warnings.warn(f"config key 'parallel.{old}' is deprecated: {advice} (it will be refused in the next "
-                          "release)", FutureWarning, stacklevel=4)
+            warnings.warn(f"config key 'parallel.{old}' is deprecated: {advice} (it will be refused from release "
+                          f"{DEPRECATED_KEYS_REMOVED_IN})", FutureWarning, stacklevel=4)
         if new == "auto" or not applies:
             continue  # the default, or another engine's key: it never applied
         if parallel.get("dispatcher", "auto") not in ("auto", new):  # auto: the default a merged config holds
@@ -390,8 +429,9 @@ def _move_dispatcher_keys(d: dict, warn: bool) -> dict:
 
 
 def _move_router_gar(d: dict, warn: bool) -> dict:
-    """GAR's settings moved from ``router.gar`` to ``train.gar``: the old key still works, for one
-    release, with a warning naming the new one (a checkpoint saved before the move resumes silently)."""
+    """GAR's settings moved from ``router.gar`` to ``train.gar``: the old key still works, until release
+    ``DEPRECATED_KEYS_REMOVED_IN``, with a warning naming the new one (a checkpoint saved before the move
+    resumes silently)."""
     router = d.get("router") if isinstance(d, dict) else None
     if not isinstance(router, dict) or "gar" not in router:
         return d

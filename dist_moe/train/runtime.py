@@ -17,6 +17,7 @@ from dist_moe.distributed.rank_line import say_rank_line
 from dist_moe.distributed.reductions import all_reduce_sum
 from dist_moe.moe.layer import MoELayerConfig
 from dist_moe.train.expert_groups import ExpertGroups
+from dist_moe.train.layer_config import exchange_config
 from dist_moe.train.precision import compute_context, restore, set_up
 from dist_moe.train.run_config import ParallelConfig
 from dist_moe.train.step.engines import ENGINES
@@ -92,8 +93,7 @@ class Runtime:
     @property
     def exchange(self) -> ExchangeConfig:
         """How this run's MoE layers exchange their tokens where dist-moe's dispatcher moves them."""
-        return ExchangeConfig(self.parallel.dedup, self.parallel.start_chunks, self.deterministic,
-                              datetime.timedelta(seconds=self.timeout_s))
+        return exchange_config(self.parallel, self.deterministic)
 
     @property
     def moe_group(self):

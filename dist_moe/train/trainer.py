@@ -14,7 +14,6 @@ SpecDrop's Align (category c's assigned expert is c mod E).
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -38,16 +37,17 @@ from dist_moe.train.chunk_tuning import ChunkTuner
 from dist_moe.train.config import model_changes
 from dist_moe.train.layout_choice import choose_layout
 from dist_moe.train.metrics.evaluate import evaluate
-from dist_moe.train.metrics.log import JsonlLogger, TrainingWaits, json_safe, reduced
+from dist_moe.train.metrics.log import JsonlLogger, TrainingWaits, reduced
 from dist_moe.train.metrics.routing import host_layer_metrics, layers_metrics, routing_tensors
 from dist_moe.train.metrics.routing_record import record_routing
 from dist_moe.train.metrics.step_bytes import StepBytes
+from dist_moe.train.metrics.summary import Trained, write_summary
 from dist_moe.train.rank_memory import available_per_rank
 from dist_moe.train.run_config import RunConfig, output_dir
 from dist_moe.train.rundir import RunDir, check_writable, truncate_metrics
 from dist_moe.train.runtime import Runtime
 from dist_moe.train.step.training_step import step_strategy
-from placement import Topology, random_pair_tree_distance, write_atomic
+from placement import Topology, write_atomic
 
 
 def train(cfg: RunConfig, quiet: bool = False, after=None) -> dict:
@@ -196,7 +196,10 @@ def _train_in(run: _TrainingRun, after) -> dict:
         extra = after(run.model, run.data, rt) if after is not None else {}
     finally:
         run.close()
-    return run.write_summary(extra)
+    if rt.is_main:
+        run.step_bytes.save(out_dir)
+    hf_model = out_dir / HF_MODEL if hasattr(run.model, "export_state") else None
+    return write_summary(run.cfg, rt, out_dir, run.trained(), run.tuner, run.layers[0], hf_model, extra)
 
 
 class _TrainingRun:
@@ -351,7 +354,7 @@ class _TrainingRun:
         every = self.tcfg.checkpoint_every
         if every and (self.step % every == 0 or last):
             save_state(self.out_dir / "checkpoints", self.step, self.model, self.step_fn.opt, self.cursor, self.rt,
-                       config=self.cfg.to_dict())
+                       config=self.cfg.to_dict(full=True))  # whole: a resume compares it key by key
 
     def evaluate(self) -> dict:
         data = self.data
@@ -369,33 +372,11 @@ class _TrainingRun:
         if self.logger is not None:
             self.logger.close()
 
-    def write_summary(self, extra: dict) -> dict:
-        cfg, rt = self.cfg, self.rt
-        chunks = cfg.parallel.pipeline_chunks
-        summary = json_safe({
-            # model.kind hf: the model's own router, by its class name
-            "name": cfg.name, "router": getattr(self.routers[0], "name", cfg.router.type),
-            "engine": rt.engine.name, "world_size": rt.world, "ep_size": rt.ep_size,
-            **({"ep_layout": rt.layout.layout} if rt.layout.replicas > 1 else {}),
-            "topology": rt.topology().describe(),
-            "steps": self.step, "already_finished": self.already_finished, "samples": self.cursor.consumed,
-            "samples_this_run": self.cursor.consumed - self.resumed_at,
-            "skipped_steps": self.skipped_steps, "seconds": round(time.time() - self.start, 2),
-            "train_seconds": round(self.train_seconds, 3),
-            "exchange_wait_s": round(reduced({"w": self.exchange_wait_s}, torch.zeros(0), rt)[0]["w"], 3),
-            # auto: what the first steps measured (null if the run ended before) and the seconds per step
-            "pipeline_chunks": self.tuner.chosen if chunks == "auto" else chunks,
-            **({"pipeline_chunks_measured_s": {str(c): round(t, 4) for c, t in self.tuner.medians.items()}}
-               if self.tuner.medians else {}),
-            **self.last_eval,
-            "random_pair_tree_distance": _random_pair(self.layers[0].num_experts), "output_dir": str(self.out_dir),
-            **({"hf_model": str(self.out_dir / HF_MODEL)} if hasattr(self.model, "export_state") else {}),
-            **extra,
-        })
-        if rt.is_main:
-            self.step_bytes.save(self.out_dir)
-            write_atomic(self.out_dir / "summary.json", json.dumps(summary, indent=2, allow_nan=False) + "\n")
-        return summary
+    def trained(self) -> Trained:
+        """How far this run trained, how long it took and where it ended, for its summary."""
+        return Trained(self.step, self.already_finished, self.cursor.consumed, self.cursor.consumed - self.resumed_at,
+                       self.skipped_steps, time.time() - self.start, self.train_seconds, self.exchange_wait_s,
+                       self.last_eval)
 
 
 def export_hf(model, target: Path, rt: Runtime) -> None:
@@ -406,10 +387,6 @@ def export_hf(model, target: Path, rt: Runtime) -> None:
 
 HF_MODEL = "hf_model"  # under output.dir: model.kind hf's trained model, for from_pretrained
 SKIPPED_SO_FAR = "skipped so far"  # rides with a logged record's values, popped before it is written
-
-
-def _random_pair(num_experts: int) -> float:
-    return random_pair_tree_distance(num_experts) if num_experts >= 2 and not num_experts & (num_experts - 1) else None
 
 
 def screened(xb: torch.Tensor):

@@ -117,7 +117,7 @@ def test_routing_is_pure_tensor_math():
 
 # dispatch/ is the exchange and nothing else
 EXCHANGE = {"__init__", "contract", "exchange", "dispatcher", "pipeline", "all_to_all", "apply_experts", "combine",
-            "agree", "stages"}
+            "agree", "profiling"}
 # what the exchange and the process-group package may import of dist_moe: themselves and what lies below them
 BELOW = {"dist_moe.dispatch": ("dist_moe.dispatch", "dist_moe.distributed.groups", "dist_moe.distributed.reductions",
                                "dist_moe.config", "dist_moe.errors"),
@@ -166,7 +166,7 @@ def test_dispatch_is_the_exchange_and_only_named_packages_talk_to_torch_distribu
     assert distributed_importers({experts: (ROOT / experts).read_text() + "\nfrom torch import distributed\n"}) \
         == [f"{experts}:{len((ROOT / experts).read_text().splitlines()) + 2}"]
     for module, line in (("dist_moe.dispatch.exchange", "from dist_moe.train.step.grads import clip_to"),
-                         ("dist_moe.distributed.process_group", "from dist_moe.dispatch.dispatcher import stage")):
+                         ("dist_moe.distributed.process_group", "from dist_moe.dispatch.dispatcher import kept_pairs")):
         path = ROOT / (module.replace(".", "/") + ".py")
         planted = import_graph({module: path.read_text() + f"\n{line}\n"})
         assert reaching_up(planted) == [f"{module} -> {line.split()[1]}"], reaching_up(planted)
@@ -204,7 +204,7 @@ def test_the_config_schema_is_a_leaf_that_imports_no_implementation():
 
 
 # the layout by stage, and the public names where users import them
-LAYOUT = ["dist_moe/moe/layer.py", "dist_moe/moe/host.py", "dist_moe/moe/experts.py", "dist_moe/moe/view.py",
+LAYOUT = ["dist_moe/moe/layer.py", "dist_moe/moe/forward.py", "dist_moe/moe/experts.py", "dist_moe/moe/view.py",
           "dist_moe/dispatch/contract.py", "dist_moe/dispatch/exchange.py", "dist_moe/dispatch/pipeline.py",
           "dist_moe/dispatch/agree.py", "dist_moe/train/run_config.py", "dist_moe/config/choices.py",
           "dist_moe/routing/gar.py", "dist_moe/train/step/gar_step.py", "dist_moe/integrations/deepspeed/patches.py",

@@ -32,33 +32,64 @@ def _calls(path: str) -> set:
 HOSTS = LAYERS + ["dist_moe/integrations/transformers/ep.py", "dist_moe/integrations/transformers/hosted.py"]
 
 
-def test_every_host_runs_the_one_staged_forward_and_none_writes_the_prologue_again():
-    stages = _calls("dist_moe/moe/host.py")
-    # the stages, once: the route inside the exchange's agreement, then the exchange's run
-    assert {"agreement", "run", "stage", "tokens", "route", "record"} <= stages
+def _call_order(path: str, function: str) -> list:
+    """The names called in ``function`` of ``path``, in the order they are written."""
+    tree = ast.parse((ROOT / path).read_text())
+    body = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == function)
+    calls = [n for n in ast.walk(body) if isinstance(n, ast.Call)]
+    calls.sort(key=lambda n: (n.lineno, n.col_offset))
+    return [n.func.id if isinstance(n.func, ast.Name) else n.func.attr if isinstance(n.func, ast.Attribute) else ""
+            for n in calls]
+
+
+def test_every_host_runs_the_one_forward_and_none_writes_its_stages_again():
+    order = [c for c in _call_order("dist_moe/moe/forward.py", "moe_forward")
+             if c in {"agreement", "route", "dispatch", "experts_and_combine"}]
+    # the stages, once, in order: the route inside the ranks' agreement, then dispatch, experts and combine
+    assert order == ["agreement", "route", "dispatch", "experts_and_combine"]
     for path in HOSTS:
         calls = _calls(path)
-        assert "run_stages" in calls, path
-        # the agreement, the exchange and the input check belong to host.py, exchange.py and moe_forward.py
-        assert not calls & {"agreement", "agreed_routing", "agree", "stage", "ExpertParallelDispatcher",
-                            "make_dispatcher", "run"}, path
+        assert "moe_forward" in calls and "keep" in calls | _calls("dist_moe/integrations/megatron/router.py"), path
+        # the agreement, the exchange and the input check belong to forward.py, exchange.py and agree.py
+        assert not calls & {"agreement", "agreed_routing", "agree", "profiled", "ExpertParallelDispatcher",
+                            "make_dispatcher", "dispatch", "experts_and_combine", "run_pipeline"}, path
+    # the engines' gates and routers run the same route stage, agreeing with one all-reduce
+    for path in ("dist_moe/integrations/megatron/router.py", "dist_moe/integrations/deepspeed/layer.py"):
+        calls = _calls(path)
+        assert "agreed_route" in calls and not calls & {"agreed_routing", "agree", "profiled"}, path
     # the engines' routers build their tokens with tokens_in, as MoELayer does, through one helper
     assert "tokens_in" in _calls("dist_moe/moe/layer.py") and "tokens_in" in _calls("dist_moe/integrations/context.py")
     for path in ("dist_moe/integrations/megatron/router.py", "dist_moe/integrations/deepspeed/layer.py"):
         assert "context_tokens" in _calls(path) and not _calls(path) & {"tokens_in", "input_problem"}, path
 
 
-def test_every_host_class_is_an_exchanged_moe():
-    from dist_moe.integrations.transformers.hosted import HostedHFExperts
-    from dist_moe.moe.host import ChosenRoutes, ExchangedMoE
+def test_a_host_forward_reads_tokens_then_the_forward_then_what_it_keeps():
+    order = [c for c in _call_order("dist_moe/moe/layer.py", "forward") if c in {"tokens", "moe_forward", "keep"}]
+    assert order == ["tokens", "moe_forward", "keep"]
+    order = [c for c in _call_order("dist_moe/integrations/transformers/hosted.py", "forward")
+             if c in {"chosen_tokens", "moe_forward", "keep"}]
+    assert order == ["chosen_tokens", "moe_forward", "keep"]
 
-    assert issubclass(MoELayer, ExchangedMoE) and issubclass(HostedHFExperts, ChosenRoutes)
+
+def test_no_host_class_inherits_a_mixin():
+    """Each host is one class over nn.Module or its engine's own layer: the stages are composed, not inherited."""
+    from torch import nn
+
+    from dist_moe.integrations.transformers.hosted import HostedHFExperts
+
+    assert MoELayer.__bases__ == (nn.Module,) and HostedHFExperts.__bases__ == (nn.Module,)
     engines = {"deepspeed.dispatch": ("deepspeed", "layer_class"), "megatron.layer": ("megatron.core", "layer_class"),
                "transformers.ep": ("transformers.distributed.expert_parallel", "implementation_class")}
     for module, (engine, factory) in engines.items():
         if _importable(engine):
             mod = importlib.import_module(f"dist_moe.integrations.{module}")
-            assert issubclass(getattr(mod, factory)(), ExchangedMoE), module
+            cls = getattr(mod, factory)()
+            assert len(cls.__bases__) == 1 and cls.__bases__[0].__module__.startswith(engine.split(".")[0]), module
+    for module, name in (("dist_moe.integrations.deepspeed", "DeepSpeedHostedMoE"),
+                         ("dist_moe.integrations.megatron", "MegatronHostedMoE")):
+        engine = module.rsplit(".", 1)[1].replace("megatron", "megatron.core")
+        if _importable(engine):
+            assert getattr(importlib.import_module(module), name).__bases__ == (nn.Module,), name
 
 
 def _importable(name: str) -> bool:

@@ -283,6 +283,6 @@ def test_step_model_prices_the_bytes_the_training_steps_sent(tmp_path, monkeypat
     node_s = links["node"].alpha_s + 1_000_000 / links["node"].bandwidth_Bps
     gpu_s = links["gpu"].alpha_s + 100_000 / links["gpu"].bandwidth_Bps
     assert out["priced_from"] == "training steps"
-    assert out["predicted_stage_s"] == [pytest.approx([node_s, gpu_s])] * 2
+    assert out["predicted_hop_s"] == [pytest.approx([node_s, gpu_s])] * 2
     assert out["predicted_comm_s"] == pytest.approx(2 * 4 * (node_s + gpu_s))
     assert out["step_s"] == 2.0 and out["exchange_wait_step_s"] == 0.5

@@ -72,7 +72,7 @@ def _megatron_worker(rank, world):
     from megatron.core.transformer.module import Float16Module
 
     from dist_moe.dispatch.exchange import ExchangeConfig
-    from dist_moe.integrations.megatron import MegatronDispatchedMoE, MegatronHostedMoE, megatron_config
+    from dist_moe.integrations.megatron import MegatronHostedMoE, megatron_config
     from dist_moe.moe.layer import MoELayerConfig
     from placement import Placement
 
@@ -105,8 +105,9 @@ def _megatron_worker(rank, world):
         bf16_run = run(reference, autocast=False)
         layers = {"alltoall": alltoall()}
         for dedup, chunks in (("rank", 1), ("none", 2)):
-            layers[f"dist_moe {dedup} x{chunks}"] = MegatronDispatchedMoE(
-                MoELayerConfig(H, F, dict(ROUTER), exchange=ExchangeConfig(dedup, chunks)), world, placement)
+            layers[f"dist_moe {dedup} x{chunks}"] = MegatronHostedMoE(
+                MoELayerConfig(H, F, dict(ROUTER), exchange=ExchangeConfig(dedup, chunks)), world, placement,
+                dispatcher="dist_moe")
         for tag, layer in layers.items():
             layer.load_state_dict(state)
             # the engine's bf16: fp32 weights (Adam's master copy), the forward under autocast (Runtime.compute)

@@ -47,7 +47,7 @@ def _equivalence_worker(rank, world, routers, dispatcher):
             (y.squeeze(1) * w).sum().backward()
             grads = [{k: _Grad(v) for k, v in g.items()} for g in expert_grads_as_dist_moe(mg)]
             compare(f"megatron-{dispatcher}/{router}", ref, y_ref, aux_ref, x_ref, y.squeeze(1),
-                    mg.router.last_aux_loss, x, mg.router.router, grads)
+                    mg.router.last_routing.aux_loss, x, mg.router.router, grads)
             if dispatcher == "alltoall":  # one copy per (token, expert on another rank), like dedup="none"
                 pairs = ref.last_routing.expert_idx
                 remote = int(((pairs >= 0) & (placement.rank_tensor()[pairs.clamp_min(0)] != rank)).sum())

@@ -86,7 +86,7 @@ def test_bad_limits_name_the_key(kw, key):
 
 def test_a_limit_by_level_is_resolved_from_the_topology_and_tree_prefix_placement():
     topo = Topology(("rack", "node", "gpu"), (2, 2, 2))
-    from dist_moe.moe.host import bind_to_topology
+    from dist_moe.moe.cluster import bind_to_topology
 
     router = _router(16, 4, subtree_limit={"rack": 1, "node": 2})  # resolved for the 8 ranks, as an EP layer would
     bind_to_topology(router, Placement.tree_prefix(16, topo), topo)
@@ -100,7 +100,7 @@ def test_a_limit_by_level_is_resolved_from_the_topology_and_tree_prefix_placemen
 
 
 def test_a_limit_by_level_under_another_placement_is_refused_unless_the_depth_is_given():
-    from dist_moe.moe.host import bind_to_topology
+    from dist_moe.moe.cluster import bind_to_topology
 
     topo = Topology(("node", "gpu"), (2, 2))
     with pytest.raises(ValueError, match="tree_prefix: under another placement the tree's subtrees are not nodes"):
@@ -246,7 +246,7 @@ def test_an_unresolved_limit_refuses_before_the_anchors_move():
 
 
 def test_the_topology_must_be_the_expert_parallel_groups():
-    from dist_moe.moe.host import bind_to_topology
+    from dist_moe.moe.cluster import bind_to_topology
 
     router = _router(16, 4, subtree_limit=1)
     with pytest.raises(ValueError, match="node=4,gpu=2 has 8 ranks but the expert-parallel group has 4"):

@@ -23,11 +23,11 @@ from torch import Tensor
 import dist_moe.integrations.deepspeed.patches as deepspeed_patches
 from dist_moe.dispatch.apply_experts import compute_dtype
 from dist_moe.dispatch.contract import Tokens
-from dist_moe.dispatch.dispatcher import CountsTraffic
 from dist_moe.dispatch.exchange import ExchangeConfig, ExpertExchange
-from dist_moe.integrations.stacked import RestacksExperts, grouped_mm, stack_in_place, stacked_alias, stacked_view
+from dist_moe.integrations.stacked import grouped_mm, stack_in_place, stacked_alias, stacked_view
+from dist_moe.moe.cluster import bind_to_topology
 from dist_moe.moe.experts import SingleExpert, grouped_ok, offsets
-from dist_moe.moe.host import ExchangedMoE, bind_to_topology
+from dist_moe.moe.forward import ExchangeTraffic, LastForward, OfExchange, moe_forward
 from dist_moe.optional_engines import engine_import
 from dist_moe.routing import Routing
 from placement import Topology
@@ -38,12 +38,15 @@ class TokenGate(Protocol):
     """What the dispatched ``MOELayer`` asks of its gate: ``DistMoEGate``'s (``layer.py``) routing steps."""
 
     capacity_factor: float | None
+    last_forward: LastForward
 
     def tokens(self, x: Tensor, used_token: Tensor | None, tag: int) -> Tokens: ...
 
     def route(self, tokens: Tokens) -> Routing: ...
 
     def unscaled_aux(self, aux: Tensor) -> Tensor: ...
+
+    def physical_counts(self, idx: Tensor) -> Tensor: ...
 
 
 class DeepSpeedExperts:
@@ -116,9 +119,12 @@ def layer_class():
     deepspeed_patches.apply()
     MOELayer = engine_import("deepspeed.moe.sharded_moe", "MOELayer")
 
-    class DistMoEDispatchedMOELayer(RestacksExperts, ExchangedMoE, CountsTraffic, MOELayer):
-        """DeepSpeed's MOELayer whose tokens travel through dist-moe's dispatcher: its stages are the
-        gate's (``DistMoEGate.tokens`` / ``route`` / ``record``)."""
+    class DistMoEDispatchedMOELayer(MOELayer):
+        """DeepSpeed's MOELayer whose tokens travel through dist-moe's dispatcher, routed by its gate
+        (``DistMoEGate.tokens`` / ``route``)."""
+
+        pipeline_chunks = OfExchange("chunks")
+        traffic, reset_traffic = ExchangeTraffic(), OfExchange("reset_traffic")
 
         def configure(self, exchange: ExchangeConfig, topology: Topology | None) -> None:
             self.exchange_config, self.dedup = exchange, exchange.dedup
@@ -130,6 +136,7 @@ def layer_class():
             self.exchange = (exchange.build(None, self.placement, self.topology, what="DistMoEGate") if local
                              else ExpertExchange(None, exchange.pipeline_chunks, what="DistMoEGate"))
             self.routed_experts = DeepSpeedExperts(self.experts)
+            self.forwards = 0  # the exchanges' tag (dist_moe/dispatch/agree.py)
 
         def _set_ep_group(self, ep_group) -> None:
             super()._set_ep_group(ep_group)
@@ -140,31 +147,25 @@ def layer_class():
                 self.exchange = self.exchange_config.build(ep_group, self.placement, self.topology, what="DistMoEGate")
                 self.exchange.chunks = chunks
 
-        @property
-        def strategy(self):
-            return self.gate.router
-
-        def tokens(self, x: Tensor, used_token: Tensor | None) -> Tokens:
-            return self.gate.tokens(x.reshape(-1, x.shape[-1]), used_token, self.forwards)
-
-        def route(self, tokens: Tokens) -> Routing:
-            return self.gate.route(tokens)
-
-        def record(self, tokens: Tokens, routing: Routing) -> None:
-            gate = self.gate  # a DistMoEGate
-            gate.record(tokens, routing)
-            self.l_aux = gate.unscaled_aux(routing.aux_loss)
-            idx = routing.expert_idx  # counted by DeepSpeed's physical slot, as its gates count
-            physical = torch.where(idx >= 0, gate.physical_slot.to(idx.device)[idx.clamp_min(0)], -1)
-            self.exp_counts = per_expert(physical, gate.router.num_experts)
-
         def forward(self, *input: Tensor, **kwargs) -> Tensor:
             x, used_token = input[0], (input[1] if len(input) > 1 else None)
             if self.exchange.dispatcher is None:
                 raise ValueError("the dist_moe dispatcher has no expert-parallel group yet: call "
                                  "set_deepspeed_parallelism() (deepspeed.initialize does)")
-            y, _ = self.run_stages(x, used_token)
+            self.forwards += 1
+            gate = self.gate  # a DistMoEGate
+            tokens = gate.tokens(x.reshape(-1, x.shape[-1]), used_token, self.forwards)
+            y, routing = moe_forward(tokens, gate.route, gate.router, self.exchange, self.routed_experts)
+            gate.last_forward.keep(tokens, routing)
+            # what DeepSpeed's MOELayer leaves for its MoE module: l_aux unscaled, counts by physical slot
+            self.l_aux = gate.unscaled_aux(routing.aux_loss)
+            self.exp_counts = gate.physical_counts(routing.expert_idx)
             return y.reshape(x.shape)
+
+        def _apply(self, fn, *args, **kwargs):
+            out = super()._apply(fn, *args, **kwargs)
+            self.routed_experts.restack()  # .to() and .bfloat16() give every parameter a storage of its own
+            return out
 
     return DistMoEDispatchedMOELayer
 

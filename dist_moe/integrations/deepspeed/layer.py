@@ -43,22 +43,23 @@ import torch
 from torch import Tensor, nn
 
 import dist_moe.integrations.deepspeed.patches as deepspeed_patches
-from dist_moe.dispatch.agree import agree, agreed_routing
 from dist_moe.dispatch.contract import Tokens
+from dist_moe.dispatch.exchange import ExchangeConfig
 from dist_moe.distributed.groups import WeakGroup
 from dist_moe.distributed.process_group import shutdown
 from dist_moe.integrations.context import context_tokens, routing_extras
 from dist_moe.integrations.deepspeed.dispatch import per_expert, use_dist_moe_dispatcher
-from dist_moe.integrations.hosted import DispatchedHost, HostedMoE
+from dist_moe.integrations.hosted import call_engine
+from dist_moe.moe.cluster import bind_to_topology
 from dist_moe.moe.experts import SingleExpert
-from dist_moe.moe.host import bind_to_topology
+from dist_moe.moe.forward import LastForward, agreed_route
 from dist_moe.moe.layer import MoELayerConfig
-from dist_moe.moe.view import MoEView
+from dist_moe.moe.view import MoEView, expert_locations
 from dist_moe.optional_engines import engine_import
 from dist_moe.routing import Router
 from dist_moe.routing.capacity import apply_capacity, capacity_for, check_one_capacity, slot_positions
 from dist_moe.routing.registry import RouterConfig, layer_router
-from dist_moe.seeding import fork_rng
+from dist_moe.seeding import per_rank_draw
 from placement import Placement, Topology
 
 
@@ -105,8 +106,7 @@ class DistMoEGate(nn.Module):
         self.register_buffer("physical_slot", placement.engine_slots(), persistent=False)
         self.ep_group = None
         self.forwards = 0  # the tag every EP rank agrees on (dist_moe/dispatch/agree.py)
-        self.last_routing = None
-        self.last_router_input, self.last_router_extras = None, {}
+        self.last_forward = LastForward()
         self.reset_traffic()
 
     def _set_ep_group(self, group) -> None:
@@ -135,17 +135,16 @@ class DistMoEGate(nn.Module):
             raise ValueError("DistMoEGate returns sparse routes only (use_tutel=False)")
         e = self.router.num_experts
         self.forwards += 1
+        tokens = self.tokens(x, used_token, self.forwards)
         # bad input is agreed on by every EP rank (one all-reduce that also agrees on the capacity):
-        # a rank that raised alone would pair its next batch with its peers' current one
-        with agreed_routing(self.router):
-            tokens = self.tokens(x, used_token, self.forwards)
-            routing = self.route(tokens)
-            idx, gates = routing.expert_idx, routing.gates
-            # capped: DeepSpeed's rule, from the largest token count; dropless: the fullest expert on any rank
-            # sets the (shared) capacity, a host int DeepSpeed sizes its buffers with (one read)
-            need = x.shape[0] if self.capacity_factor is not None else int(per_expert(idx, e).max())
-            group = self.ep_group if self.ep_size > 1 else None
-            (agreed,) = agree(tokens.problem, tokens.tag, group, "DistMoEGate", maxima=(need,))
+        # a rank that raised alone would pair its next batch with its peers' current one. Capped: DeepSpeed's
+        # rule, from the largest token count; dropless: the fullest expert on any rank sets the (shared)
+        # capacity, a host int DeepSpeed sizes its buffers with (one read)
+        need = (lambda routing: (x.shape[0],)) if self.capacity_factor is not None else (
+            lambda routing: (int(per_expert(routing.expert_idx, e).max()),))
+        group = self.ep_group if self.ep_size > 1 else None
+        routing, (agreed,) = agreed_route(tokens, self.route, self.router, group, "DistMoEGate", need)
+        idx, gates = routing.expert_idx, routing.gates
         if self.capacity_factor is not None:
             capacity = deepspeed_capacity(agreed, idx.shape[1], e, self.capacity_factor, self.min_capacity)
             idx, gates, dropped = apply_capacity(idx, gates, e, capacity)
@@ -158,7 +157,7 @@ class DistMoEGate(nn.Module):
         locations = torch.where(routed, slot_positions(idx, e), 0)
         exp_counts = per_expert(physical, e)
         self._count(physical, capacity, x)
-        self.record(tokens, routing)
+        self.last_forward.keep(tokens, routing)
         return self.unscaled_aux(routing.aux_loss), capacity, e, physical.t(), locations.t(), gates.t(), exp_counts
 
     def tokens(self, x: Tensor, used_token: Tensor | None, tag: int) -> Tokens:
@@ -176,10 +175,14 @@ class DistMoEGate(nn.Module):
             routing.gates = torch.where(used, routing.gates, torch.zeros_like(routing.gates))
         return routing
 
-    def record(self, tokens: Tokens, routing) -> None:
-        """This forward's routing and router input (GAR's recomputation reads them)."""
-        self.last_router_input, self.last_router_extras = tokens.h.detach(), tokens.extras
-        self.last_routing = routing.detached()
+    @property
+    def last_routing(self):
+        return self.last_forward.routing
+
+    def physical_counts(self, idx: Tensor) -> Tensor:
+        """[E] routes per DeepSpeed physical slot (what its gates count) of logical ``idx`` (-1: dropped)."""
+        physical = torch.where(idx >= 0, self.physical_slot.to(idx.device)[idx.clamp_min(0)], -1)
+        return per_expert(physical, self.router.num_experts)
 
     def unscaled_aux(self, aux: Tensor) -> Tensor:
         """DeepSpeed's convention: a gate returns l_aux without its coefficient and the training loop
@@ -201,14 +204,14 @@ def deepspeed_moe_layer(hidden_size: int, ffn_hidden_size: int | None, router: R
                         placement: Placement | None = None, capacity_factor: float | None = None,
                         expert_type: str = "swiglu", *, expert: nn.Module | None = None, min_capacity: int = 8,
                         topology=None, dispatcher: str = "deepspeed", dedup: str = "rank", pipeline_chunks: int = 1,
-                        timeout=None, **expert_kwargs):
+                        timeout=None, exchange: ExchangeConfig | None = None, **expert_kwargs):
     """A ``deepspeed.moe.layer.MoE`` whose gate is ``DistMoEGate``. Its experts are dist-moe's
     (``expert_type``, ``ffn_hidden_size``), or, as ``deepspeed.moe.layer.MoE(expert=...)`` takes it,
     the user's own ``expert`` module, which DeepSpeed copies into every local slot.
     ``min_capacity`` defaults to 8, as DeepSpeed's ``TopKGate`` (its ``MoE`` passes 4: give
     ``min_capacity=4`` to match it). ``dispatcher="dist_moe"`` moves the tokens with dist-moe's
     dropless dispatcher (``dedup``, ``pipeline_chunks``; ``dispatch.py``) instead of DeepSpeed's
-    capacity-padded all-to-all.
+    capacity-padded all-to-all (``exchange``: an ``ExchangeConfig`` giving those settings at once instead).
 
     Call ``set_deepspeed_parallelism()`` (or let ``deepspeed.initialize`` do it) after
     ``deepspeed.init_distributed``; the layer returns (output, l_aux unscaled as DeepSpeed's gates
@@ -231,7 +234,7 @@ def deepspeed_moe_layer(hidden_size: int, ffn_hidden_size: int | None, router: R
     moe = MoE(hidden_size, expert, num_experts=gate.router.num_experts, ep_size=ep_size, k=1)
     moe.deepspeed_moe.gate = gate
     if dispatcher == "dist_moe":
-        use_dist_moe_dispatcher(moe, dedup, pipeline_chunks, topology, timeout)
+        use_dist_moe_dispatcher(moe, dedup, pipeline_chunks, topology, timeout, exchange)
     return moe
 
 
@@ -260,40 +263,53 @@ def shutdown_distributed() -> None:
     shutdown()
 
 
-class DeepSpeedHostedMoE(HostedMoE):
-    """dist-moe's layer interface over a DeepSpeed-hosted MoE: ``(y, aux) = layer(x, categories, token_ids)``,
-    built from an ``MoELayerConfig`` (its exchange settings unused: DeepSpeed's all-to-all moves the
-    tokens; ``DeepSpeedDispatchedMoE`` moves them with dist-moe's dispatcher).
+class DeepSpeedHostedMoE(nn.Module):
+    """dist-moe's layer interface over a DeepSpeed-hosted MoE: ``(y, aux) = layer(x, categories, token_ids,
+    padding_mask)``, built from an ``MoELayerConfig``. ``dispatcher``: DeepSpeed's capacity-padded
+    all-to-all (``deepspeed``; the config's exchange settings unused) or dist-moe's (``dist_moe``, as the
+    config's ``exchange`` says: the layer then measures its bytes, ``dispatched.traffic``, as dist-moe's
+    own MoELayer does).
 
     Needs ``deepspeed.init_distributed`` (``init_distributed`` here) first when ``ep_size > 1``.
     """
 
-    dispatcher_kind = "deepspeed"  # deepspeed_moe_layer's dispatcher
-
     def __init__(self, config: MoELayerConfig, ep_size: int = 1, placement: Placement | None = None,
-                 topology: Topology | None = None, *, expert: nn.Module | None = None, min_capacity: int = 8):
+                 topology: Topology | None = None, *, expert: nn.Module | None = None, min_capacity: int = 8,
+                 dispatcher: str = "deepspeed"):
         super().__init__()
         self.hidden_size = hidden_size = config.hidden_size
         exchange = config.exchange
         self.moe = deepspeed_moe_layer(hidden_size, config.ffn_hidden_size, config.router, ep_size, placement,
                                        config.capacity_factor, config.expert_type, expert=expert,
-                                       min_capacity=min_capacity, topology=topology, dispatcher=self.dispatcher_kind,
-                                       dedup=exchange.dedup, pipeline_chunks=exchange.pipeline_chunks,
-                                       timeout=exchange.timeout, **config.expert_options)
-        self._know_nodes(self.gate.placement, topology)
+                                       min_capacity=min_capacity, topology=topology, dispatcher=dispatcher,
+                                       exchange=exchange, **config.expert_options)
+        self.dispatcher_kind = dispatcher
+        self.expert_node, self.expert_rank = expert_locations(self.gate.placement, topology)
         rank = 0
         if torch.distributed.is_initialized():
             self.moe.set_deepspeed_parallelism()
             rank = torch.distributed.get_rank()
         if expert is None:
-            # DeepSpeed deep-copies one expert module into every slot of every rank: give each of
-            # dist-moe's experts its own draw, off the global stream (replicated modules stay identical).
-            # A user's own expert module keeps DeepSpeed's behaviour: identical copies.
-            with fork_rng():
-                torch.manual_seed(torch.initial_seed() + 1 + rank)
+            # DeepSpeed deep-copies one expert module into every slot of every rank: each of dist-moe's
+            # experts gets its own draw. A user's own expert module keeps DeepSpeed's behaviour: identical copies.
+            with per_rank_draw(rank):
                 for copy in self._local():
                     copy.load_state_dict(SingleExpert(hidden_size, config.ffn_hidden_size, config.expert_type,
                                                       **config.expert_options).state_dict())
+
+    def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None,
+                padding_mask: Tensor | None = None):
+        return call_engine(self._run, x, categories, token_ids, padding_mask)
+
+    def _run(self, tokens: Tensor, padding: Tensor | None) -> tuple[Tensor, Tensor]:
+        y, l_aux, _ = self.moe(tokens, used_token=None if padding is None else (~padding).float())
+        # dist-moe's layer interface returns the aux loss with the strategy's coefficient applied
+        return y, l_aux * self.router.aux_loss_coeff
+
+    @property
+    def dispatched(self):
+        """DeepSpeed's MOELayer when dist-moe's dispatcher moves its tokens (it counts their bytes), else None."""
+        return self.moe.deepspeed_moe if self.dispatcher_kind == "dist_moe" else None
 
     def _local(self) -> list:
         return list(self.moe.deepspeed_moe.experts.deepspeed_experts)
@@ -318,13 +334,12 @@ class DeepSpeedHostedMoE(HostedMoE):
         return self.gate.router
 
     @property
-    def last_routing(self):
-        return self.gate.last_routing
+    def num_experts(self) -> int:
+        return self.router.num_experts
 
-    def _run(self, tokens: Tensor, padding: Tensor | None) -> tuple[Tensor, Tensor]:
-        y, l_aux, _ = self.moe(tokens, used_token=None if padding is None else (~padding).float())
-        # dist-moe's layer interface returns the aux loss with the strategy's coefficient applied
-        return y, l_aux * self.router.aux_loss_coeff
+    @property
+    def last_routing(self):
+        return self.gate.last_forward.routing
 
     def moe_view(self):
         """DeepSpeed's expert copies as one template (GAR: materialized observations from their gradients)."""
@@ -334,22 +349,7 @@ class DeepSpeedHostedMoE(HostedMoE):
         gate = self.gate
         ep = gate.ep_group if gate.ep_size > 1 else None
         return MoEView(self.router, template, isinstance(local[0], SingleExpert),
-                       [p for e in local for p in e.parameters()],
-                       lambda: (gate.last_router_input, gate.last_router_extras,
-                                ((gate.last_router_input.shape[0],), None)),
-                       ep, gate._ep_rank())
-
-
-class DeepSpeedDispatchedMoE(DispatchedHost, DeepSpeedHostedMoE):
-    """``DeepSpeedHostedMoE`` whose tokens move through dist-moe's dispatcher as the config's ``exchange``
-    says (the trainer's ``engine: deepspeed`` with ``parallel.dispatcher: dist_moe``): the layer measures
-    its bytes (``traffic``) as dist-moe's own MoELayer does."""
-
-    dispatcher_kind = "dist_moe"
-
-    @property
-    def dispatched(self):
-        return self.moe.deepspeed_moe
+                       [p for e in local for p in e.parameters()], gate.last_forward.inputs, ep, gate._ep_rank())
 
 
 def expert_slots(expert: nn.Module) -> dict:

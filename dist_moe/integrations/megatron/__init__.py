@@ -5,12 +5,11 @@
 * ``DistMoERouter`` (``router.py``): any strategy as Megatron's router, Megatron's own token
   dispatcher moving the tokens (the router swap).
 * ``hosts.py``: a ``TransformerConfig`` for one MoE layer (``megatron_config``), Megatron's layer with
-  the router swap (``megatron_moe_layer``), weight and gradient converters, and the trainer's hosts
-  (``MegatronHostedMoE``, ``MegatronDispatchedMoE``).
+  the router swap (``megatron_moe_layer``), weight and gradient converters, and the trainer's host
+  (``MegatronHostedMoE``).
 * ``patches.py``: the CPU patches this release needs (applied on first use).
 """
 from dist_moe.integrations.megatron.hosts import (
-    MegatronDispatchedMoE,
     MegatronHostedMoE,
     expert_grads_as_dist_moe,
     load_dist_moe_experts,
@@ -22,6 +21,6 @@ from dist_moe.integrations.megatron.layer import dist_moe_mlp_spec, megatron_dis
 from dist_moe.integrations.megatron.patches import DISPATCHERS
 from dist_moe.integrations.megatron.router import DistMoERouter, aux_coefficient
 
-__all__ = ["DISPATCHERS", "DistMoERouter", "MegatronDispatchedMoE", "MegatronHostedMoE", "aux_coefficient",
+__all__ = ["DISPATCHERS", "DistMoERouter", "MegatronHostedMoE", "aux_coefficient",
            "dist_moe_mlp_spec", "expert_grads_as_dist_moe", "load_dist_moe_experts", "megatron_config",
            "megatron_dist_moe_layer", "megatron_moe_layer", "sent_bytes"]

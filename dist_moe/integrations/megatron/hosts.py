@@ -1,7 +1,7 @@
 """dist-moe's hosts inside megatron-core (written against 0.16.1), beside the layer spec (``layer.py``)
 and the router swap (``router.py``): a ``TransformerConfig`` for one MoE layer (``megatron_config``),
 Megatron's layer with the router swap (``megatron_moe_layer``), weight and gradient converters, and
-the trainer's hosts (``MegatronHostedMoE``, ``MegatronDispatchedMoE``).
+the trainer's host (``MegatronHostedMoE``).
 """
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import torch
 from torch import Tensor
 
 import dist_moe.integrations.megatron.patches as megatron_patches
-from dist_moe.integrations.hosted import DispatchedHost, HostedMoE
+from dist_moe.integrations.hosted import call_engine
 from dist_moe.integrations.megatron.layer import megatron_dist_moe_layer
 from dist_moe.integrations.megatron.patches import DISPATCHERS
 from dist_moe.integrations.megatron.router import DistMoERouter
 from dist_moe.moe.layer import MoELayerConfig
-from dist_moe.moe.view import MoEView
+from dist_moe.moe.view import MoEView, expert_locations
 from dist_moe.optional_engines import engine_import
 from dist_moe.routing import Router
 from dist_moe.routing.registry import RouterConfig, router_shape
@@ -104,8 +104,12 @@ def sent_bytes(layer) -> int:
     return sum(int(n) for peer, n in enumerate(splits) if peer != rank) * row
 
 
-class MegatronHostedMoE(HostedMoE):
-    """dist-moe's layer interface over a Megatron-hosted MoE: ``(y, aux) = layer(x, categories, token_ids)``.
+class MegatronHostedMoE(torch.nn.Module):
+    """dist-moe's layer interface over a Megatron-hosted MoE: ``(y, aux) = layer(x, categories, token_ids,
+    padding_mask)``. ``dispatcher``: one of Megatron's own (alltoall, allgather), or ``dist_moe``
+    (``dist_moe_mlp_spec``'s layer: dist-moe's dispatcher moves the tokens as the config's ``exchange``
+    says, so the layer has dedup, pipeline chunks and measured bytes, ``dispatched.traffic``, as
+    dist-moe's own MoELayer does).
 
     Rows of ``x`` are Megatron's [S, B=1] tokens. The aux loss already reaches the
     router through Megatron's ``MoEAuxLossAutoScaler`` in the output's backward, so
@@ -116,35 +120,48 @@ class MegatronHostedMoE(HostedMoE):
     def __init__(self, config: MoELayerConfig, ep_size: int = 1, placement: Placement | None = None,
                  topology: Topology | None = None, *, dispatcher: str = "alltoall", device: torch.device | None = None):
         """``config``'s capacity_factor and shared experts are refused (Megatron's layer here is dropless,
-        without shared experts); ``dispatcher``: Megatron's own (alltoall, allgather)."""
+        without shared experts)."""
         super().__init__()
         if config.capacity_factor is not None or config.shared_expert_hidden:
             raise ValueError("MegatronHostedMoE is dropless without shared experts: capacity_factor None and "
                              "shared_expert_hidden 0")
         shape = router_shape(config.router, ("hidden_size",))  # the router itself is built once, by Megatron
+        own = dispatcher != "dist_moe"
         mc = megatron_config(config.hidden_size, config.ffn_hidden_size, shape.num_experts, shape.top_k, ep_size,
-                             config.expert_type, device, moe_token_dispatcher_type=dispatcher,
+                             config.expert_type, device, moe_token_dispatcher_type=dispatcher if own else "alltoall",
                              moe_aux_loss_coeff=shape.aux_loss_coeff)  # Megatron's place for it
         self.hidden_size = config.hidden_size
-        self.moe = self._layer(mc, config, placement, topology)
-        self._know_nodes(self.moe.router.placement, topology)
+        self.dispatcher_kind = dispatcher
+        self.moe = (megatron_moe_layer(mc, config.router, placement, topology=topology) if own else
+                    megatron_dist_moe_layer(mc, config.router, placement=placement, topology=topology,
+                                            exchange=config.exchange))
+        self.expert_node, self.expert_rank = expert_locations(self.moe.router.placement, topology)
 
-    def _layer(self, mc, config: MoELayerConfig, placement, topology):
-        """Megatron's MoELayer with its own token dispatcher (``mc.moe_token_dispatcher_type``)."""
-        return megatron_moe_layer(mc, config.router, placement, topology=topology)
+    def forward(self, x: Tensor, categories: Tensor | None = None, token_ids: Tensor | None = None,
+                padding_mask: Tensor | None = None):
+        return call_engine(self._run, x, categories, token_ids, padding_mask)
+
+    def _run(self, tokens: Tensor, padding: Tensor | None) -> tuple[Tensor, Tensor]:
+        # Megatron's [S, B=1, H]; its layer takes the padding mask as [B, S] and transposes it
+        y, _ = self.moe(tokens.unsqueeze(1), padding_mask=None if padding is None else padding.unsqueeze(0))
+        return y.squeeze(1), self.moe.router.last_routing.aux_loss
+
+    @property
+    def dispatched(self):
+        """Megatron's MoELayer when dist-moe's dispatcher moves its tokens (it counts their bytes), else None."""
+        return self.moe if self.dispatcher_kind == "dist_moe" else None
 
     @property
     def router(self) -> Router:
         return self.moe.router.router
 
     @property
+    def num_experts(self) -> int:
+        return self.router.num_experts
+
+    @property
     def last_routing(self):
         return self.moe.router.last_routing
-
-    def _run(self, tokens: Tensor, padding: Tensor | None) -> tuple[Tensor, Tensor]:
-        # Megatron's [S, B=1, H]; its layer takes the padding mask as [B, S] and transposes it
-        y, _ = self.moe(tokens.unsqueeze(1), padding_mask=None if padding is None else padding.unsqueeze(0))
-        return y.squeeze(1), self.moe.router.last_aux_loss
 
     def expert_state_keys(self, prefix: str = "") -> dict:
         """Megatron's local experts, one plain tensor each, under dist-moe's checkpoint stems."""
@@ -158,24 +175,6 @@ class MegatronHostedMoE(HostedMoE):
         local = self.moe.experts.local_experts
         template = {"linear_fc1.weight": [m.linear_fc1.weight for m in local],
                     "linear_fc2.weight": [m.linear_fc2.weight for m in local]}
-        r = self.moe.router
         ep = self.moe.ep_group if self.moe.ep_group.size() > 1 else None
         return MoEView(self.router, template, False, [p for m in local for p in m.parameters()],
-                       lambda: (r.last_router_input, r.last_router_extras, ((r.last_router_input.shape[0],), None)),
-                       ep, self.moe.ep_group.rank())
-
-
-class MegatronDispatchedMoE(DispatchedHost, MegatronHostedMoE):
-    """``MegatronHostedMoE`` over ``dist_moe_mlp_spec``'s layer (the trainer's ``engine: megatron`` with
-    ``parallel.dispatcher: dist_moe``): dist-moe's dispatcher moves the tokens as the config's
-    ``exchange`` says, so the layer has dedup, pipeline chunks and measured bytes, as dist-moe's own
-    MoELayer does."""
-
-    def _layer(self, mc, config: MoELayerConfig, placement, topology):
-        exchange = config.exchange
-        return megatron_dist_moe_layer(mc, config.router, exchange.dedup, exchange.pipeline_chunks, placement,
-                                       topology, timeout=exchange.timeout)
-
-    @property
-    def dispatched(self):
-        return self.moe
+                       self.moe.router.last_forward.inputs, ep, self.moe.ep_group.rank())

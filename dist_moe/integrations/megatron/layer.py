@@ -25,15 +25,13 @@ from torch import Tensor
 
 import dist_moe.integrations.megatron.patches as megatron_patches
 from dist_moe.dispatch.apply_experts import compute_dtype
-from dist_moe.dispatch.contract import Tokens
-from dist_moe.dispatch.dispatcher import CountsTraffic
 from dist_moe.dispatch.exchange import ExchangeConfig
 from dist_moe.integrations.megatron.router import DistMoERouter
-from dist_moe.integrations.stacked import RestacksExperts, grouped_mm, stack_in_place, stacked_alias, stacked_view
+from dist_moe.integrations.stacked import grouped_mm, stack_in_place, stacked_alias, stacked_view
+from dist_moe.moe.cluster import bind_to_topology
 from dist_moe.moe.experts import grouped_ok, offsets
-from dist_moe.moe.host import ExchangedMoE, bind_to_topology
+from dist_moe.moe.forward import ExchangeTraffic, OfExchange, moe_forward
 from dist_moe.optional_engines import engine_import
-from dist_moe.routing.base import Routing
 from dist_moe.routing.registry import RouterConfig
 from placement import Placement, Topology
 
@@ -127,10 +125,12 @@ def layer_class():
     megatron_patches.apply()
     MoELayer = engine_import("megatron.core.transformer.moe.moe_layer", "MoELayer")
 
-    class DistMoEMoELayer(RestacksExperts, ExchangedMoE, CountsTraffic, MoELayer):
-        """Megatron's MoELayer whose tokens travel through dist-moe's dispatcher: its stages are the
-        router's (``DistMoERouter.prepare`` / ``routed`` / ``record``; ``route`` here replaces Megatron's,
-        which only Megatron's own forward calls)."""
+    class DistMoEMoELayer(MoELayer):
+        """Megatron's MoELayer whose tokens travel through dist-moe's dispatcher, routed by its router
+        (``DistMoERouter.prepare`` / ``routed`` / ``record``)."""
+
+        pipeline_chunks = OfExchange("chunks")
+        traffic, reset_traffic = ExchangeTraffic(), OfExchange("reset_traffic")
 
         def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *,
                      exchange: ExchangeConfig | None = None, topology: Topology | None = None):
@@ -154,22 +154,7 @@ def layer_class():
             wider = agree_group if agree_group is not None and agree_group.size() > world else None
             self.exchange = exchange.build(self.ep_group, self.placement, self.topology, wider, "DistMoERouter")
             self.routed_experts = MegatronExperts(self.experts)
-
-        @property
-        def strategy(self):
-            return self.router.router
-
-        def shared(self):
-            return self.shared_experts if self.use_shared_expert else None
-
-        def tokens(self, hidden_states: Tensor, padding_mask: Tensor | None) -> Tokens:
-            return self.router.prepare(hidden_states, padding_mask, self.forwards)
-
-        def route(self, tokens: Tokens) -> Routing:  # type: ignore[override]
-            return self.router.routed(tokens)
-
-        def record(self, tokens: Tokens, routing: Routing) -> None:
-            self.router.record(tokens, routing)  # the tracked aux loss and last routing: once the forward went on
+            self.forwards = 0  # the exchanges' tag (dist_moe/dispatch/agree.py)
 
         def forward(self, hidden_states: Tensor, intermediate_tensors=None, padding_mask: Tensor | None = None):
             """hidden [S, B, H], padding_mask [B, S] (True at padding) -> (output [S, B, H], None)."""
@@ -180,8 +165,18 @@ def layer_class():
             if self.training and self.attn_tp_group.size() > 1 and not self.config.sequence_parallel:
                 raise ValueError("MoE with tensor parallelism needs sequence_parallel in training (as Megatron's "
                                  "MoELayer requires)")
-            y, _ = self.run_stages(hidden_states, padding_mask)
+            self.forwards += 1
+            router = self.router  # a DistMoERouter
+            tokens = router.prepare(hidden_states, padding_mask, self.forwards)
+            shared = self.shared_experts if self.use_shared_expert else None
+            y, routing = moe_forward(tokens, router.routed, router.router, self.exchange, self.routed_experts, shared)
+            router.record(tokens, routing)  # the tracked aux loss and the last routing: once the forward went on
             return y.reshape(hidden_states.shape), None
+
+        def _apply(self, fn, *args, **kwargs):
+            out = super()._apply(fn, *args, **kwargs)
+            self.routed_experts.restack()  # .to() and .bfloat16() give every parameter a storage of its own
+            return out
 
     return DistMoEMoELayer
 
@@ -202,14 +197,16 @@ def _check_config(config) -> None:
 
 
 def dist_moe_mlp_spec(router: RouterConfig | dict, dedup: str = "rank", pipeline_chunks: int = 1,
-                      placement: Placement | None = None, topology: Topology | None = None, base=None, timeout=None):
+                      placement: Placement | None = None, topology: Topology | None = None, base=None, timeout=None,
+                      exchange: ExchangeConfig | None = None):
     """A ModuleSpec for the MoE MLP of Megatron's GPT layer specs, with dist-moe's router and dispatcher.
 
     ``base``: the spec it replaces (``spec.submodules.mlp``), whose experts and shared experts are
     kept; None builds ``get_moe_module_spec(use_te=False)``'s SequentialMLP experts.
     ``topology=None`` reads the launch topology (``Topology.launched``: torchrun's or DeepSpeed's
     variables, or ``DIST_MOE_TOPOLOGY``) of the expert-parallel group. ``timeout`` (a timedelta)
-    bounds the collectives of node dedup's per-node groups (None: torch's default).
+    bounds the collectives of node dedup's per-node groups (None: torch's default). ``exchange``: an
+    ``ExchangeConfig`` giving dedup, pipeline_chunks and timeout at once instead.
     """
     megatron_patches.apply()
     MoESubmodules = engine_import("megatron.core.transformer.moe.moe_layer", "MoESubmodules")
@@ -226,16 +223,16 @@ def dist_moe_mlp_spec(router: RouterConfig | dict, dedup: str = "rank", pipeline
     submodules = MoESubmodules(experts=sub.experts, shared_experts=sub.shared_experts,
                                router=functools.partial(DistMoERouter, router=router, placement=placement))
     return ModuleSpec(module=layer_class(), submodules=submodules,
-                      params={"exchange": ExchangeConfig(dedup, pipeline_chunks, timeout=timeout),
+                      params={"exchange": exchange or ExchangeConfig(dedup, pipeline_chunks, timeout=timeout),
                               "topology": topology})
 
 
 def megatron_dist_moe_layer(config, router: RouterConfig | dict, dedup: str = "rank", pipeline_chunks: int = 1,
                             placement: Placement | None = None, topology: Topology | None = None, pg_collection=None,
-                            timeout=None):
+                            exchange: ExchangeConfig | None = None):
     """One Megatron MoELayer (SequentialMLP experts) built from ``dist_moe_mlp_spec``, outside a GPTModel
     (benchmarks, tests). Needs ``parallel_state.initialize_model_parallel`` first."""
     build_module = engine_import("megatron.core.transformer.spec_utils", "build_module")
 
-    spec = dist_moe_mlp_spec(router, dedup, pipeline_chunks, placement, topology, timeout=timeout)
+    spec = dist_moe_mlp_spec(router, dedup, pipeline_chunks, placement, topology, exchange=exchange)
     return build_module(spec, config=config, pg_collection=pg_collection)

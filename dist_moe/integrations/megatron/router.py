@@ -28,12 +28,11 @@ import torch
 from torch import Tensor, nn
 
 import dist_moe.integrations.megatron.patches as megatron_patches
-from dist_moe.dispatch.agree import agree, agreed_routing
 from dist_moe.dispatch.contract import Tokens
-from dist_moe.dispatch.stages import stage
 from dist_moe.distributed.groups import WeakGroup
 from dist_moe.integrations.context import context_tokens, routing_extras
-from dist_moe.moe.host import bind_to_topology
+from dist_moe.moe.cluster import bind_to_topology
+from dist_moe.moe.forward import LastForward, agreed_route
 from dist_moe.optional_engines import engine_import
 from dist_moe.routing import ROUTERS as ROUTER_TYPES
 from dist_moe.routing import Router
@@ -82,9 +81,7 @@ class DistMoERouter(nn.Module):
         self.track_group = getattr(pg_collection, "tp_cp", None) if pg_collection is not None else None
         self.forwards = 0
         self.layer_number = None
-        self.last_routing = None
-        self.last_aux_loss = None
-        self.last_router_input, self.last_router_extras = None, {}
+        self.last_forward = LastForward()
 
     def set_layer_number(self, layer_number: int) -> None:
         self.layer_number = layer_number
@@ -100,10 +97,7 @@ class DistMoERouter(nn.Module):
         tokens = self.prepare(hidden, padding_mask, self.forwards)
         # Megatron's own exchange follows: one small all-reduce agrees first (None: this process alone), as a
         # rank that raised alone would leave Megatron's collective order
-        with agreed_routing(self.router):
-            with stage("route"):
-                routing = self.routed(tokens)
-            agree(tokens.problem, tokens.tag, self.agree_group, "DistMoERouter")
+        routing, _ = agreed_route(tokens, self.routed, self.router, self.agree_group, "DistMoERouter")
         self.record(tokens, routing)
         probs = routing.dense_gates()  # [T, E], gates at the selected experts (the aux loss rides on them)
         routing_map = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, routing.expert_idx, True)
@@ -134,13 +128,16 @@ class DistMoERouter(nn.Module):
         """Once the ranks agreed and the forward goes on: the aux loss, unscaled, into Megatron's
         per-layer tracker (what ``track_moe_metrics`` logs), this forward's routing and its router input
         (GAR's recomputation)."""
-        self.last_router_input, self.last_router_extras = tokens.h.detach(), tokens.extras
+        self.last_forward.keep(tokens, routing)
         coeff = self.router.aux_loss_coeff
         if coeff:
             layers = self.config.num_layers + (getattr(self.config, "mtp_num_layers", None) or 0)
             self._track("load_balancing_loss", routing.aux_loss.detach() / coeff, self.layer_number, layers,
                         reduce_group=self.track_group)
-        self.last_routing, self.last_aux_loss = routing.detached(), routing.aux_loss.detach()
+
+    @property
+    def last_routing(self):
+        return self.last_forward.routing
 
 
 def aux_coefficient(config) -> float:

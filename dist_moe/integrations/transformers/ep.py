@@ -30,8 +30,9 @@ from torch import Tensor
 from dist_moe.dispatch.apply_experts import compute_dtype
 from dist_moe.dispatch.exchange import ExchangeConfig
 from dist_moe.integrations.stacked import grouped_mm
+from dist_moe.moe.chosen import ChosenRouter, chosen_route, chosen_tokens
 from dist_moe.moe.experts import grouped_ok, offsets
-from dist_moe.moe.host import ChosenRouter, ChosenRoutes
+from dist_moe.moe.forward import OfExchange, moe_forward
 from dist_moe.optional_engines import engine_import
 from placement import Placement, Topology, Traffic
 from placement.ep_groups import group_topology
@@ -41,30 +42,30 @@ NAME = "dist_moe"  # the ep_implementation a DistributedConfig names
 
 @dataclass(frozen=True)
 class Settings:
-    dedup: str = "rank"
-    pipeline_chunks: int = 1
+    exchange: ExchangeConfig = ExchangeConfig()
     topology: Topology | None = None  # None: the launcher's (torchrun's variables, DIST_MOE_TOPOLOGY)
     placement: object = None  # None, "contiguous", "tree_prefix", a Placement or a `dist-moe place` file
-    timeout: object = None  # a timedelta bounding node dedup's per-node collectives (None: torch's default)
 
 
 _settings = Settings()
 
 
 def use(dedup: str = "rank", pipeline_chunks: int = 1, topology: Topology | None = None, placement=None,
-        timeout=None) -> None:
+        timeout=None, exchange: ExchangeConfig | None = None) -> None:
     """Register the ``"dist_moe"`` EP implementation with these settings; models loaded afterwards with
-    ``DistributedConfig(..., ep_implementation="dist_moe")`` exchange their tokens through dist-moe."""
+    ``DistributedConfig(..., ep_implementation="dist_moe")`` exchange their tokens through dist-moe.
+    ``timeout`` (a timedelta) bounds node dedup's per-node collectives (None: torch's default);
+    ``exchange``: an ``ExchangeConfig`` giving dedup, pipeline_chunks and timeout at once instead."""
     global _settings
-    ExchangeConfig(dedup, pipeline_chunks)  # checks both
     if topology is not None and not isinstance(topology, Topology):
         raise ValueError(f"topology must be a placement.Topology or None, got {type(topology).__name__}")
     if timeout is not None and not isinstance(timeout, datetime.timedelta):
         raise ValueError(f"timeout must be a datetime.timedelta or None, got {type(timeout).__name__}")
+    exchange = exchange or ExchangeConfig(dedup, pipeline_chunks, timeout=timeout)  # checks them
     if not (placement is None or isinstance(placement, (str, Placement)) or hasattr(placement, "__fspath__")):
         raise ValueError(f"placement must be None, 'contiguous', 'tree_prefix', a Placement or a placement file, "
                          f"got {type(placement).__name__}")
-    _settings = Settings(dedup, pipeline_chunks, topology, placement, timeout)
+    _settings = Settings(exchange, topology, placement)
     EPImplementationInterface = engine_import("transformers.distributed.expert_parallel", "EPImplementationInterface")
 
     EPImplementationInterface.register(NAME, implementation_class())
@@ -181,8 +182,11 @@ def implementation_class():
     """``DistMoEEP``, transformers' ``EPImplementation`` subclass (built on first use)."""
     EPImplementation = engine_import("transformers.distributed.expert_parallel", "EPImplementation")
 
-    class DistMoEEP(ChosenRoutes, EPImplementation):
+    class DistMoEEP(EPImplementation):
         """transformers' plug-in point for how tokens reach the experts, filled with dist-moe's dispatcher."""
+
+        dispatcher = OfExchange("dispatcher")
+        pipeline_chunks = OfExchange("chunks")
 
         def __init__(self, experts, ep_mesh, tp_mesh):
             super().__init__(experts, ep_mesh, tp_mesh)
@@ -199,14 +203,17 @@ def implementation_class():
             self.topology.check_ranks(world, "the expert-parallel mesh")
             self.num_experts = self.num_local_experts * world
             self.placement = contiguous_placement(settings.placement, self.num_experts, self.topology)
-            self.dedup = settings.dedup
-            exchange = ExchangeConfig(settings.dedup, settings.pipeline_chunks, timeout=settings.timeout)
-            self.exchange = exchange.build(ep_mesh.get_group(), self.placement, self.topology)
+            self.dedup = settings.exchange.dedup
+            self.exchange = settings.exchange.build(ep_mesh.get_group(), self.placement, self.topology)
             self.router = ChosenRouter(type(experts).__name__, self.num_experts)
             self.routed_experts = StackedExperts(experts, self.experts_forward)
+            self.forwards = 0  # the exchanges' tag (dist_moe/dispatch/agree.py)
             experts._dist_moe_ep = self  # where traffic(model) finds it
 
         def __call__(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-            return self.run_stages(hidden_states, top_k_index, top_k_weights)[0]
+            self.forwards += 1
+            tokens = chosen_tokens(hidden_states, top_k_index, top_k_weights, self.forwards)
+            y, _ = moe_forward(tokens, chosen_route, self.router, self.exchange, self.routed_experts)
+            return y
 
     return DistMoEEP

@@ -16,24 +16,27 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dist_moe.dispatch.contract import Tokens
-from dist_moe.dispatch.dispatcher import CountsTraffic
 from dist_moe.dispatch.exchange import ExchangeConfig
 from dist_moe.distributed.groups import WeakGroup
 from dist_moe.distributed.reductions import all_gather_rows
 from dist_moe.integrations.transformers.ep import StackedExperts
-from dist_moe.moe.host import ChosenRouter, ChosenRoutes
+from dist_moe.moe.chosen import ChosenRouter, chosen_route, chosen_tokens, kept_routing
+from dist_moe.moe.forward import ExchangeTraffic, LastForward, OfExchange, moe_forward
 from dist_moe.moe.view import MoEView, expert_locations
-from dist_moe.routing.base import Routing
 from placement import Placement, Topology
 
+NO_INPUTS = ("model.kind=hf routes with the model's own router, whose inputs dist-moe does not keep "
+             "(GAR needs them)")
 
-class HostedHFExperts(ChosenRoutes, CountsTraffic, nn.Module):
+
+class HostedHFExperts(nn.Module):
     """One MoE block's experts: this rank's rows of the stacked expert tensors, behind dist-moe's
     dispatcher. ``forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K])`` as the
     experts module it replaces."""
 
     group = WeakGroup()  # held weakly: torch.distributed owns the group (dist_moe/distributed/groups.py)
+    pipeline_chunks = OfExchange("chunks")
+    traffic, reset_traffic = ExchangeTraffic(), OfExchange("reset_traffic")
 
     def __init__(self, experts: nn.Module, gate: nn.Module, placement: Placement, topology: Topology, group,
                  exchange: ExchangeConfig):
@@ -63,26 +66,28 @@ class HostedHFExperts(ChosenRoutes, CountsTraffic, nn.Module):
         self.placement, self.topology, self.dedup, self.group = placement, topology, exchange.dedup, group
         self.exchange = exchange.build(group, placement, topology)
         self.expert_node, self.expert_rank = expert_locations(placement, topology)
-        self.last_routing = None
+        self.forwards = 0  # the exchanges' tag (dist_moe/dispatch/agree.py)
+        self.last_forward = LastForward(no_inputs=NO_INPUTS)
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        return self.run_stages(hidden_states, top_k_index, top_k_weights)[0]
+        self.forwards += 1
+        tokens = chosen_tokens(hidden_states, top_k_index, top_k_weights, self.forwards)
+        y, routing = moe_forward(tokens, chosen_route, self.router, self.exchange, self.routed_experts)
+        self.last_forward.keep(tokens, kept_routing(routing, self.num_experts), inputs=False)
+        return y
 
-    def record(self, tokens: Tokens, routing: Routing) -> None:
-        self.last_routing = self.kept_routing(routing)
+    @property
+    def last_routing(self):
+        return self.last_forward.routing
+
 
     # what the trainer, metrics and checkpoints ask of every MoE layer (dist_moe.moe.view.MoEHost)
 
     def moe_view(self) -> MoEView:
         params = {name: [getattr(self, name)] for name in self.expert_slots}
         ep = self.placement.world_size > 1
-        return MoEView(self.router, params, True, [p for ps in params.values() for p in ps], self._no_inputs,
+        return MoEView(self.router, params, True, [p for ps in params.values() for p in ps], self.last_forward.inputs,
                        self.group if ep else None, self.rank if ep else 0)
-
-    @staticmethod
-    def _no_inputs():
-        raise ValueError("model.kind=hf routes with the model's own router, whose inputs dist-moe does not keep "
-                         "(GAR needs them)")
 
     def expert_state_keys(self, prefix: str = "") -> dict:
         return {f"{prefix}{name}": (self.local_expert_ids, f"{prefix}{name}", True) for name in self.expert_slots}

@@ -55,7 +55,7 @@ from dist_moe.train.checkpoint.files import (
 )
 from placement import write_atomic
 
-__all__ = ["CONFIG", "LATEST", "MANIFEST", "SAFE_GLOBALS", "CheckpointError", "latest", "load", "save",
+__all__ = ["CONFIG", "LATEST", "MANIFEST", "SAFE_GLOBALS", "CheckpointError", "as_saved", "latest", "load", "save",
            "saved_config", "state_of", "verify", "write_manifest"]
 
 LATEST = "latest"
@@ -132,7 +132,7 @@ def save(directory: str | Path, step: int, model: nn.Module, optimizer, extra: d
 
     written = save_state(state, tmp, group)
     if _rank(group) == 0 and config is not None:
-        write_atomic(tmp / CONFIG, json.dumps(config, indent=1, default=str) + "\n", 0o600)
+        write_atomic(tmp / CONFIG, _config_text(config), 0o600)
         written.append(CONFIG)
     files = _hashed_by_their_writers(tmp, written, group)  # also waits for every rank's files
     if _rank(group) == 0:
@@ -205,6 +205,16 @@ def latest(directory: str | Path) -> Path | None:
         raise CheckpointError(f"{pointer} names {name}, which is not a checkpoint directory here (missing, "
                               "or a symlink)")
     return path
+
+
+def _config_text(config: dict) -> str:
+    return json.dumps(config, indent=1, default=str) + "\n"
+
+
+def as_saved(config: dict) -> dict:
+    """``config`` as ``saved_config`` reads it back from a checkpoint (JSON: a tuple comes back as a list, a
+    value JSON cannot hold as its text)."""
+    return json.loads(_config_text(config))
 
 
 def saved_config(path: str | Path) -> dict | None:

@@ -6,4 +6,5 @@ evaluate.py        validation metrics for every model kind, reduced over the ran
 step_bytes.py      the payload bytes of the training steps, and only theirs
 routing_record.py  the routing record for dist-moe report / place / simulate
 log.py             metrics.jsonl rows, reduced over the ranks once per log step
+summary.py         summary.json, written once training ends
 """

@@ -5,9 +5,8 @@ from pathlib import Path
 
 import torch
 
-from dist_moe.dispatch.contract import CountsBytes
 from dist_moe.distributed.reductions import all_gather_rows
-from dist_moe.moe.view import moe_layers
+from dist_moe.moe.view import bytes_counter, moe_layers
 from dist_moe.train.metrics.evaluate import shared_rows
 from placement.simulate import RoutingRecord, recorded_layers, routing_file
 
@@ -21,9 +20,10 @@ def record_routing(out_dir: Path, model, data, rt, max_rows: int | None = None) 
     topology, its ranks), every replica's tokens on it."""
     mine, batches = shared_rows(min(len(data.x_val), max_rows or len(data.x_val)), rt.world, rt.rank)
     layers = moe_layers(model)  # every MoE layer, any host
-    measured = rt.ep_size > 1 and all(isinstance(m, CountsBytes) for m in layers)
-    for m in layers if measured else ():
-        m.reset_traffic()
+    counters = [bytes_counter(m) for m in layers]
+    measured = rt.ep_size > 1 and all(c is not None for c in counters)
+    for c in counters if measured else ():
+        c.reset_traffic()
     model.eval()
     device = next(model.parameters()).device
     routed = [[] for _ in layers]  # per layer, each forward's (expert_idx, probs)
@@ -38,11 +38,12 @@ def record_routing(out_dir: Path, model, data, rt, max_rows: int | None = None) 
     for i, layer in enumerate(layers):
         dispatch = None
         if measured:
-            levels = layer.traffic.by_level()
+            counter = counters[i]
+            levels = counter.traffic.by_level()
             total = rt.sum(torch.tensor(list(levels.values()), dtype=torch.float64)).tolist()
-            dispatch = {"topology": layer.topology.describe(), "expert_to_rank": layer.placement.expert_to_rank,
-                        "dedup": layer.dedup, "measured_bytes_by_level": dict(zip(levels, map(int, total)))}
-            layer.reset_traffic()
+            dispatch = {"topology": counter.topology.describe(), "expert_to_rank": counter.placement.expert_to_rank,
+                        "dedup": counter.dedup, "measured_bytes_by_level": dict(zip(levels, map(int, total)))}
+            counter.reset_traffic()
         idx = torch.cat([e for e, _ in routed[i]])
         idx_all = all_gather_rows(idx, group)
         probs = all_gather_rows(torch.cat([p for _, p in routed[i]]), group)  # replays other limits later

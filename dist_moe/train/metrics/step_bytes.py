@@ -16,8 +16,7 @@ from pathlib import Path
 
 import torch
 
-from dist_moe.dispatch.contract import CountsBytes
-from dist_moe.moe.view import moe_layers
+from dist_moe.moe.view import bytes_counter, moe_layers
 from placement import Topology, Traffic, write_atomic
 
 TRAFFIC_FILE = "train_traffic.json"
@@ -27,7 +26,8 @@ class StepBytes:
     def __init__(self, model, rt, stepper=None):
         # the layers dist-moe's dispatcher runs; an expert-parallel group of one rank exchanges nothing. Each
         # matrix is over the ranks of an EP group, as that group numbers them, summed over its replicas
-        self.layers = [m for m in moe_layers(model) if isinstance(m, CountsBytes)] if rt.ep_size > 1 else []
+        counters = [bytes_counter(m) for m in moe_layers(model)] if rt.ep_size > 1 else []
+        self.layers = [c for c in counters if c is not None]
         self.rt, w = rt, rt.ep_size
         self.unlogged = torch.zeros(len(self.layers), w, w, dtype=torch.long)  # this rank's rows
         self.run = torch.zeros(len(self.layers), w, w, dtype=torch.long)  # logged, summed over ranks

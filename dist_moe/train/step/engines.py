@@ -32,9 +32,9 @@ from dataclasses import replace
 
 from torch import nn
 
-from dist_moe.integrations.deepspeed import DeepSpeedDispatchedMoE, DeepSpeedHostedMoE, init_distributed
+from dist_moe.integrations.deepspeed import DeepSpeedHostedMoE, init_distributed
 from dist_moe.integrations.deepspeed.patches import release_groups
-from dist_moe.integrations.megatron import MegatronDispatchedMoE, MegatronHostedMoE
+from dist_moe.integrations.megatron import MegatronHostedMoE
 from dist_moe.integrations.megatron import patches as megatron_patches
 from dist_moe.integrations.megatron.patches import DISPATCHERS, release_parallel_state
 from dist_moe.moe.layer import MoELayerConfig
@@ -75,8 +75,8 @@ class Engine:
         """What needs the process group (``rt``: the ``Runtime``)."""
 
     def build_moe(self, rt, config: MoELayerConfig) -> nn.Module:
-        """One MoE layer of ``config`` over the runtime ``rt``'s group, its experts placed by
-        ``parallel.placement`` and exchanged as ``rt.exchange`` says where dist-moe's dispatcher moves them."""
+        """One MoE layer of ``config`` (``train/layer_config.py``'s, its exchange the run's) over the runtime
+        ``rt``'s group, its experts placed by ``parallel.placement``."""
         raise NotImplementedError
 
     def stepper(self, rt, model: nn.Module, lr: float, max_grad_norm, micro_batch: int):
@@ -92,8 +92,7 @@ class TorchEngine(Engine):
     needs_group = False
 
     def build_moe(self, rt, config):
-        return replace(config, exchange=rt.exchange).build(rt.moe_group, rt.placement(config.num_experts),
-                                                            rt.ep_topology(), rt.stats_group)
+        return config.build(rt.moe_group, rt.placement(config.num_experts), rt.ep_topology(), rt.stats_group)
 
 
 class DeepSpeedEngine(Engine):
@@ -111,8 +110,8 @@ class DeepSpeedEngine(Engine):
     def build_moe(self, rt, config):
         placement = rt.placement(config.num_experts)
         if rt.parallel.dispatches(self.name):  # DeepSpeed's MoE module and experts, dist-moe's dispatcher (dropless)
-            config = replace(config, capacity_factor=None, exchange=replace(rt.exchange, deterministic=False))
-            return DeepSpeedDispatchedMoE(config, rt.ep_size, placement, rt.ep_topology())
+            config = replace(config, capacity_factor=None, exchange=replace(config.exchange, deterministic=False))
+            return DeepSpeedHostedMoE(config, rt.ep_size, placement, rt.ep_topology(), dispatcher="dist_moe")
         return DeepSpeedHostedMoE(config, rt.ep_size, placement, rt.ep_topology(), min_capacity=4)  # MoE's default
 
     def stepper(self, rt, model, lr, max_grad_norm, micro_batch):
@@ -139,8 +138,9 @@ class MegatronEngine(Engine):
         placement = rt.placement(config.num_experts)
         config = replace(config, capacity_factor=None)  # dropless (the config checks refuse a capacity)
         if rt.parallel.dispatches(self.name):  # Megatron's layer and experts, dist-moe's dispatcher
-            config = replace(config, exchange=replace(rt.exchange, deterministic=False))
-            return MegatronDispatchedMoE(config, rt.ep_size, placement, rt.ep_topology(), device=rt.device)
+            config = replace(config, exchange=replace(config.exchange, deterministic=False))
+            return MegatronHostedMoE(config, rt.ep_size, placement, rt.ep_topology(), device=rt.device,
+                                     dispatcher="dist_moe")
         own = rt.parallel.dispatcher  # auto or engine: Megatron's default, alltoall
         return MegatronHostedMoE(config, rt.ep_size, placement, rt.ep_topology(), device=rt.device,
                                  dispatcher=own if own in DISPATCHERS else "alltoall")
