@@ -63,6 +63,7 @@ from dist_moe.data.paths import save_cache
 from dist_moe.data.sources import stdlib_code
 from dist_moe.dispatch.all_to_all import HOST_READS
 from dist_moe.dispatch.dispatcher import ExpertParallelDispatcher
+from dist_moe.distributed.device_choice import own_gpu
 from dist_moe.distributed.process_group import init_from_env, resolve_device
 from dist_moe.optional_engines import engine_import
 from dist_moe.train.checkpoint.state import DataCursor, restore_state, save_state
@@ -283,6 +284,9 @@ def device_choice(device):
             init_from_env(device=chosen)
             assert torch.cuda.current_device() == local, torch.cuda.current_device()
         os.environ["LOCAL_RANK"] = str(count)
+        if count == 1 and own_gpu():  # a scheduler isolated this GPU: every LOCAL_RANK takes it, as cuda:0
+            assert resolve_device("cuda") == torch.device("cuda", 0)
+            return f"1 GPU of this task's own (CUDA_VISIBLE_DEVICES): LOCAL_RANK 0 and {count} -> cuda:0, current"
         try:
             resolve_device("cuda")
         except ValueError:
@@ -480,26 +484,37 @@ def throughput(device):
         rates[f"C={chunks}"] = _tokens_per_s(step, t)
     mine = ", ".join(f"{n} {v:,.0f}" for n, v in rates.items()) + " tokens/s"
     try:
+        return f"{mine}; Megatron {_megatron_tokens_per_s(device, x, h, f, e, k, t)}"
+    except Exception as e:  # dist-moe's numbers stand whatever happens to the reference
+        return f"{mine}; Megatron failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def _megatron_tokens_per_s(device, x, h: int, f: int, e: int, k: int, t: int) -> str:
+    """Megatron-core's MoE layer on the same tokens, with its grouped experts (TEGroupedMLP with Transformer
+    Engine, else its GroupedMLP), seeded as its training seeds it."""
+    try:
         parallel_state = engine_import("megatron.core", "parallel_state")
         get_moe_module_spec = engine_import("megatron.core.models.gpt.moe_module_specs", "get_moe_module_spec")
         MegatronMoE = engine_import("megatron.core.transformer.moe.moe_layer", "MoELayer")
 
-        from dist_moe.integrations.megatron import megatron_config
+        from dist_moe.integrations.megatron import megatron_config, seed_model_parallel_rng
     except (ImportError, ValueError):  # engine_import: a ValueError naming the extra when it is missing
-        return f"{mine}; Megatron not measured: megatron-core is not installed"
+        return "not measured: megatron-core is not installed"
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+    seed_model_parallel_rng(1234)  # its GPU initialisation draws from these streams
     config = megatron_config(h, f, e, k, device=device, moe_router_pre_softmax=True, moe_aux_loss_coeff=0.01,
-                             bf16=True, params_dtype=torch.bfloat16)
-    theirs = MegatronMoE(config, submodules=get_moe_module_spec(use_te=False, num_experts=e,
-                                                                 moe_grouped_gemm=False).submodules).to(device)
+                             bf16=True, params_dtype=torch.bfloat16, moe_grouped_gemm=True)
+    te = importlib.util.find_spec("transformer_engine") is not None
+    theirs = MegatronMoE(config, submodules=get_moe_module_spec(use_te=te, num_experts=e,
+                                                                 moe_grouped_gemm=True).submodules).to(device)
     xs = x.detach().unsqueeze(1).requires_grad_()
 
     def theirs_step():
         y, _ = theirs(xs)
         y.float().square().mean().backward()
 
-    return f"{mine}; Megatron {_tokens_per_s(theirs_step, t):,.0f} tokens/s"
+    return f"{_tokens_per_s(theirs_step, t):,.0f} tokens/s ({type(theirs.experts).__name__})"
 
 
 def main() -> int:

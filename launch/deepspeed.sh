@@ -10,6 +10,9 @@
 # the rest to `dist-moe train`, with engine=deepspeed added. The topology comes from the
 # launcher's LOCAL_SIZE / CROSS_SIZE; on CPU-only nodes DeepSpeed runs on gloo. A --hostfile
 # that does not exist is refused (the launcher would train one local process instead).
+# A launch from node 0 (a hostfile, no --no_ssh) reaches the other nodes' ranks with DeepSpeed's own
+# variables (NCCL_*, PYTHON*, ...) only: OMP_NUM_THREADS and DIST_MOE_* go there through an environment file of
+# this run (DS_ENV_FILE) that also holds the entries of the user's ~/.deepspeed_env and ./.deepspeed_env.
 set -euo pipefail
 # shellcheck source=launch/lib.sh
 . "$(dirname "$0")/lib.sh"
@@ -42,6 +45,13 @@ if [ "$NO_SSH" = 0 ] && [ -n "$HOSTFILE" ] && [ "$(grep -cvE '^[[:space:]]*(#|$)
   PASS=(--passthrough)
 fi
 start_run
+if [ "$NO_SSH" = 0 ] && [ -n "$HOSTFILE" ]; then
+  # a launch from node 0 starts the other nodes' ranks with only the variables DeepSpeed forwards and those of
+  # its environment file: this run's file holds OMP_NUM_THREADS and DIST_MOE_* and then the user's own entries
+  # (launch/deepspeed_env.py); the user's files are read, never written
+  said=$("$PY" "$DIST_MOE_HOME/launch/deepspeed_env.py" "$RUN_DIR/deepspeed_env" 2>&1) || usage_error "$said"
+  export DS_ENV_FILE="$RUN_DIR/deepspeed_env"  # absolute: DeepSpeed reads it in place of ~/ and ./.deepspeed_env
+fi
 status=0
 run_launcher "${PASS[@]}" "$DEEPSPEED" "${LAUNCHER_ARGS[@]}" "$RANK_PY" "$DIST_MOE" train engine=deepspeed "$@" ||
   status=$?

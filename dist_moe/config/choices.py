@@ -4,7 +4,7 @@ from placement.names import MAX_EXPERTS
 
 ENGINES = ("torch", "deepspeed", "megatron")  # train/step/engines.py
 MODEL_KINDS = ("tabular", "image", "lm", "text", "hf")  # train/build.py
-PRECISIONS = ("fp32", "bf16")  # train/precision.py
+PRECISIONS = ("auto", "fp32", "bf16")  # train/precision.py (auto: bf16 on a GPU, fp32 on the CPU)
 EXPERT_KINDS = ("swiglu", "gelu", "lora")  # moe/experts.py
 # MoELayerConfig's defaults (moe/layer.py) for the options a training config passes to its layers as they are:
 # the schema may not import the layer, so a test holds the two equal

@@ -31,10 +31,11 @@ def local_rank() -> int:
 
 
 def resolve_device(choice: str = "auto") -> torch.device:
-    """``parallel.device``: the CPU, or this process's GPU (LOCAL_RANK); auto takes a GPU when one is
-    visible, except on an emulated cluster (``device_choice.choose_device``). A group that already
+    """``parallel.device``: the CPU, or this process's GPU (LOCAL_RANK, or cuda:0 when a scheduler isolated
+    one GPU for it); auto takes a GPU when one is visible, except on an emulated cluster
+    (``device_choice.choose_device``). A group that already
     exists decides (NCCL: its GPU; gloo: the CPU)."""
-    from dist_moe.distributed.device_choice import choose_device, emulated_nodes
+    from dist_moe.distributed.device_choice import choose_device, emulated_nodes, own_gpu
 
     if choice not in DEVICES:
         raise ValueError(f"parallel.device must be one of {DEVICES}, got {choice!r}")
@@ -46,7 +47,7 @@ def resolve_device(choice: str = "auto") -> torch.device:
                              f"{dist.get_backend()} (NCCL runs on GPUs, gloo here on the CPU)")
         choice, nodes_on_host = ("cuda" if nccl else "cpu"), 1  # the group's device stands
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return choose_device(choice, gpus, local_rank(), nodes_on_host)
+    return choose_device(choice, gpus, local_rank(), nodes_on_host, own_gpu())
 
 
 def group_options(device: torch.device, timeout_s: float) -> dict:

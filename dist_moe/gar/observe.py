@@ -200,6 +200,8 @@ def collect_observations(model, groups, loss_fn, weights, mode="materialized", s
     if any(not w > 0 for w in weights):
         raise ValueError(f"group weights must be > 0, got {list(weights)}")
     layers = moe_views(model)
+    for site in layers:  # GAR recomputes the routers from their inputs: each layer keeps its last from now on
+        site.last_forward.keep_inputs = True
     if not layers:
         raise ValueError("GAR found no MoELayer in the model")
     ep = expert_parallel_group(layers)
@@ -242,7 +244,7 @@ def collect_observations(model, groups, loss_fn, weights, mode="materialized", s
                     site.experts.capture = None
         task_loss += share * float(loss.detach())
         for li, site in enumerate(layers):
-            h, extras, layout = site.last_inputs()
+            h, extras, layout = site.last_forward.inputs()
             inputs[li].append((h, dict(extras), layout))
             if reads_grads:
                 G[li][m].div_(w)
@@ -296,7 +298,7 @@ def _finish_factor_rows(obs: Observations, rows: list, template: list, num_group
     """Number the units globally and build G or W for every layer."""
     world = group_size(obs.group)
     for li, site in enumerate(obs.layers):
-        device = site.last_inputs()[0].device
+        device = site.last_forward.inputs()[0].device
         counts = torch.zeros(num_groups, world, dtype=torch.long, device=device)
         if obs.unit == "group":
             counts[:, 0] = 1  # unit m is group m, on whichever rank its rows ran (offsets[m, 0] = m)

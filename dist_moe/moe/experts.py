@@ -21,19 +21,47 @@ from dist_moe.config.choices import EXPERT_KINDS
 from dist_moe.dispatch.apply_experts import compute_dtype
 
 KINDS = EXPERT_KINDS
-GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what F.grouped_mm takes here (CPU and CUDA)
+GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what F.grouped_mm takes on the CPU
+# torch's fast grouped GEMM on a GPU: bf16, on compute capability 9.x and 10.x (Hopper, Blackwell). Elsewhere on
+# CUDA F.grouped_mm falls back to a per-group mm after reading the offsets to the host, a stall per projection
+# per chunk; the experts then run their own loop, sized by the counts the forward reads once.
+FAST_GROUPED_DTYPE, FAST_GROUPED_MAJORS = torch.bfloat16, (9, 10)
+
+
+def grouped_kernel(device: torch.device, dtype: torch.dtype, capability: tuple[int, int] | None = None) -> bool:
+    """Whether ``F.grouped_mm`` runs its own kernel for ``dtype`` on ``device`` (``capability``: the GPU's,
+    None: asked of torch)."""
+    if device.type != "cuda":
+        return dtype in GROUPED_DTYPES
+    major = (capability or torch.cuda.get_device_capability(device))[0]
+    return dtype == FAST_GROUPED_DTYPE and major in FAST_GROUPED_MAJORS
+
+
+def experts_path(device: torch.device, dtype: torch.dtype, capability: tuple[int, int] | None = None) -> str:
+    """How the experts compute on ``device`` in ``dtype``, for the rank line."""
+    if grouped_kernel(device, dtype, capability):
+        return f"grouped GEMM ({str(dtype).removeprefix('torch.')})"
+    return (f"per-expert loop ({str(dtype).removeprefix('torch.')}: torch's fast grouped GEMM is bf16 on "
+            "compute capability 9.x/10.x)")
+
+
+def aligned(tensors) -> bool:
+    """Every tensor's data 16-byte aligned (the CUDA kernel reads 16-byte vectors)."""
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def grouped_ok(x: Tensor, weights: list[Tensor], dtype: torch.dtype | None = None) -> bool:
-    """Whether ``F.grouped_mm`` takes rows like ``x`` against these [E, in, out] weights here: a dtype it
-    has, and every stride but the unit one a multiple of 16 bytes (the CUDA kernels' rule; a width of
-    10 fp32 numbers fails it). ``dtype``: what rows and weights are cast to first (``compute_dtype``,
-    autocast's); None: they must all be ``x``'s already."""
+    """Whether ``F.grouped_mm`` takes rows like ``x`` against these [E, in, out] weights here with its own
+    kernel (``grouped_kernel``), every stride but the unit one a multiple of 16 bytes (the CUDA kernels' rule;
+    a width of 10 fp32 numbers fails it) and, on a GPU, the data 16-byte aligned. ``dtype``: what rows and
+    weights are cast to first (``compute_dtype``, autocast's); None: they must all be ``x``'s already."""
     if dtype is None:
         if any(w.dtype != x.dtype for w in weights):
             return False
         dtype = x.dtype
-    if x.dim() != 2 or dtype not in GROUPED_DTYPES:
+    if x.dim() != 2 or not grouped_kernel(x.device, dtype):
+        return False
+    if x.is_cuda and not aligned([x, *weights]):  # the CPU's grouped_mm takes any alignment
         return False
     size = dtype.itemsize
     strides = [x.stride(0)] + [s for w in weights for s in w.stride() if s != 1]

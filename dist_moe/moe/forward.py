@@ -65,18 +65,22 @@ class LastForward:
     extras: dict = field(default_factory=dict)
     layout: tuple | None = None  # None: flat tokens
     no_inputs: str | None = None  # why the router's input is not kept (a model's own router), or None
+    # the router's [T, H] input is kept only for a reader that asks (GAR's recomputation): across steps it
+    # would hold a layer's activations for nothing
+    keep_inputs: bool = False
 
     def keep(self, tokens: Tokens, routing: Routing, inputs: bool = True) -> None:
         self.routing = routing.detached()
         if inputs:
-            self.router_input, self.extras = tokens.h.detach(), tokens.extras
+            self.router_input = tokens.h.detach() if self.keep_inputs else None
+            self.extras = tokens.extras
             self.layout = tokens.layout if tokens.layout[0] else None  # hosts that flatten nothing leave it empty
 
     def inputs(self) -> tuple:
         """(router input [T, H], extras, token layout), as GAR's recomputation reads them."""
         if self.no_inputs is not None:
             raise ValueError(self.no_inputs)
-        assert self.router_input is not None, "no forward yet"
+        assert self.router_input is not None, "no forward has kept its input yet (keep_inputs)"
         layout = self.layout if self.layout is not None else ((self.router_input.shape[0],), None)
         return self.router_input, self.extras, layout
 

@@ -204,7 +204,7 @@ class MoELayer(nn.Module):
         """This layer's router, experts and last inputs (``dist_moe.moe.view.MoEView``)."""
         ep = self.dispatcher.exchanges
         return MoEView(self.router, {n: [p] for n, p in self.experts.template().items()}, True,
-                       list(self.experts.parameters()), self.last_forward.inputs,
+                       list(self.experts.parameters()), self.last_forward,
                        self.group if ep else None, self.dispatcher.rank if ep else 0, self.experts)
 
     @property

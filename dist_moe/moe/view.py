@@ -27,7 +27,7 @@ class MoEView:
     template: dict
     stacked: bool
     local_params: list  # the parameters this rank holds alone: its experts
-    last_inputs: object  # () -> (detached router input [T, H], router extras, token layout)
+    last_forward: object  # the layer's LastForward: ``inputs()`` (router input [T, H], extras, layout) once kept
     group: object = None  # the expert-parallel process group, None when every expert is local
     rank: int = 0
     experts: object = None

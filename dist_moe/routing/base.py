@@ -20,6 +20,7 @@ from dist_moe.dispatch.combine import take_rows
 from dist_moe.distributed.groups import WeakGroup
 from dist_moe.distributed.reductions import all_reduce_sum
 from dist_moe.routing.buffers import buffers_of, put_back
+from dist_moe.routing.input_checks import CATEGORY_RANGE, NOT_FINITE, check_row, describe, keep_first
 from placement.names import MAX_EXPERTS
 
 
@@ -80,6 +81,8 @@ class Scheduled(Protocol):
 
 
 class Router(nn.Module):
+    defer_checks = False  # True: input checks wait on the device, as on a GPU (routing/input_checks.py)
+
     """Base class: validates inputs and holds the fields every strategy shares."""
 
     # what the strategy reads besides the hidden states: "categories" (SpecDrop) or "token_ids" (hash); the
@@ -114,6 +117,7 @@ class Router(nn.Module):
         self.stats_group = stats_group
         self._update_state = True
         self._caller_checks = False
+        self.unread_check: Tensor | None = None  # a GPU's input checks, not read yet (routing/input_checks.py)
 
     # --- precision ---------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -198,8 +202,8 @@ class Router(nn.Module):
         if not x.is_floating_point():
             raise ValueError(f"router input must be floating point, got {x.dtype}")
         if not self._caller_checks:
-            _assert_on_device(torch.isfinite(x).all(), lambda: "router input contains NaN or Inf in "
-                              f"{int((~torch.isfinite(x)).any(dim=1).sum())} of {x.shape[0]} tokens")
+            finite = torch.isfinite(x)
+            self._check(finite.all(), NOT_FINITE, lambda: ((~finite).any(dim=1).sum(), x.shape[0]))
         # Routing math runs in fp32 whatever the activation dtype (bf16 underflows masks).
         return x.float()
 
@@ -214,10 +218,27 @@ class Router(nn.Module):
         if self._caller_checks:  # an out-of-range id is reported by the caller; keep indexing safe
             return categories.long().clamp(0, num_categories - 1)
         if num_tokens:
-            _assert_on_device(((categories >= 0) & (categories < num_categories)).all(),
-                              lambda: f"categories out of range [0, {num_categories}): min {int(categories.min())}, "
-                                      f"max {int(categories.max())}")
+            self._check(((categories >= 0) & (categories < num_categories)).all(), CATEGORY_RANGE,
+                        lambda: (categories.min(), categories.max(), num_categories))
+        if self.unread_check is not None:  # read later: meanwhile, index safely
+            return categories.long().clamp(0, num_categories - 1)
         return categories.long()
+
+    def _check(self, ok: Tensor, kind: int, values) -> None:
+        """On the CPU: raise the line a failed check says, at once. On a GPU (or with ``defer_checks``): keep
+        the first failure on the device until the trainer's next read (``take_unread_check``)."""
+        if self.defer_checks or ok.is_cuda:
+            self.unread_check = keep_first(self.unread_check, check_row(ok, kind, *values()))
+            return
+        try:  # the CPU's assert raises at once, without a read the host-sync counts would see
+            torch._assert_async(ok, "MoE router input check failed")
+        except RuntimeError:
+            raise ValueError(describe([1, kind, *(int(v) for v in values()), 0, 0][:5])) from None
+
+    def take_unread_check(self) -> Tensor | None:
+        """The input checks kept on the device since the last call ([5], ``input_checks.check_row``), or None."""
+        row, self.unread_check = self.unread_check, None
+        return row
 
     def check_valid(self, valid, num_tokens: int) -> Tensor | None:
         """``valid`` [T] bool (False at padding) as a float mask, or None: padding is routed like
@@ -268,14 +289,4 @@ def select_top_k(probs: Tensor, k: int) -> tuple[Tensor, Tensor]:
     # ties are common (hash, uniform, SpecDrop's leak weights).
     vals, idx = torch.sort(probs, dim=1, descending=True, stable=True)
     return vals[:, :k], idx[:, :k]
-
-
-def _assert_on_device(ok: Tensor, message) -> None:
-    """Stop when ``ok`` (a bool scalar on the input's device) is False, without reading it back on a
-    GPU: there a device-side assert stops the step (torch's ``_assert_async``). On the CPU the
-    assert raises at once and the error says what was wrong (``message()``, read only then)."""
-    try:
-        torch._assert_async(ok, "MoE router input check failed")
-    except RuntimeError:
-        raise ValueError(message()) from None
 

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
+from dist_moe.train.precision import run_precision
 from placement import Topology
 from placement.forecast import ModelShape
 from placement.layouts import price_layouts
@@ -14,9 +17,10 @@ from placement.layouts import price_layouts
 TFLOPS = {"cuda": 400.0, "cpu": 0.1}  # achieved per rank by the experts' matmuls, as plan assumes
 
 
-def moe_shape(cfg) -> ModelShape:
+def moe_shape(cfg, device: str = "cuda") -> ModelShape:
     """The shape ``dist-moe plan`` prices: each MoE layer's hidden and expert sizes, the tokens a rank routes
-    per step, the MoE layers."""
+    per step, the MoE layers, the dtype rows travel in (``train.precision: auto`` as it resolves on
+    ``device``: plan prices a GPU cluster)."""
     m, r, d = cfg.model, cfg.router, cfg.data
     if m.kind == "hf":
         from dist_moe.models.hf_config import EXPERT_COUNTS
@@ -31,7 +35,8 @@ def moe_shape(cfg) -> ModelShape:
     per_row = d.seq_len if m.kind in ("lm", "text") else 1
     top_k = getattr(r, "top_k", None) or r.num_experts  # a dense router (SpecDrop) reaches every expert
     return ModelShape(hidden, m.ffn_hidden_size, r.num_experts, top_k, cfg.train.batch_size * per_row,
-                      m.layers if m.kind == "lm" else 1, "bf16" if cfg.train.precision == "bf16" else "fp32")
+                      m.layers if m.kind == "lm" else 1,
+                      run_precision(cfg.train.precision, torch.device(device), cfg.train.gar is not None))
 
 
 def _features(name: str) -> int:
@@ -48,7 +53,7 @@ def choose_layout(cfg, topology: Topology, memory_bytes: float, device: str = "c
         raise ValueError(f"parallel.ep_size=auto with parallel.placement={parallel.placement!r}: a placement file "
                          "fixes the group size (its world_size); give parallel.ep_size")
     chunks = (1, 2, 4) if parallel.pipeline_chunks == "auto" else (parallel.start_chunks,)
-    plan = price_layouts(moe_shape(cfg), topology, None, TFLOPS[device], None, chunks, memory_bytes)
+    plan = price_layouts(moe_shape(cfg, device), topology, None, TFLOPS[device], None, chunks, memory_bytes)
     # the engines build groups of consecutive ranks; the run keeps its own placement, dedup and chunks
     layouts = [r for r in plan["layouts"] if cfg.engine == "torch" or r["layout"] == "contiguous"]
     priced = sorted(((_step(r, parallel), r) for r in layouts), key=lambda pr: (not pr[1]["fits"], pr[0]))

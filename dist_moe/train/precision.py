@@ -14,6 +14,15 @@ import os
 import torch
 
 
+def run_precision(asked: str, device: torch.device, gar: bool = False) -> str:
+    """``train.precision`` as the run trains: ``auto`` is bf16 on a GPU (torch's fast grouped GEMM is bf16's;
+    fp32 takes a per-group loop after a host read) and fp32 on the CPU and under GAR (its factorized
+    observations and Gram math are fp32); ``fp32`` and ``bf16`` as asked."""
+    if asked != "auto":
+        return asked
+    return "bf16" if device.type == "cuda" and not gar else "fp32"
+
+
 def compute_context(device: torch.device, precision: str):
     """What a forward runs under: autocast to bfloat16 for ``bf16``, nothing for ``fp32``."""
     if precision == "bf16":

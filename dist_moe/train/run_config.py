@@ -207,8 +207,9 @@ class TrainConfig:
     # the run stops once more than max_skipped_steps have been skipped (checked at each log step)
     max_skipped_steps: int = key(10, "an int >= 0", lambda v: v >= 0)
     # bf16: matmuls in bfloat16 under autocast; weights, gradients, optimizer state, routers and the combine fp32
-    # (engine deepspeed: DeepSpeed's own bf16, bf16 weights with fp32 master copies and Adam state)
-    precision: str = one_of("fp32", PRECISIONS)
+    # (engine deepspeed: DeepSpeed's own bf16, bf16 weights with fp32 master copies and Adam state); auto: bf16
+    # on a GPU (the grouped GEMMs' fast kernels are bf16's), fp32 on the CPU and under train.gar
+    precision: str = one_of("auto", PRECISIONS)
     # torch's deterministic algorithms and order-fixed sums: a rerun repeats bit for bit (tested on the CPU; the
     # CUDA settings are written, not yet run on a GPU)
     deterministic: bool = False
@@ -313,7 +314,7 @@ def _check_across(cfg: RunConfig) -> None:
                          "set one of them")
     if cfg.train.gar is not None:
         GARConfig.check_router(cfg.router.type)
-        if cfg.train.precision != "fp32":  # its factorized observations and Gram math are fp32
+        if cfg.train.precision == "bf16":  # its factorized observations and Gram math are fp32
             raise ValueError(f"train.gar trains in fp32 only: set train.precision: fp32 "
                              f"(got {cfg.train.precision!r})")
     if cfg.train.deterministic and cfg.parallel.pipeline_chunks == "auto":

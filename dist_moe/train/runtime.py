@@ -15,10 +15,11 @@ from dist_moe.distributed.groups import WeakGroup
 from dist_moe.distributed.process_group import init_from_env, launched_world_size, resolve_device, shutdown
 from dist_moe.distributed.rank_line import say_rank_line
 from dist_moe.distributed.reductions import all_reduce_sum
+from dist_moe.moe.experts import experts_path
 from dist_moe.moe.layer import MoELayerConfig
 from dist_moe.train.expert_groups import ExpertGroups
 from dist_moe.train.layer_config import exchange_config
-from dist_moe.train.precision import compute_context, restore, set_up
+from dist_moe.train.precision import compute_context, restore, run_precision, set_up
 from dist_moe.train.run_config import ParallelConfig
 from dist_moe.train.step.engines import ENGINES
 from placement import Placement, Topology
@@ -30,23 +31,28 @@ class Runtime:
 
     group = WeakGroup()  # held weakly (dist_moe/distributed/groups.py)
 
-    def __init__(self, engine: str, parallel: ParallelConfig, precision: str = "fp32", deterministic: bool = False):
+    def __init__(self, engine: str, parallel: ParallelConfig, precision: str = "fp32", deterministic: bool = False,
+                 gar: bool = False):
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {tuple(ENGINES)}, got {engine!r}")
         self.engine = ENGINES[engine]()  # what differs between torch, deepspeed and megatron (train/step/engines.py)
         self.engine.check_version()
         self.parallel = parallel
-        self.precision, self.deterministic = precision, deterministic  # train.precision, train.deterministic
+        self.deterministic = deterministic  # train.deterministic
         self.timeout_s = parallel.timeout_s
         self._owns_group = not torch.distributed.is_initialized()  # a caller's group is left to the caller
         # first of all: the device (LOCAL_RANK's GPU, or the CPU); the backend follows from it
         self.device = resolve_device(parallel.device)
+        self.precision = run_precision(precision, self.device, gar)  # train.precision (auto resolved here)
         self._settings = set_up(self.device, deterministic)
         self._defaulted = _one_rank_defaults() if self.engine.needs_group else []
         self.engine.before_group(self.timeout_s, self.device)
         self.rank, self.world, self.group = init_from_env(self.timeout_s, always=self.engine.needs_group,
                                                           device=self.device)
-        say_rank_line(self.rank, self.world, self.device, self.group)
+        # on a GPU, which way the experts compute: torch's fast grouped GEMM, or a loop in another dtype or GPU
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
+        say_rank_line(self.rank, self.world, self.device, self.group,
+                      experts_path(self.device, dtype) if self.device.type == "cuda" else None)
         _share_cpu_threads()
         # a topology that disagrees with the launch, or EP groups that do not fit it, fail here, on every rank
         self.layout = ExpertLayout(self.topology(), parallel.ep_size or self.world, parallel.ep_layout)

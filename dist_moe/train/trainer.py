@@ -18,6 +18,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -47,6 +48,7 @@ from dist_moe.train.run_config import RunConfig, output_dir
 from dist_moe.train.rundir import RunDir, check_writable, truncate_metrics
 from dist_moe.train.runtime import Runtime
 from dist_moe.train.step.training_step import step_strategy
+from dist_moe.train.step.unread_checks import FAILED, raise_failed, take_unread
 from placement import Topology, write_atomic
 
 
@@ -63,7 +65,10 @@ def train(cfg: RunConfig, quiet: bool = False, after=None) -> dict:
                         f"{type(cfg).__name__}")
     if cfg.parallel.ep_size == "auto":  # every rank prices the same layouts, before any process group
         cfg = _with_planned_layout(cfg)
-    runtime = Runtime(cfg.engine, cfg.parallel, cfg.train.precision, cfg.train.deterministic)
+    runtime = Runtime(cfg.engine, cfg.parallel, cfg.train.precision, cfg.train.deterministic,
+                      gar=cfg.train.gar is not None)
+    # train.precision: auto as it resolved on this device: what the run saves, resumes against and reports
+    cfg = replace(cfg, train=replace(cfg.train, precision=runtime.precision))
     failed = True
     try:
         summary = _train(cfg, runtime, quiet, after)
@@ -112,6 +117,7 @@ def _open_run(cfg: RunConfig, rt: Runtime, out_dir: Path, run_dir: RunDir | None
                                  "output.overwrite=true to train it again from the start, or choose another output.dir")
 
     agree_on_errors(claim, group)
+    checkpoint.check_shared(out_dir / "checkpoints", cfg.train, group)  # before any rank looks for one there
 
     def check():
         check_writable(out_dir)
@@ -302,9 +308,14 @@ class _TrainingRun:
             metrics = self.logger is not None and all(
                 layer.last_routing is not None and len(layer.last_routing.expert_idx) for layer in self.layers)
             routings = routing_tensors(self.layers) if metrics else []
+            unread = take_unread(self.routers)  # a GPU's router input checks, read in the same transfer
+            if unread is not None:
+                record[FAILED] = unread[:, 0].max()
             drain = time.perf_counter()
             record, sent, copies = reduced({**record, SKIPPED_SO_FAR: self.skipped}, self.step_bytes.pending(),
-                                           self.rt, routings)
+                                           self.rt, routings + ([] if unread is None else [unread]))
+            if unread is not None:
+                raise_failed(copies.pop(), record.pop(FAILED), self.rt.group if self.rt.world > 1 else None)
             # on a GPU the steps' queued work finishes here, in the log step's read: the run's time in
             # training counts it (a logged step_s is the host's, from before)
             self.train_seconds += time.perf_counter() - drain

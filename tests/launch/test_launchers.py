@@ -32,7 +32,9 @@ def _env(tmp_path):
     tmp.mkdir(exist_ok=True)
     env = {**os.environ, "DIST_MOE_DATA": str(tmp_path / "data"), "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp),
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "VIRTUAL_ENV": sys.prefix}
-    for name in ("WORLD_SIZE", "CONDA_PREFIX"):  # the scripts run this interpreter's environment
+    # the scripts run this interpreter's environment, on one node unless a test names more (torchrun.sh reads
+    # a scheduler's NNODES, NODE_RANK, MASTER_ADDR and MASTER_PORT)
+    for name in ("WORLD_SIZE", "CONDA_PREFIX", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     return env
 
@@ -85,6 +87,61 @@ def test_deepspeed_no_ssh_nodes_on_the_emulated_cluster(tmp_path):
     assert _left_in_tmp(tmp_path) == []
 
 
+def _pdsh_launch(tmp_path, **environ) -> tuple[subprocess.CompletedProcess, str]:
+    """launch/deepspeed.sh from node 0 over a hostfile of two hosts, run in tmp_path/work, with a pdsh that records
+    the command it was given (what runs on every node) instead of reaching them. Returns the run and that command."""
+    pytest.importorskip("deepspeed")
+    fake = tmp_path / "fake"
+    fake.mkdir(exist_ok=True)
+    (fake / "pdsh").write_text('#!/bin/sh\nprintf "%s\\n" "$@" >"$PDSH_ARGV"\n')
+    (fake / "pdsh").chmod(0o755)
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    (work / "hosts").write_text("node-a slots=1\nnode-b slots=1\n")
+    env = {**_env(tmp_path), "HOME": str(tmp_path / "home"), "PDSH_ARGV": str(tmp_path / "pdsh-argv"), **environ}
+    env["PATH"] = f"{fake}:{env['PATH']}"
+    proc = subprocess.run([str(ROOT / "launch/deepspeed.sh"), "--hostfile", "hosts", "--no_ssh_check",
+                           "--master_addr", "127.0.0.1", "--", "--quiet"], cwd=work, env=env, capture_output=True,
+                          text=True, timeout=120)
+    argv = tmp_path / "pdsh-argv"
+    return proc, argv.read_text() if argv.exists() else ""
+
+
+def test_a_deepspeed_launch_from_node_0_exports_the_runs_variables_to_every_node(tmp_path):
+    """DeepSpeed's pdsh runner forwards NCCL/PYTHON/UCX/MV2 variables and its environment file's lines only:
+    OMP_NUM_THREADS and DIST_MOE_* reach the other nodes through this run's file, the user's own entries (in ~ and
+    in the current folder, the latter winning) kept and winning over the run's, their files untouched; the error
+    folder, a path on node 0, is not sent. Before: none of them reached another node."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    (home / ".deepspeed_env").write_text("FROM_HOME=1\nSHARED=home\n")
+    (work / ".deepspeed_env").write_text("SHARED=work\n\nOMP_NUM_THREADS=4\n")
+    before = {p: p.read_bytes() for p in (home / ".deepspeed_env", work / ".deepspeed_env")}
+    proc, command = _pdsh_launch(tmp_path, DIST_MOE_TOPOLOGY="node=2,gpu=1", DIST_MOE_DATA=str(tmp_path / "da ta"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    exports = dict(re.findall(r"export ([^=\s]+)=(\S+|\"[^\"]*\");", command))
+    assert exports["DIST_MOE_TOPOLOGY"] == "node=2,gpu=1" and exports["DIST_MOE_RANK_LINE"] == "1"
+    assert exports["DIST_MOE_DATA"] == f'"{tmp_path / "da ta"}"'  # DeepSpeed quotes it for the remote shell
+    assert exports["OMP_NUM_THREADS"] == "4" and exports["SHARED"] == "work" and exports["FROM_HOME"] == "1"
+    assert "DIST_MOE_ERROR_DIR" not in exports, command
+    assert {p: p.read_bytes() for p in before} == before
+    assert _left_in_tmp(tmp_path) == []
+
+
+def test_a_deepspeed_env_value_another_nodes_shell_would_expand_is_refused(tmp_path):
+    proc, command = _pdsh_launch(tmp_path, DIST_MOE_DATA="/data/$USER")
+    assert proc.returncode == 2 and command == "", proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == ["deepspeed.sh: DIST_MOE_DATA holds '$': the other nodes' shells would expand "
+                                        "it when the deepspeed launcher exports it there; set it without"]
+    assert _left_in_tmp(tmp_path) == []
+    (tmp_path / "work" / ".deepspeed_env").write_text("NOT A LINE\n")  # DeepSpeed would stop with a traceback
+    proc, _ = _pdsh_launch(tmp_path)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        f"deepspeed.sh: {tmp_path / 'work' / '.deepspeed_env'} line 1 is not KEY=VALUE, the only lines the deepspeed "
+        "launcher reads there"], proc.stderr[-3000:]
+
+
 BAD_OPTIONS = [
     (["emulate_cluster.sh", "--launcher", "mpirun", "x.py"], "--launcher takes torchrun or deepspeed, got 'mpirun'"),
     (["torchrun.sh", "--nproc", "two"], "positive integer, got 'two'"),
@@ -92,6 +149,15 @@ BAD_OPTIONS = [
     (["torchrun.sh", "--port", "99999"], "--port takes a port number in 1..65535, got '99999'"),
     (["torchrun.sh", "--port", "29577 --max-restarts 2"], "got '29577 --max-restarts 2'"),
     (["torchrun.sh", "--nproc"], "--nproc needs a value"),
+    (["torchrun.sh", "--nnodes", "0"], "--nnodes takes a positive integer, got '0'"),
+    (["torchrun.sh", "--nnodes", "2", "--master-addr", "h"], "--nnodes 2 needs --node-rank (or NODE_RANK)"),
+    (["torchrun.sh", "--nnodes", "2", "--node-rank", "0"], "--nnodes 2 needs --master-addr (or MASTER_ADDR)"),
+    (["torchrun.sh", "--nnodes", "2", "--node-rank", "2", "--master-addr", "h"],
+     "--node-rank takes a node rank in 0..1, got '2'"),
+    (["torchrun.sh", "--nnodes", "2", "--node-rank", "0", "--master-addr", "h --max-restarts 2"],
+     "--master-addr takes a host name or address, got 'h --max-restarts 2'"),
+    (["torchrun.sh", "--node-rank", "1"], "--node-rank 1 with one node: the only node rank is 0"),
+    (["torchrun.sh", "--master-addr"], "--master-addr needs a value"),
     (["emulate_cluster.sh", "--port", "99999", "x.py"], "--port takes a port number in 1..65535, got '99999'"),
     (["emulate_cluster.sh", "--port", "29577 --max-restarts 2", "x.py"], "got '29577 --max-restarts 2'"),
     (["emulate_cluster.sh", "--rate", "bogus", "x.py"],

@@ -182,14 +182,15 @@ def test_plan_takes_the_shape_a_train_config_trains(capsys):
     common = ["plan", "--topology", "node=2,gpu=8", "--json", "--pipeline-chunks", "1"]
     assert main([*common, "--config", "configs/lm_branch.yaml"]) == 0
     from_config = json.loads(capsys.readouterr().out)
-    # configs/lm_branch.yaml: d_model 64, ffn 128, E=8 top-2, 16 sequences x 64 tokens per rank, 2 layers, fp32
+    # configs/lm_branch.yaml: d_model 64, ffn 128, E=8 top-2, 16 sequences x 64 tokens per rank, 2 layers,
+    # train.precision auto: bf16, as the GPU cluster plan prices would train it
     flags = ["--hidden", "64", "--ffn", "128", "--experts", "8", "--top-k", "2", "--tokens-per-rank", "1024",
-             "--layers", "2", "--dtype", "fp32"]
+             "--layers", "2", "--dtype", "bf16"]
     assert main([*common, *flags]) == 0
     want = json.loads(capsys.readouterr().out)
     for out in (from_config, want):
         out.pop("seconds_to_plan")
-    assert from_config == want and from_config["token_bytes"] == 64 * 4
+    assert from_config == want and from_config["token_bytes"] == 64 * 2
     assert {(r["ep"], r["layout"]) for r in want["layouts"]} == {(1, "contiguous"), (2, "contiguous"),
                                                                   (2, "strided"), (4, "contiguous"),
                                                                   (4, "strided"), (8, "contiguous"), (8, "strided")}

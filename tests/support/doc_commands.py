@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -52,6 +53,30 @@ class Command:
         if re.search(r"(?<![\w=/.-])[A-Z]{3,}(?![\w=])", self.text):
             return "a template (a placeholder in capitals)"
         return None
+
+    @property
+    def train_args(self) -> list[str] | None:
+        """The arguments ``dist-moe train`` gets from this command (launch/deepspeed.sh's ``engine=deepspeed``
+        included), or None for a command that trains nothing: what a test checks a template's config with."""
+        try:
+            words = shlex.split(self.text)
+        except ValueError:  # unbalanced quotes: no command line a test could read
+            return None
+        if not words:
+            return None
+        if words[0] == "launch/deepspeed.sh" and "--" in words:
+            return [*words[words.index("--") + 1:], "engine=deepspeed"]
+        if words[0] == "launch/torchrun.sh":
+            rest = words[1:]
+            while rest and rest[0] in TORCHRUN_SH_OPTIONS:
+                rest = rest[2:]
+            return rest
+        found = [i for i, w in enumerate(words[:-1]) if w.rstrip(")").endswith("dist-moe") and words[i + 1] == "train"]
+        return words[found[0] + 2:] if found else None
+
+
+# launch/torchrun.sh's own options (each with a value), before the training's arguments
+TORCHRUN_SH_OPTIONS = ("--nproc", "--port", "--nnodes", "--node-rank", "--master-addr")
 
 
 def commands(pages=PAGES) -> list[Command]:

@@ -69,8 +69,62 @@ def test_each_process_takes_the_gpu_of_its_local_rank(monkeypatch, local):
 def test_a_local_rank_past_the_node_s_gpus_is_refused(monkeypatch):
     _FakeGPUs(monkeypatch, 2)
     monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     with pytest.raises(ValueError, match="LOCAL_RANK=2, but this node shows 2 CUDA devices"):
         resolve_device("cuda")
+
+
+@pytest.mark.parametrize("local", [0, 1, 7])
+def test_a_task_isolated_to_one_gpu_takes_cuda_0_whatever_its_local_rank(monkeypatch, local):
+    """SLURM's srun --gpus-per-task=1: each task's CUDA_VISIBLE_DEVICES names its own GPU, which the task sees
+    as its only device, cuda:0, while LOCAL_RANK counts the node's tasks (it was refused for LOCAL_RANK > 0)."""
+    from dist_moe.distributed.process_group import init_from_env
+
+    gpus = _FakeGPUs(monkeypatch, 1)
+    for name in ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "CROSS_RANK", "LOCAL_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", str(local + 2))  # the physical GPU: the task sees it as cuda:0
+    monkeypatch.setenv("LOCAL_RANK", str(local))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert resolve_device("cuda") == torch.device("cuda", 0) == resolve_device("auto")
+    init_from_env(device=resolve_device("auto"))
+    assert gpus.current == torch.device("cuda", 0)
+
+
+SHARED_GPU = [  # one GPU every rank of the node sees: LOCAL_RANK 1 has none of its own
+    {"CUDA_VISIBLE_DEVICES": None},  # the host's only GPU, shown to every process alike
+    {"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": ""},
+    # torchrun and the deepspeed launcher hand every rank of a node the same CUDA_VISIBLE_DEVICES
+    {"CUDA_VISIBLE_DEVICES": "3", "TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "2"},
+    {"CUDA_VISIBLE_DEVICES": "3", "CROSS_RANK": "0", "LOCAL_SIZE": "2"},
+]
+
+
+@pytest.mark.parametrize("environ", SHARED_GPU, ids=[str(i) for i in range(len(SHARED_GPU))])
+def test_one_gpu_that_the_node_s_ranks_share_is_not_taken_by_local_rank_1(monkeypatch, environ):
+    _FakeGPUs(monkeypatch, 1)
+    for name in ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "CROSS_RANK", "LOCAL_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ValueError, match="LOCAL_RANK=1, but this node shows 1 CUDA devices"):
+        resolve_device("cuda")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert resolve_device("cuda") == torch.device("cuda", 0)
+
+
+def test_deepspeed_is_told_the_gpu_the_model_is_on():
+    """DeepSpeed's engine makes cuda:LOCAL_RANK current unless told a device_rank: an isolated task with
+    LOCAL_RANK 1 has cuda:0 only."""
+    from dist_moe.train.step.steppers import device_args
+
+    assert device_args(torch.device("cpu")) is None  # DeepSpeed's own choice stands
+    assert device_args(torch.device("cuda", 0)).device_rank == 0
+    assert device_args(torch.device("cuda", 3)).device_rank == 3
 
 
 def test_a_checkpoint_restores_this_rank_s_gpu_random_stream_bit_for_bit(monkeypatch, tmp_path):
@@ -100,15 +154,26 @@ CPU = torch.device("cpu")
 CHOICES = [  # (choice, GPUs visible, LOCAL_RANK, emulated nodes on this host) -> device
     ("auto", 0, 0, 1, CPU), ("auto", 4, 3, 1, torch.device("cuda", 3)), ("cpu", 4, 0, 1, CPU),
     ("cuda", 2, 1, 1, torch.device("cuda", 1)),
+    # isolated to one GPU by the scheduler (own=True): cuda:0 whatever LOCAL_RANK; an emulated cluster's ranks
+    # still take the CPU
     # `make demo`'s 2 emulated nodes x 2 ranks: the CPU whatever the GPU count (1 or 2 GPUs: LOCAL_RANK 1
     # refused or both nodes on cuda:0; 4 or 8: NCCL would bypass the throttled link)
     ("auto", 1, 1, 2, CPU), ("auto", 2, 0, 2, CPU), ("auto", 8, 1, 2, CPU), ("auto", 0, 1, 2, CPU),
 ]
 
 
+OWN_GPU = [("cuda", 1, 3, 1, torch.device("cuda", 0)), ("auto", 1, 1, 1, torch.device("cuda", 0)),
+           ("auto", 1, 1, 2, CPU), ("cuda", 2, 1, 1, torch.device("cuda", 1))]
+
+
 @pytest.mark.parametrize("choice, gpus, local, nodes, device", CHOICES)
 def test_the_device_choice(choice, gpus, local, nodes, device):
     assert choose_device(choice, gpus, local, nodes) == device
+
+
+@pytest.mark.parametrize("choice, gpus, local, nodes, device", OWN_GPU)
+def test_the_device_choice_of_a_task_with_a_gpu_of_its_own(choice, gpus, local, nodes, device):
+    assert choose_device(choice, gpus, local, nodes, own=True) == device
 
 
 @pytest.mark.parametrize("choice, gpus, local, nodes, message", [
@@ -126,6 +191,7 @@ def test_an_emulated_clusters_ranks_take_the_cpu_on_a_gpu_host(monkeypatch, gpus
     """What launch/emulate_cluster.sh's ranks get: it sets the variable, resolve_device reads it."""
     _FakeGPUs(monkeypatch, gpus)
     monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # every process sees the host's GPUs alike
     monkeypatch.setenv(EMULATED_NODES, "2")
     assert resolve_device("auto") == CPU == resolve_device("cpu")
     monkeypatch.delenv(EMULATED_NODES)  # a real node: LOCAL_RANK 1 takes its GPU, or is refused without one

@@ -20,7 +20,8 @@ def test_a_checkpoint_keeps_the_whole_config(tmp_path):
     overrides = [*SMALL, f"output.dir={tmp_path}", "train.max_steps=2", "train.checkpoint_every=2"]
     assert main(["train", "--quiet", *overrides]) == 0
     saved = checkpoint.saved_config(checkpoint.latest(tmp_path / "checkpoints"))
-    cfg = load_config(None, overrides)
+    assert saved["train"]["precision"] == "fp32"  # train.precision: auto, as it resolved on this CPU
+    cfg = load_config(None, [*overrides, "train.precision=fp32"])
     assert saved == checkpoint.as_saved(cfg.to_dict(full=True))
     assert saved["router"]["ema_decay"] == 0.99  # a router key at its default is kept too
     assert model_changes(saved, cfg) == []

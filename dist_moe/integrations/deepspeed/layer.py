@@ -349,7 +349,7 @@ class DeepSpeedHostedMoE(nn.Module):
         gate = self.gate
         ep = gate.ep_group if gate.ep_size > 1 else None
         return MoEView(self.router, template, isinstance(local[0], SingleExpert),
-                       [p for e in local for p in e.parameters()], gate.last_forward.inputs, ep, gate._ep_rank())
+                       [p for e in local for p in e.parameters()], gate.last_forward, ep, gate._ep_rank())
 
 
 def expert_slots(expert: nn.Module) -> dict:

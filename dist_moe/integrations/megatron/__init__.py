@@ -5,9 +5,11 @@
 * ``DistMoERouter`` (``router.py``): any strategy as Megatron's router, Megatron's own token
   dispatcher moving the tokens (the router swap).
 * ``hosts.py``: a ``TransformerConfig`` for one MoE layer (``megatron_config``), Megatron's layer with
-  the router swap (``megatron_moe_layer``), weight and gradient converters, and the trainer's host
+  the router swap (``megatron_moe_layer``), its RNG streams seeded (``seed_model_parallel_rng``), weight
+  and gradient converters, and the trainer's host
   (``MegatronHostedMoE``).
-* ``patches.py``: the CPU patches this release needs (applied on first use).
+* ``patches.py``: the patches this release needs (applied on first use): its CPU path, and Transformer
+  Engine's absence.
 """
 from dist_moe.integrations.megatron.hosts import (
     MegatronHostedMoE,
@@ -15,6 +17,7 @@ from dist_moe.integrations.megatron.hosts import (
     load_dist_moe_experts,
     megatron_config,
     megatron_moe_layer,
+    seed_model_parallel_rng,
     sent_bytes,
 )
 from dist_moe.integrations.megatron.layer import dist_moe_mlp_spec, megatron_dist_moe_layer
@@ -23,4 +26,4 @@ from dist_moe.integrations.megatron.router import DistMoERouter, aux_coefficient
 
 __all__ = ["DISPATCHERS", "DistMoERouter", "MegatronHostedMoE", "aux_coefficient",
            "dist_moe_mlp_spec", "expert_grads_as_dist_moe", "load_dist_moe_experts", "megatron_config",
-           "megatron_dist_moe_layer", "megatron_moe_layer", "sent_bytes"]
+           "megatron_dist_moe_layer", "megatron_moe_layer", "seed_model_parallel_rng", "sent_bytes"]

@@ -53,6 +53,16 @@ def megatron_config(hidden_size: int, ffn_hidden_size: int, num_experts: int, to
     return TransformerConfig(**fields)
 
 
+def seed_model_parallel_rng(seed: int) -> None:
+    """Megatron's named RNG streams seeded as its own training seeds them (``model_parallel_cuda_manual_seed``
+    after ``initialize_model_parallel``; ``seed + 100 * pipeline rank``, one pipeline stage here): on a GPU
+    (``use_cpu_initialization=False``) Megatron draws its experts' weights from the expert-parallel stream
+    and its shared experts' from the model-parallel one, and raises when they were never added."""
+    model_parallel_cuda_manual_seed = engine_import("megatron.core.tensor_parallel.random",
+                                                    "model_parallel_cuda_manual_seed")
+    model_parallel_cuda_manual_seed(seed)
+
+
 def megatron_moe_layer(config, router: Router | RouterConfig | dict, placement: Placement | None = None,
                        pg_collection=None, topology=None):
     """Megatron's MoELayer (SequentialMLP experts) with a ``DistMoERouter``."""
@@ -177,4 +187,4 @@ class MegatronHostedMoE(torch.nn.Module):
                     "linear_fc2.weight": [m.linear_fc2.weight for m in local]}
         ep = self.moe.ep_group if self.moe.ep_group.size() > 1 else None
         return MoEView(self.router, template, False, [p for m in local for p in m.parameters()],
-                       self.moe.router.last_forward.inputs, ep, self.moe.ep_group.rank())
+                       self.moe.router.last_forward, ep, self.moe.ep_group.rank())

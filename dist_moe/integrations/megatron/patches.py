@@ -1,9 +1,10 @@
 """Every change dist-moe makes to megatron-core (written against 0.16.1), in one place, and the
 release's token dispatchers that host dist-moe's router (``DISPATCHERS``).
 
-All of them make Megatron's CPU path run (tests and benchmarks on gloo); none is
-applied when CUDA is available, so GPU runs use Megatron's stock code. ``apply()``
-must run before megatron.core is imported and is idempotent.
+All but one make Megatron's CPU path run (tests and benchmarks on gloo) and are not applied on a
+GPU run, which uses Megatron's stock code; the one that depends on whether Transformer Engine is
+installed, not on the device, is applied on both. ``apply()`` must run before megatron.core is
+imported and is idempotent.
 """
 from __future__ import annotations
 
@@ -23,20 +24,18 @@ _APPLIED = False
 
 def apply(cpu: bool | None = None) -> None:
     """``cpu``: the run's device choice (None: the CPU when no GPU is visible); on a GPU run
-    Megatron's stock code runs unpatched."""
+    Megatron's stock code runs, patched only where Transformer Engine is missing."""
     global _APPLIED
-    if _APPLIED or not (cpu if cpu is not None else not torch.cuda.is_available()):
+    cpu = cpu if cpu is not None else not torch.cuda.is_available()
+    _without_transformer_engine(cpu)
+    if _APPLIED or not cpu:
         return
     # 0.16.1: model-parallel set-up and the stock router call torch.cuda.current_device()
     # (Router.gating moves its weights there); on CPU that raises. Point it at the CPU.
     torch.cuda.current_device = lambda: "cpu"
-    moe_utils = engine_import("megatron.core.transformer.moe", "moe_utils")
     MoEAlltoAllTokenDispatcher = engine_import("megatron.core.transformer.moe.token_dispatcher",
                                                "MoEAlltoAllTokenDispatcher")
 
-    # 0.16.1: without Transformer Engine, router_gating_linear references te_general_gemm
-    # unguarded (NameError in the stock TopKRouter); None selects its torch matmul path.
-    moe_utils.te_general_gemm = None
     # 0.16.1: the alltoall dispatcher creates a torch.cuda.Stream for device-to-host copies
     # of its split sizes and synchronises on it; on CPU the sizes only need to become lists.
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = object()
@@ -60,6 +59,16 @@ def apply(cpu: bool | None = None) -> None:
         # (filesystem_async.preload_tensors); a torch without CUDA has nothing to wait for.
         torch.cuda.synchronize = lambda device=None: None
     _APPLIED = True
+
+
+def _without_transformer_engine(cpu: bool) -> None:
+    """0.16.1: without Transformer Engine (a failed import leaves ``moe_utils.HAVE_TE`` False),
+    router_gating_linear references te_general_gemm unguarded (NameError in the stock TopKRouter, on a
+    GPU as on the CPU); None selects its torch matmul path, as it does on the CPU, where TE's kernels
+    cannot run."""
+    moe_utils = engine_import("megatron.core.transformer.moe", "moe_utils")
+    if cpu or not moe_utils.HAVE_TE:
+        moe_utils.te_general_gemm = None
 
 
 def _cpu_rng_tracker(base):
@@ -105,6 +114,10 @@ def release_parallel_state() -> list[str]:
     parallel_state = engine_import("megatron.core", "parallel_state")
     parallel_state.destroy_model_parallel()
     cleared = []
+    random = sys.modules.get("megatron.core.tensor_parallel.random")
+    if random is not None and random.get_cuda_rng_tracker().get_states():  # the next run seeds its own
+        random.get_cuda_rng_tracker().reset()
+        cleared.append("random._CUDA_RNG_STATE_TRACKER")
     moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
     if moe_utils is not None and moe_utils._MOE_LAYER_WISE_LOGGING_TRACKER:  # its entries hold reduce groups
         moe_utils._MOE_LAYER_WISE_LOGGING_TRACKER.clear()

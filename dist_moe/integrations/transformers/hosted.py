@@ -86,7 +86,7 @@ class HostedHFExperts(nn.Module):
     def moe_view(self) -> MoEView:
         params = {name: [getattr(self, name)] for name in self.expert_slots}
         ep = self.placement.world_size > 1
-        return MoEView(self.router, params, True, [p for ps in params.values() for p in ps], self.last_forward.inputs,
+        return MoEView(self.router, params, True, [p for ps in params.values() for p in ps], self.last_forward,
                        self.group if ep else None, self.rank if ep else 0)
 
     def expert_state_keys(self, prefix: str = "") -> dict:

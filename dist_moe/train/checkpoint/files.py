@@ -128,19 +128,8 @@ def _listing(path: Path) -> dict[str, os.stat_result]:
     return entries
 
 
-def hash_files(path: Path, names) -> dict[str, dict]:
-    """{name: {"bytes", "sha256"}} of the files ``names`` under ``path``, each made 0600 first: what
-    a rank wrote into a checkpoint, hashed by that rank (``checkpoint.save``)."""
-    files = {}
-    for name in names:
-        os.chmod(path / name, 0o600)
-        with open_regular(path / name) as f:
-            files[name] = {"bytes": os.fstat(f.fileno()).st_size, "sha256": _sha256(f)}
-    return files
-
-
 def write_manifest(path: Path, files: dict[str, dict]) -> None:
-    """Write the manifest of ``path`` from ``files`` (``hash_files`` of every rank's own files), which
+    """Write the manifest of ``path`` from ``files`` (every rank's hashes of its own files, ``hashing``), which
     must name every file there and nothing else: a file no rank hashed is refused, never hashed here."""
     present = set(_listing(path)) - {MANIFEST}
     if set(files) != present:

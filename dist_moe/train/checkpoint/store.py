@@ -5,9 +5,10 @@ the newest complete one). A save writes ``.tmp-step-<N>/`` and renames it once
 every rank has finished, then replaces ``latest``; a crash mid-save leaves a
 ``.tmp-`` directory that is never loaded. Before the rename rank 0 writes
 ``manifest.json``: the size and SHA-256 of every file DCP wrote, each hashed by the
-rank that wrote it, right after writing it (a rank never waits in a collective while
-another hashes the whole checkpoint: a long wait trips NCCL's watchdog), and
-gathered in one small exchange of (name, size, hash). Every load verifies
+rank that wrote it, right after writing it, a slice at a time between short collectives
+(``hashing``: a rank done first never waits in one collective as long as a slower rank's
+hash, which could outlast ``parallel.timeout_s``), and gathered in one small exchange
+of (name, size, hash). Every load verifies
 the checkpoint first (each rank, so all ranks agree before any collective;
 ``checkpoint_files`` says what is refused: unlisted, damaged or non-regular files,
 pickled globals outside an allow-list, bytes entries, storage outside the listed
@@ -27,9 +28,13 @@ streams). Tensors only: loading never unpickles objects.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import secrets
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -46,17 +51,17 @@ from dist_moe.train.checkpoint.files import (
     SAFE_GLOBALS,
     CheckpointError,
     checked_bytes,
-    hash_files,
     manifest_files,
     read_json,
     read_regular,
     verify,
     write_manifest,
 )
+from dist_moe.train.checkpoint.hashing import hashed_by_their_writers
 from placement import write_atomic
 
-__all__ = ["CONFIG", "LATEST", "MANIFEST", "SAFE_GLOBALS", "CheckpointError", "as_saved", "latest", "load", "save",
-           "saved_config", "state_of", "verify", "write_manifest"]
+__all__ = ["CONFIG", "LATEST", "MANIFEST", "SAFE_GLOBALS", "CheckpointError", "as_saved", "check_shared", "latest",
+           "load", "save", "saved_config", "state_of", "verify", "write_manifest"]
 
 LATEST = "latest"
 _STEP_NAME = re.compile(r"step-[0-9]+")
@@ -134,7 +139,7 @@ def save(directory: str | Path, step: int, model: nn.Module, optimizer, extra: d
     if _rank(group) == 0 and config is not None:
         write_atomic(tmp / CONFIG, _config_text(config), 0o600)
         written.append(CONFIG)
-    files = _hashed_by_their_writers(tmp, written, group)  # also waits for every rank's files
+    files = hashed_by_their_writers(tmp, written, group)  # also waits for every rank's files
     if _rank(group) == 0:
         write_manifest(tmp, files)
         _remove(final)
@@ -144,30 +149,70 @@ def save(directory: str | Path, step: int, model: nn.Module, optimizer, extra: d
     return final
 
 
-def _hashed_by_their_writers(tmp: Path, written: list[str], group) -> dict[str, dict]:
-    """Every rank hashes the files it wrote (``written``) before the next collective; then one
-    all-gather of the small (name -> size, SHA-256) maps, which stops every rank if one could not hash."""
-    mine, error = {}, None
-    try:
-        mine = hash_files(tmp, written)
-    except (OSError, CheckpointError) as e:
-        error = e
-    report = (None if error is None else str(error), mine)  # plain strings and ints, never from disk
-    gathered = [report]
-    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        gathered = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, report, group=group)
-    if error is not None:  # this rank's own, its type kept; the others name it below
-        raise error
-    files = {}
-    for rank, (failed, entries) in enumerate(gathered):
-        if failed:
-            raise CheckpointError(f"checkpoint {tmp}: rank {rank} could not hash the files it wrote ({failed})")
-        if set(entries) & set(files):
-            raise CheckpointError(f"checkpoint {tmp}: rank {rank} wrote {sorted(set(entries) & set(files))}, "
-                                  "which another rank wrote too")
-        files.update(entries)
-    return files
+SHARED_MARK = ".shared-check-"  # + a fresh token: a name no node can have cached
+MARK_WAIT_S = 2.0  # a network file system may show a new file to another node a moment later
+
+
+def check_shared(directory: Path, train, group) -> None:
+    """Every rank of ``group`` sees the checkpoint folder ``directory`` as rank 0 does, or a ValueError naming it,
+    on every rank alike: each rank writes its shards there and rank 0 renames the save, so a folder on each
+    node's own disk would leave every checkpoint incomplete, and a resume would read another one on each node.
+    Only a run that saves checkpoints (``train.checkpoint_every``) or resumes from one (``train.resume``)
+    checks, and one rank alone never does.
+
+    Rank 0 writes a marker holding a fresh token (creating the folder if needed, both removed after); once it
+    is written (the agreement on its errors is the barrier) every rank reads it, and one all-gather of what
+    each read settles it, the same on every rank."""
+    if not (train.checkpoint_every or train.resume) or group is None or dist.get_world_size(group) == 1:
+        return
+    main, world = dist.get_rank(group) == 0, dist.get_world_size(group)
+    told = [(secrets.token_hex(16), str(directory))] if main else [None]
+    dist.broadcast_object_list(told, src=dist.get_global_rank(group, 0), group=group)
+    token, shown = told[0]  # shown: rank 0's path, the same line on every rank
+    mark, made = Path(directory) / f"{SHARED_MARK}{token}", []
+
+    def write():
+        if main:
+            try:
+                if not os.path.lexists(directory):
+                    Path(directory).mkdir(parents=True, mode=0o700)
+                    made.append(directory)
+                write_atomic(mark, token, 0o600)
+            except OSError as e:
+                raise ValueError(f"checkpoint folder {shown} is not writable ({e.strerror or e})") from None
+
+    agree_on_errors(write, group)
+    seen = [None] * world
+    dist.all_gather_object(seen, _read_mark(mark) == token, group=group)
+    if main:
+        mark.unlink(missing_ok=True)
+        for folder in made:
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)  # left as it was: a save makes it again
+    blind = [rank for rank, saw in enumerate(seen) if not saw]
+    if blind:
+        raise not_shared(shown, blind, world)
+
+
+def not_shared(folder: str, blind: list[int], world: int) -> ValueError:
+    """``check_shared``'s error: the folder and the ranks that cannot see rank 0's file there."""
+    names = ", ".join(map(str, blind[:4])) + (f" and {len(blind) - 4} more" if len(blind) > 4 else "")
+    return ValueError(f"checkpoint folder {folder} is not shared by every node: checkpoints need a file system every "
+                      f"node sees (rank{'s' if len(blind) > 1 else ''} {names} of {world} cannot see the file rank 0 "
+                      "wrote there)")
+
+
+def _read_mark(path: Path, wait_s: float = MARK_WAIT_S) -> str | None:
+    """The marker's text, as short as rank 0 wrote it and read without following a link, or None if this rank
+    cannot see it within ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return read_regular(path, 64).decode(errors="replace")
+        except (CheckpointError, OSError):
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.1)
 
 
 def _refuse_non_finite(state: dict, directory: Path, step: int) -> None:

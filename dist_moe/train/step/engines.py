@@ -30,11 +30,12 @@ import datetime
 import importlib.metadata
 from dataclasses import replace
 
+import torch
 from torch import nn
 
 from dist_moe.integrations.deepspeed import DeepSpeedHostedMoE, init_distributed
 from dist_moe.integrations.deepspeed.patches import release_groups
-from dist_moe.integrations.megatron import MegatronHostedMoE
+from dist_moe.integrations.megatron import MegatronHostedMoE, seed_model_parallel_rng
 from dist_moe.integrations.megatron import patches as megatron_patches
 from dist_moe.integrations.megatron.patches import DISPATCHERS, release_parallel_state
 from dist_moe.moe.layer import MoELayerConfig
@@ -123,6 +124,7 @@ class DeepSpeedEngine(Engine):
 
 class MegatronEngine(Engine):
     name = "megatron"
+    seeded = False  # Megatron's model-parallel RNG streams (seed_model_parallel_rng), once per run
 
     def after_group(self, rt):
         _refuse_strided(rt, "Megatron-core", "expert_model_parallel_size")
@@ -135,6 +137,10 @@ class MegatronEngine(Engine):
                                                  distributed_timeout_minutes=rt.timeout_s / 60)
 
     def build_moe(self, rt, config):
+        if not self.seeded:  # once: each seeding resets the streams (and the GPU's default generator)
+            # the run's seed: the trainer seeded torch with it just before building the model
+            seed_model_parallel_rng(torch.initial_seed())
+            self.seeded = True
         placement = rt.placement(config.num_experts)
         config = replace(config, capacity_factor=None)  # dropless (the config checks refuse a capacity)
         if rt.parallel.dispatches(self.name):  # Megatron's layer and experts, dist-moe's dispatcher

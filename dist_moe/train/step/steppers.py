@@ -12,6 +12,8 @@ reads only when it logs.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from torch import nn
 
@@ -87,6 +89,15 @@ class LocalStepper:
                 self.grad_sent[level] = self.grad_sent.get(level, 0) + sent
 
 
+def device_args(device: torch.device):
+    """``deepspeed.initialize``'s ``args`` naming the model's GPU (None on the CPU): DeepSpeed's engine
+    otherwise makes cuda:LOCAL_RANK the current device, which a task that a scheduler isolated to one GPU
+    (CUDA_VISIBLE_DEVICES naming one device, LOCAL_RANK > 0) does not have: it trains on cuda:0."""
+    if device.type != "cuda":
+        return None
+    return SimpleNamespace(device_rank=device.index if device.index is not None else torch.cuda.current_device())
+
+
 class DeepSpeedStepper:
     """``deepspeed.initialize`` with MoE parameter groups; the engine runs backward and step.
 
@@ -109,8 +120,8 @@ class DeepSpeedStepper:
                   "bf16": {"enabled": precision == "bf16"}}
         if precision == "bf16":  # every caller of the module (engine, evaluation, routing records) feeds bf16
             model.register_forward_pre_hook(_floats_to_bf16)
-        self.module, self.opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer_cls(groups, lr=lr),
-                                                           config=config)
+        self.module, self.opt, _, _ = deepspeed.initialize(args=device_args(_device_of(model)), model=model,
+                                                           optimizer=optimizer_cls(groups, lr=lr), config=config)
         if precision == "bf16":  # what checkpoints read: the fp32 masters and Adam state per parameter
             self.opt = _MasterWeights(self.opt)
 
@@ -140,6 +151,10 @@ class DeepSpeedStepper:
         scale_grads(params, group_size(group))
         self.module.allreduce_gradients()
         self.module.step()
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 def _floats_to_bf16(module: nn.Module, args: tuple) -> tuple:
