@@ -81,7 +81,9 @@ class Scheduled(Protocol):
 
 
 class Router(nn.Module):
-    defer_checks = False  # True: input checks wait on the device, as on a GPU (routing/input_checks.py)
+    # True: input checks wait on the device for a reader that takes them (the trainer on a GPU, which reads them at
+    # its log step); False: checked at once, a device assert on a GPU (routing/input_checks.py)
+    defer_checks = False
 
     """Base class: validates inputs and holds the fields every strategy shares."""
 
@@ -225,9 +227,10 @@ class Router(nn.Module):
         return categories.long()
 
     def _check(self, ok: Tensor, kind: int, values) -> None:
-        """On the CPU: raise the line a failed check says, at once. On a GPU (or with ``defer_checks``): keep
-        the first failure on the device until the trainer's next read (``take_unread_check``)."""
-        if self.defer_checks or ok.is_cuda:
+        """Raise the line a failed check says, at once (on a GPU: a device assert, whose message is lost). With
+        ``defer_checks`` (a reader that takes them): keep the first failure on the device until its next read
+        (``take_unread_check``)."""
+        if self.defer_checks:
             self.unread_check = keep_first(self.unread_check, check_row(ok, kind, *values()))
             return
         try:  # the CPU's assert raises at once, without a read the host-sync counts would see

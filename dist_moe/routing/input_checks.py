@@ -1,11 +1,12 @@
 """A router's input checks without a device assert.
 
 On the CPU a check is read at once and a bad input raises one line. On a GPU that read would stall the
-stream every forward, and torch's ``_assert_async`` would leave a "device-side assert triggered" that
-poisons the CUDA context for every later call. So there the check stays on the device, as one row kept
-per router (the first failure since it was last read: constant memory, however long nobody reads it),
-and travels with the next read the training step already makes (the trainer's log step), which raises
-the same line the CPU gives. ``Router.defer_checks`` runs that path on the CPU (tests).
+stream every forward, so a router alone asserts on the device (torch's ``_assert_async``), which leaves a
+"device-side assert triggered" that poisons the CUDA context for every later call. A reader that takes
+the checks (the trainer on a GPU sets ``Router.defer_checks``) gets them kept on the device instead, as
+one row per router (the first failure since it was last read: constant memory), read with the next read
+the training step already makes (the trainer's log step), which raises the same line the CPU gives. The
+tests set ``defer_checks`` on the CPU to run that path.
 """
 from __future__ import annotations
 

@@ -219,6 +219,10 @@ class _TrainingRun:
         self.model.to(rt.device)  # every batch follows it there (data stays on the CPU until its step)
         self.layers = moe_layers(self.model)  # every MoE layer: metrics and schedules cover them all
         self.routers = [layer.router for layer in self.layers]
+        if self.rt.device.type == "cuda":  # input checks wait on the device for the log step's read, no assert
+            for router in self.routers:
+                if hasattr(router, "defer_checks"):
+                    router.defer_checks = True
         self.scheduled = [r for r in self.routers if r.scheduled]  # SpecDrop's, unless it counts its own steps
         self.strategy = step_strategy(tcfg, rt)  # plain or GAR, chosen once
         bs = tcfg.batch_size  # per rank, as DeepSpeed's train_micro_batch_size_per_gpu
