@@ -20,6 +20,16 @@ from tests.support.dist_utils import run_cases, run_workers
 H, F, E = 6, 8, 8
 
 
+def _layer_and_optimizer(world):
+    """The expert-parallel layer and optimizer whose checkpoint the workers save, the same on every rank."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    layer = MoELayer(H, F, {"type": "switch", "num_experts": E, "top_k": 2}, placement=Placement.contiguous(E, world),
+                     group=dist.group.WORLD)
+    return layer, torch.optim.Adam(layer.parameters(), lr=1e-2)
+
+
 def _save_worker(rank, world, directory):
     import torch.distributed as dist
 
@@ -33,10 +43,7 @@ def _save_worker(rank, world, directory):
         return real(path, *args)
 
     hashing.open_regular = recording
-    torch.manual_seed(0)
-    layer = MoELayer(H, F, {"type": "switch", "num_experts": E, "top_k": 2}, placement=Placement.contiguous(E, world),
-                     group=dist.group.WORLD)
-    opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
+    layer, opt = _layer_and_optimizer(world)
     checkpoint.save(directory, 3, layer, opt, {"step": torch.tensor(3)}, group=dist.group.WORLD,
                     config={"seed": 0})
     with open(f"{directory}/hashed-by-rank{rank}.json", "w") as f:
@@ -72,10 +79,7 @@ def _failing_worker(rank, world, directory):
         return real(path, *args)
 
     hashing.open_regular = unreadable_on_rank1
-    torch.manual_seed(0)
-    layer = MoELayer(H, F, {"type": "switch", "num_experts": E, "top_k": 2}, placement=Placement.contiguous(E, world),
-                     group=dist.group.WORLD)
-    opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
+    layer, opt = _layer_and_optimizer(world)
     with pytest.raises(OSError if rank == 1 else checkpoint.CheckpointError, match="Input/output error") as e:
         checkpoint.save(directory, 3, layer, opt, {}, group=dist.group.WORLD)
     if rank == 0:

@@ -18,10 +18,9 @@ import os
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
-from dist_moe.distributed.reductions import reduce_copy
+from dist_moe.distributed.reductions import all_reduce_max, group_size
 from dist_moe.train.checkpoint.files import CheckpointError, open_regular
 
 BLOCK = 1 << 20  # bytes read and hashed at once
@@ -84,13 +83,13 @@ def hashed_by_their_writers(tmp: Path, written: list[str], group) -> dict[str, d
                     hashes.advance(SLICE_S)
                 except (OSError, CheckpointError) as e:
                     error = e
-            if not _on_any_rank(error is None and not hashes.done, group):
+            if not all_reduce_max(int(error is None and not hashes.done), group):  # some rank still hashing
                 break
     finally:
         hashes.close()
     report = (None if error is None else str(error), hashes.files)  # plain strings and ints, never from disk
     gathered = [report]
-    if _several(group):
+    if group_size(group) > 1:
         gathered = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, report, group=group)
     if error is not None:  # this rank's own, its type kept; the others name it below
@@ -104,15 +103,3 @@ def hashed_by_their_writers(tmp: Path, written: list[str], group) -> dict[str, d
                                   "which another rank wrote too")
         files.update(entries)
     return files
-
-
-def _several(group) -> bool:
-    return group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
-
-
-def _on_any_rank(flag: bool, group) -> bool:
-    """Whether ``flag`` holds on some rank of ``group``: one all-reduce of one number (this rank's alone without
-    a group)."""
-    if not _several(group):
-        return flag
-    return bool(reduce_copy(torch.tensor([int(flag)]), group, op=dist.ReduceOp.MAX).item())
