@@ -362,8 +362,13 @@ class _Net(torch.nn.Module):
         return self.head(y), aux
 
 
-@check("train step sync: one trainer step through the EP dispatcher, no sync but its exchange's read")
+@check("train step sync: one trainer step through the EP dispatcher, fp32 and bf16, no sync but its exchange's read")
 def train_step_sync(device):
+    return "; ".join(_train_step_sync(device, precision) for precision in ("fp32", "bf16"))
+
+
+def _train_step_sync(device, precision: str) -> str:
+    from dist_moe.train.precision import compute_context
     from dist_moe.train.step.steppers import LocalStepper
     from dist_moe.train.step.training_step import PlainStep
     from dist_moe.train.trainer import screened
@@ -381,17 +386,31 @@ def train_step_sync(device):
     step, records = PlainStep(), []
     for i, (x, y) in enumerate(batches):
         xb, yb = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        compute = compute_context(device, precision)
         if i == 0:  # warm-up: optimizer state, index tables
-            step(model, stepper, *screened(xb)[:1], yb, None, bad_input=screened(xb)[1])
+            step(model, stepper, *screened(xb)[:1], yb, None, bad_input=screened(xb)[1], compute=compute)
             continue
         with no_sync_allowed(device) as seen:
             xb, bad = screened(xb)
-            records.append(step(model, stepper, xb, yb, None, bad_input=bad))
-        assert not seen.other, f"synchronised outside the exchange: {seen.other[:3]}"
-        assert seen.reads == 1, f"{seen.reads} split-size reads in one step (one exchange: want 1)"
-    losses = [float(r["loss"]) for r in records]  # read after the checked steps
+            records.append(step(model, stepper, xb, yb, None, bad_input=bad, compute=compute))
+        assert not seen.other, f"{precision}: synchronised outside the exchange: {seen.other[:3]}"
+        assert seen.reads == 1, f"{precision}: {seen.reads} split-size reads in one step (one exchange: want 1)"
+    losses = [round(float(r["loss"]), 4) for r in records]  # read after the checked steps
     assert all(np.isfinite(losses)) and not any(float(r["skipped"]) for r in records), records
-    return f"2 steps (forward, backward, overlapped gradient sum, clip, fused Adam): 1 read each; losses {losses}"
+    return f"{precision}: 2 steps (forward, backward, overlapped gradient sum, clip, fused Adam), 1 read each, " \
+           f"losses {losses}"
+
+
+def _experts_pass(experts, x, counts, grad, dtype, grouped: bool) -> list:
+    """[output, input gradient, every weight's gradient (zeros where none)] of one forward and backward,
+    grouped GEMMs or the per-expert loop, under bf16 autocast for ``dtype`` bf16."""
+    xi = x.detach().clone().requires_grad_()
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        y = experts(xi, counts) if grouped else experts._looped_forward(xi, counts.tolist(), None)
+    y.float().backward(grad)
+    grads = [xi.grad] + [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in experts.parameters()]
+    experts.zero_grad(set_to_none=True)
+    return [y.detach()] + grads
 
 
 @check("experts: grouped GEMM vs per-expert loop, fp32 and bf16 (equality and time)")
@@ -407,13 +426,7 @@ def grouped_vs_loop(device):
         grad = torch.randn_like(x)
 
         def run(grouped, experts=experts, counts=counts, x=x, grad=grad, dtype=dtype):
-            xi = x.detach().clone().requires_grad_()
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-                y = experts(xi, counts) if grouped else experts._looped_forward(xi, counts.tolist(), None)
-            y.float().backward(grad)
-            grads = [xi.grad] + [p.grad.clone() for p in experts.parameters()]
-            experts.zero_grad(set_to_none=True)
-            return [y.detach()] + grads
+            return _experts_pass(experts, x, counts, grad, dtype, grouped)
 
         worst = max(_relative(a, b) for a, b in zip(run(True), run(False)))
         assert worst <= TOLERANCE[dtype], f"{dtype}: grouped vs loop differ by {worst:.2e}"
@@ -451,6 +464,186 @@ def train_deterministic(device, data):
     differ = [i for i, (a, b) in enumerate(zip(*runs)) if a != b]
     assert runs[0] == runs[1], f"the two runs differ first at logged line {differ[:1]}"
     return f"{len(runs[0])} logged lines equal, last loss {[v for v in runs[0] if v is not None][-1]!r}"
+
+
+# --- host stalls, memory and bytes the CPU predicts ------------------------------------------------
+@contextlib.contextmanager
+def counted_syncs(device: torch.device):
+    """Yields a namespace whose ``count`` (synchronising calls) and ``where`` are filled in on exit: on CUDA
+    every call ``set_sync_debug_mode("warn")`` reports, on the CPU the aten-level count."""
+    seen = SimpleNamespace(count=0, where=[])
+    if device.type == "cuda":
+        import warnings
+
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                yield seen
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        seen.count, seen.where = len(syncs), [f"{Path(w.filename).name}:{w.lineno}" for w in syncs]
+    else:
+        with counting() as counter:
+            yield seen
+        seen.count, seen.where = counter.total, counter.where()
+
+
+@check("local sync: the local path's host reads as its experts' path predicts (grouped GEMM 0, loop 1), fp32 and bf16")
+def local_sync(device):
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        layer = MoELayer(64, 128, {"type": "branch", "num_experts": 8, "top_k": 2}).to(device)
+        x = torch.randn(256, 64, device=device, requires_grad=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            predicted = 0 if layer.experts.grouped(x) else 1  # the loop reads its counts once
+            y, aux = layer(x)  # warm-up
+            (y.float().sum() + aux).backward()
+            with counted_syncs(device) as fwd:
+                y, aux = layer(x)
+        with counted_syncs(device) as bwd:
+            (y.float().sum() + aux).backward()
+        assert (fwd.count, bwd.count) == (predicted, 0), \
+            f"{dtype}: {fwd.count} in forward (predicted {predicted}), {bwd.count} in backward: {fwd.where + bwd.where}"
+        out.append(f"{str(dtype)[6:]} {'grouped' if predicted == 0 else 'loop'}: {fwd.count} / 0")
+    return "forward / backward syncs: " + ", ".join(out)
+
+
+@check("grouped GEMM edges: empty groups and a zero-row chunk, every gradient equal to the loop's")
+def grouped_edges(device):
+    from dist_moe.moe.experts import Experts
+
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for counts in ([5, 0, 7, 0], [0, 0, 0, 0]):
+            torch.manual_seed(0)
+            experts = Experts(4, 64, 32).to(device)
+            c = torch.tensor(counts, device=device)
+            x = torch.randn(sum(counts), 64, device=device)
+            grad = torch.randn_like(x)
+
+            got, want = (_experts_pass(experts, x, c, grad, dtype, grouped) for grouped in (True, False))
+            worst = max(_relative(a, b) for a, b in zip(got, want))
+            assert worst <= TOLERANCE[dtype], f"{dtype}, counts {counts}: grouped vs loop differ by {worst:.2e}"
+            assert all(torch.isfinite(g).all() for g in got), f"{dtype}, counts {counts}: non-finite gradients"
+            out.append(f"{str(dtype)[6:]} {counts}: {worst:.1e}")
+    return "; ".join(out)
+
+
+@check("activation memory: one MoE layer's kept activations against placement.activations' estimate")
+def activation_memory(device):
+    from benchmarks.activation_memory import saved_bytes
+    from placement.activations import activation_bytes
+    from placement.forecast import ModelShape
+
+    t, h, f, e, k = 2048, 512, 128, 16, 4
+    out = []
+    for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):
+        torch.manual_seed(0)
+        layer = MoELayer(h, f, {"type": "switch", "num_experts": e, "top_k": k, "jitter_eps": 0.0},
+                         capacity_factor=None).to(device)
+        x = torch.randn(t, h, device=device, requires_grad=True)
+        estimate = activation_bytes(ModelShape(h, f, e, k, t), size)
+        if device.type == "cuda":  # what the forward leaves allocated until backward, less its output
+            saved_bytes(layer, x, dtype == torch.bfloat16)  # warm-up
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated(device)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                y, aux = layer(x)
+            kept = torch.cuda.memory_allocated(device) - before - y.numel() * y.element_size()
+            (y.float().sum() + aux).backward()
+        else:
+            kept = saved_bytes(layer, x, dtype == torch.bfloat16)
+        ratio = kept / estimate
+        assert 0.8 <= ratio <= 1.5, f"{dtype}: kept {kept / 2**20:.1f} MiB, estimate {estimate / 2**20:.1f} MiB"
+        out.append(f"{str(dtype)[6:]} {kept / 2**20:.1f} MiB = {ratio:.2f}x the estimate")
+    return "; ".join(out)
+
+
+@check("wire bytes: an exchange's payload under bf16 autocast is half the fp32 run's (wire_dtype auto)")
+def wire_bytes(device):
+    group = _one_rank_group(device)
+    sent = {}
+    original = dist.all_to_all_single
+    for name, bf16 in (("fp32", False), ("bf16", True)):
+        torch.manual_seed(0)
+        layer = MoELayer(H, F, {"type": "switch", "num_experts": 8, "top_k": 2, "jitter_eps": 0.0},
+                         capacity_factor=None, pipeline_chunks=2).to(device)
+        layer.dispatcher = ExpertParallelDispatcher(group, layer.placement, layer.topology, "rank")
+        floats = [0]
+
+        def counted(out, inp, *args, floats=floats, **kwargs):
+            if inp.is_floating_point() and inp.dim() == 2 and inp.shape[1] == H:  # token rows, not gates
+                floats[0] += inp.numel() * inp.element_size()
+            return original(out, inp, *args, **kwargs)
+
+        dist.all_to_all_single = counted
+        try:
+            x = torch.randn(T, H, device=device, requires_grad=True)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                y, aux = layer(x)
+            (y.float().sum() + aux).backward()
+        finally:
+            dist.all_to_all_single = original
+        sent[name] = floats[0]
+    assert sent["fp32"] > 0 and 2 * sent["bf16"] == sent["fp32"], sent
+    return f"rows both ways, forward and backward: fp32 {sent['fp32']:,} B, bf16 {sent['bf16']:,} B (0.50x)"
+
+
+def _two_rank_worker(rank: int, world: int, device_type: str, store: str, out: str) -> None:
+    """One rank of the multi-rank check: the EP layer on its share of the tokens against one process holding
+    every expert on all of them (the same weights), for rank and node dedup, 1 and 3 chunks."""
+    from placement import Topology
+
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=world)
+    worst = 0.0
+    try:
+        for dedup, chunks in (("rank", 1), ("rank", 3), ("node", 1), ("node", 3)):
+            torch.manual_seed(0)
+            cfg = {"type": "switch", "num_experts": 8, "top_k": 2, "jitter_eps": 0.0}
+            ref = MoELayer(H, F, dict(cfg), capacity_factor=None).to(device)
+            ep = MoELayer(H, F, dict(cfg), capacity_factor=None, group=dist.group.WORLD, dedup=dedup,
+                          pipeline_chunks=chunks, topology=Topology(("node", "gpu"), (2, world // 2))).to(device)
+            ep.router.load_state_dict(ref.router.state_dict())
+            for name, p in ep.experts.named_parameters():
+                p.data.copy_(getattr(ref.experts, name).data[ep.local_expert_ids])
+            g = torch.Generator().manual_seed(1)
+            x_all, w_all = (torch.randn(world * T, H, generator=g).to(device) for _ in range(2))
+            mine = slice(rank * T, (rank + 1) * T)
+            x_ref = x_all.clone().requires_grad_()
+            (ref(x_ref)[0] * w_all).sum().backward()
+            x = x_all[mine].clone().requires_grad_()
+            y, _ = ep(x)
+            (y * w_all[mine]).sum().backward()
+            pairs = [(y, ref(x_all)[0][mine]), (x.grad, x_ref.grad[mine])]
+            pairs += [(p.grad, getattr(ref.experts, n).grad[ep.local_expert_ids])
+                      for n, p in ep.experts.named_parameters()]
+            for a, b in pairs:
+                worst = max(worst, _relative(a, b))
+        assert worst <= TOLERANCE[torch.float32], f"rank {rank}: worst {worst:.2e}"
+    finally:
+        dist.destroy_process_group()
+    Path(out, f"rank{rank}").write_text(f"{worst:.2e}")
+
+
+@check("ep ranks: expert parallelism over 2 or 4 GPUs (NCCL; rank and node dedup, 1 and 3 chunks) equals one process")
+def ep_two_ranks(device):
+    count = torch.cuda.device_count() if device.type == "cuda" else 2
+    if count < 2:
+        return f"skip: {count} GPU visible (needs 2; 4 run node dedup's second hop as 2 nodes x 2)"
+    world = 4 if count >= 4 else 2
+    with tempfile.TemporaryDirectory(prefix="gpu-check-ranks-") as tmp:
+        torch.multiprocessing.spawn(_two_rank_worker, args=(world, device.type, f"{tmp}/store", tmp), nprocs=world)
+        worst = [Path(tmp, f"rank{r}").read_text() for r in range(world)]
+    return (f"{world} ranks as 2 nodes x {world // 2}: outputs, input and expert gradients on every rank; "
+            f"worst {max(worst, key=float)}")
 
 
 # --- throughput (optional) --------------------------------------------------------------------
@@ -536,8 +729,13 @@ def main() -> int:
         ep_fp32(device)
         ep_bf16(device)
         cuda_rng(device)
+        local_sync(device)
         train_step_sync(device)
         grouped_vs_loop(device)
+        grouped_edges(device)
+        activation_memory(device)
+        wire_bytes(device)
+        ep_two_ranks(device)
         train_torch(device, data)
         train_bf16(device, data)
         train_deterministic(device, data)

@@ -18,9 +18,10 @@ from dist_moe.cli.topology_arg import topology_of
 from dist_moe.config.choices import MAX_PIPELINE_CHUNKS
 from dist_moe.errors import shown
 from placement import check_output_file
+from placement.activations import activation_bytes
 from placement.cost import in_bounds, in_range
 from placement.files import replacing
-from placement.forecast import PLACEMENTS, ModelShape, forecast
+from placement.forecast import DTYPE_BYTES, PLACEMENTS, ModelShape, forecast
 from placement.layouts import price_layouts
 from placement.simulate import RoutingRecord
 
@@ -145,6 +146,7 @@ def run(args) -> int:
     memory = in_range(args.memory, 1e-3, 1e6, "--memory", " GiB")
     dense = in_range(args.dense_params, 0, 1e15, "--dense-params")
     out.update(price_layouts(shape, topo, routing, args.tflops, args.sample, chunks, memory * 2**30, int(dense)))
+    out["activation_bytes_per_layer"] = layer_activations(shape)
     out["seconds_to_plan"] = round(time.time() - start, 2)
     # strict JSON, made before the plot is written: every input is bounded to keep the numbers finite
     text = json.dumps(out, indent=1, allow_nan=False) if args.json else None
@@ -174,8 +176,18 @@ def run(args) -> int:
           f"{out['seconds_to_plan']} s" + (f"; plot: {args.plot}" if args.plot else ""))
     for note in why_rows_agree(out["rows"], shape.experts, out["ep"], args.routing):
         print(f"note: {note}")
+    print(f"activations kept for backward: at most {out['activation_bytes_per_layer'] / 2**20:.1f} MiB per MoE layer "
+          f"per rank ({shape.dtype} rows, every pair its own copy), "
+          f"{shape.layers * out['activation_bytes_per_layer'] / 2**30:.2f} GiB for {shape.layers} layer(s)")
     print_layouts(out, topo, args.memory)
     return 0
+
+
+def layer_activations(shape: ModelShape) -> int:
+    """``placement.activations``' estimate for one MoE layer of ``shape`` on one rank that exchanges: rows in
+    ``shape.dtype`` on the wire, the experts computing in it (bf16 under fp8, whose values are the wire's only)."""
+    wire = DTYPE_BYTES[shape.dtype]
+    return activation_bytes(shape, max(wire, 2), wire)
 
 
 SHAPE_FIELDS = ("hidden", "ffn", "experts", "top_k", "tokens_per_rank", "layers", "dtype")  # ModelShape's, as flags

@@ -14,6 +14,8 @@ SHARED_EXPERT_HIDDEN, LORA_RANK, LORA_ALPHA = 0, 8, 16.0
 SHARED_EXPERT_ENGINES = ("torch",)
 MEGATRON_EXPERT_KINDS = ("swiglu", "gelu")
 MEGATRON_DISPATCHERS = ("alltoall", "allgather")  # Megatron's own token dispatchers (integrations/megatron)
+# the dtype an exchange's rows travel in (dispatch/wire.py; auto: the experts' compute dtype)
+WIRE_DTYPES = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")  # distributed/process_group.py
 # How long a collective may wait for a peer: below a second the group's own start-up (the store's
 # rendezvous) times out before any peer could answer; beyond a week a hung peer is never reported,

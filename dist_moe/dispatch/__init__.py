@@ -7,6 +7,8 @@ pipeline.py       one exchange cut into chunks, experts working while later chun
 all_to_all.py     the all-to-alls themselves: split sizes, the agreement header, payloads
 apply_experts.py  the experts stage: each local expert on its slice of the pairs that arrived
 combine.py        the fixed-order sums the combine and the experts stage add through
+wire.py           the dtype rows travel in (parallel.wire_dtype)
+weight_casts.py   an engine's expert weights cast once per forward, not per chunk
 agree.py          every rank agrees that an exchange may run, or every rank raises the same error
 profiling.py      the profiler's named ranges around each stage and wait
 

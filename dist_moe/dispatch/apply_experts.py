@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dist_moe.dispatch.combine import row_places, sum_rows, take_rows
+from dist_moe.dispatch.combine import add_rows, gated, row_places, sum_rows, take_rows
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:
@@ -39,7 +39,7 @@ def apply_experts_in_order(experts, x: Tensor, pairs: tuple[Tensor, Tensor, Tens
     out = experts(take_rows(x, rows, places, per_row), sized, None if row_tags is None else row_tags[rows],
                   **weights)
     gates = take_rows(pair_gate, order, order, 1)  # a permutation: one gradient per gate
-    return sum_rows(out.float() * gates.float().unsqueeze(1), places, x.shape[0], per_row)
+    return sum_rows(gated(out, gates), places, x.shape[0], per_row)
 
 
 def apply_experts(experts, x: Tensor, pair_row: Tensor, pair_slot: Tensor, pair_gate: Tensor,
@@ -58,15 +58,15 @@ def apply_experts(experts, x: Tensor, pair_row: Tensor, pair_slot: Tensor, pair_
     rows, gates = pair_row[order], pair_gate[order]
     sized = slot_counts(experts, x, pair_slot, counts)
     out = experts(x[rows], sized, None if row_tags is None else row_tags[rows], **weights)
-    y = torch.zeros(x.shape[0], out.shape[1], dtype=torch.float32, device=x.device)
-    return y.index_add(0, rows, out.float() * gates.float().unsqueeze(1))
+    return add_rows(gated(out, gates), rows, x.shape[0])
 
 
 def slot_counts(experts, x: Tensor, pair_slot: Tensor, counts: list[int] | None = None) -> list[int] | Tensor:
     """Pairs per local expert slot, as ``experts`` take them: grouped experts a tensor counted on the
     device (bincount would read its max back on CUDA), a loop a list (``counts`` when the caller knows
-    them, else the one host read that sizing its slices takes)."""
-    if experts.grouped(x):
-        return torch.zeros(experts.num_experts, dtype=torch.long, device=x.device).scatter_add_(
-            0, pair_slot, torch.ones_like(pair_slot))
-    return counts if counts is not None else torch.bincount(pair_slot, minlength=experts.num_experts).tolist()
+    them, else that tensor read once: the one host read sizing its slices takes)."""
+    if counts is not None and not experts.grouped(x):
+        return counts
+    on_device = torch.zeros(experts.num_experts, dtype=torch.long, device=x.device).scatter_add_(
+        0, pair_slot, torch.ones_like(pair_slot))
+    return on_device if experts.grouped(x) else on_device.tolist()

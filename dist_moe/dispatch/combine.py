@@ -8,6 +8,10 @@ contribution gets a place of its own in a dense [rows, per_row, ...] buffer (a p
 two to one place) and each row's places are summed in order (``sum_rows``). ``take_rows`` is the
 gather whose backward is that sum. The same code runs on CPU and CUDA, forward and backward.
 
+``gated`` and ``add_rows`` are the product and the index_add sum of the other combine: the same numbers as
+``out.float() * gate`` and ``index_add``, saving for backward only what it needs in the dtype it came in
+(torch's index_add keeps its whole fp32 source, and ``out.float()`` an fp32 copy of bf16 outputs).
+
 The experts stage that sums through these is ``apply_experts.py``.
 """
 from __future__ import annotations
@@ -19,13 +23,16 @@ from torch import Tensor
 def row_places(index: Tensor, num_rows: int, per_row: int) -> Tensor:
     """Each contribution's place in the dense [num_rows * per_row] layout of ``sum_rows``: its row's
     block, at its rank among that row's contributions in their order here. A row may take at most
-    ``per_row`` (checked on the device: no host read)."""
+    ``per_row``: its callers' rows do by construction (a token's k pairs, its copies, one per destination),
+    which the CPU checks on every call; a GPU does not, since a device assert would end every later CUDA
+    call of the process."""
     order = torch.argsort(index, stable=True)
     counts = torch.zeros(num_rows, dtype=torch.long, device=index.device).scatter_add_(0, index, torch.ones_like(index))
     start = counts.cumsum(0) - counts
     rank = torch.empty_like(index)
     rank[order] = torch.arange(index.numel(), device=index.device) - start[index[order]]
-    torch._assert_async((rank < per_row).all(), "a row takes more contributions than per_row")
+    if index.device.type == "cpu":  # raises here at once: no device assert on a GPU
+        torch._assert_async((rank < per_row).all(), "a row takes more contributions than per_row")
     return index * per_row + rank
 
 
@@ -70,3 +77,40 @@ def take_rows(x: Tensor, index: Tensor, places: Tensor, per_row: int) -> Tensor:
     row's place, ``row_places(index, ...)`` or one the caller knows) where autograd's would
     accumulate them with atomics. A permutation or any distinct ``index`` is ``places=index, per_row=1``."""
     return _TakeRows.apply(x, index, places, per_row)
+
+
+class _Gated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out: Tensor, gate: Tensor):
+        ctx.save_for_backward(out, gate)
+        return out.float() * gate.float().unsqueeze(1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        out, gate = ctx.saved_tensors
+        grad_out = (grad * gate.float().unsqueeze(1)).to(out.dtype)
+        return grad_out, (grad * out.float()).sum(1).to(gate.dtype)
+
+
+class _AddRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, values: Tensor, index: Tensor, num_rows: int):
+        ctx.save_for_backward(index)
+        out = values.new_zeros((num_rows,) + tuple(values.shape[1:]))
+        return out.index_add_(0, index, values)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (index,) = ctx.saved_tensors
+        return grad.index_select(0, index), None, None
+
+
+def gated(out: Tensor, gate: Tensor) -> Tensor:
+    """fp32 ``out * gate[:, None]`` (an expert's outputs [pairs, H] by their gates [pairs]), keeping ``out`` for
+    backward in its own dtype (bf16 under autocast) rather than an fp32 copy."""
+    return _Gated.apply(out, gate)
+
+
+def add_rows(values: Tensor, index: Tensor, num_rows: int) -> Tensor:
+    """``zeros(num_rows, ...).index_add(0, index, values)`` (atomics on a GPU), keeping only ``index`` for backward."""
+    return _AddRows.apply(values, index, num_rows)

@@ -32,11 +32,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dist_moe.dispatch.all_to_all import Chunk, plan_hops
-from dist_moe.dispatch.apply_experts import apply_experts, apply_experts_in_order
+from dist_moe.dispatch.apply_experts import apply_experts, apply_experts_in_order, compute_dtype
 from dist_moe.dispatch.combine import take_rows
 from dist_moe.dispatch.contract import ExpertsContract, Routes, Tokens
-from dist_moe.dispatch.pipeline import PipelineRun, chunk_bounds, run_pipeline
+from dist_moe.dispatch.pipeline import PipelineRun, RowPolicy, chunk_bounds, run_pipeline
 from dist_moe.dispatch.profiling import profiled
+from dist_moe.dispatch.wire import check_wire_dtype, wire_dtype
 from dist_moe.distributed.groups import SUBGROUPS, WeakGroup
 from placement import Placement, Topology
 from placement.plan import DispatchPlan, Exchange, check_dedup
@@ -106,27 +107,26 @@ class LocalDispatch:
     def experts_and_combine(self, experts, shared: nn.Module | None = None) -> tuple[Tensor, Tensor | None]:
         """(y [T, H] each token's gated expert outputs summed, ``shared(h)`` or None)."""
         h, row_tags = self.tokens.h, self.tokens.row_tags
+        x = h.to(compute_dtype(h))  # cast once, before the rows are gathered k times
         expert_idx, gates = self.routing.expert_idx, self.routing.gates
         t, k = expert_idx.shape
-        if experts.grouped(h):  # grouped experts size their groups on the device: no host read in the local forward
-            token, expert, gate = every_slot_pairs(expert_idx, gates)
-            place = torch.arange(t * k, device=h.device)
-        else:
-            place, expert, gate = kept_pairs(expert_idx, gates)
-            token = place // k
+        # every slot a pair (a dropped one adds 0): their number is known without a host read; grouped experts
+        # size their groups on the device, a loop reads its counts once (slot_counts)
+        token, expert, gate = every_slot_pairs(expert_idx, gates)
+        place = torch.arange(t * k, device=h.device)
         slot = self.placement.slot_table(h.device)[expert]
         with profiled("experts"):
             if self.fixed_order:  # a token's k outputs summed in its routing's slot order (place t * k + j)
-                y = apply_experts_in_order(experts, h, (token, slot, gate), k, row_tags, places=place)
+                y = apply_experts_in_order(experts, x, (token, slot, gate), k, row_tags, places=place)
             else:  # index_add: with atomics on a GPU
-                y = apply_experts(experts, h, token, slot, gate, row_tags)
+                y = apply_experts(experts, x, token, slot, gate, row_tags)
         return y.to(h.dtype), None if shared is None else shared(h)  # y accumulated in fp32
 
 
 def make_dispatcher(group, placement: Placement, topology: Topology, dedup: str = "rank", timeout=None,
-                    fixed_order: bool = False):
+                    fixed_order: bool = False, wire_dtype: str = "auto"):
     """``ExpertParallelDispatcher`` over ``group`` when it has more than one rank, else ``LocalDispatcher``
-    (``fixed_order``: see there)."""
+    (``fixed_order``, ``wire_dtype``: see there; nothing travels locally)."""
     world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
     if world == 1:
         return LocalDispatcher(placement, fixed_order)
@@ -134,7 +134,7 @@ def make_dispatcher(group, placement: Placement, topology: Topology, dedup: str 
         # node groups are made collectively over the world's ranks: an EP group of part of it cannot make them
         raise ValueError(f"dedup='node' needs the expert-parallel group to be the whole world ({world} of "
                          f"{dist.get_world_size()} ranks); use dedup='rank'")
-    return ExpertParallelDispatcher(group, placement, topology, dedup, timeout, fixed_order)
+    return ExpertParallelDispatcher(group, placement, topology, dedup, timeout, fixed_order, wire_dtype)
 
 
 def node_subgroup(group, topology: Topology, timeout=None):
@@ -167,9 +167,10 @@ class ExpertParallelDispatcher:
     node_group = WeakGroup()
 
     def __init__(self, group, placement: Placement, topology: Topology, dedup: str = "rank", timeout=None,
-                 fixed_order: bool = False):
+                 fixed_order: bool = False, wire_dtype: str = "auto"):
         self.group = group
         self.fixed_order = fixed_order  # the pipeline's sums of rows (LocalDispatcher's)
+        self.wire_dtype = check_wire_dtype(wire_dtype)  # what rows travel in (wire.py)
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         topology.check_ranks(self.world)
@@ -237,7 +238,8 @@ class ExpertParallelDispatcher:
         parts = [(m.unsqueeze(1) if m.dim() == 1 else m).long() for m in (copy_meta, row_tags) if m is not None]
         meta = torch.cat(parts, 1) if parts else h.new_zeros((t, 0), dtype=torch.long)
         pair_expert, pair_gate = expert_idx.reshape(-1), gates.reshape(-1)
-        row_bytes = h.shape[1] * h.element_size()
+        wire = wire_dtype(self.wire_dtype, h)
+        row_bytes = h.shape[1] * wire.itemsize
         with profiled("plan"):  # the split sizes' exchange (its one host read) and the routing metadata's
             chunked: list = []
             for a, b in chunk_bounds(t, chunks):
@@ -249,7 +251,8 @@ class ExpertParallelDispatcher:
             self._record(first, 0, row_bytes, 8 * meta.shape[1])
         # node dedup's second hop is planned from the pairs the first delivers: while its payload crosses
         second = (lambda: self._second_hop(first, tag, row_bytes)) if self.dedup == "node" else None
-        return ExpertParallelDispatch(h, gates, first, second, slot_of, row_tags is not None, k, self.fixed_order)
+        return ExpertParallelDispatch(h, gates, first, second, slot_of, row_tags is not None,
+                                      RowPolicy(k, self.fixed_order, wire))
 
     def __call__(self, tokens: Tokens, routing: Routes, experts: ExpertsContract, chunks: int = 1,
                  shared: nn.Module | None = None) -> tuple[Tensor, Tensor | None]:
@@ -272,10 +275,10 @@ class ExpertParallelDispatch:
     """One forward's tokens with their routes delivered and the payload's hops planned; the payload
     itself has not moved yet."""
 
-    def __init__(self, h: Tensor, gates: Tensor, first: list, second, slot_of: Tensor, tagged: bool, top_k: int,
-                 fixed_order: bool):
+    def __init__(self, h: Tensor, gates: Tensor, first: list, second, slot_of: Tensor, tagged: bool,
+                 rows: RowPolicy):
         self.h, self.gates, self.first, self.second = h, gates, first, second
-        self.slot_of, self.tagged, self.top_k, self.fixed_order = slot_of, tagged, top_k, fixed_order
+        self.slot_of, self.tagged, self.rows = slot_of, tagged, rows
 
     def experts_and_combine(self, experts: ExpertsContract,
                             shared: nn.Module | None = None) -> tuple[Tensor, Tensor | None]:
@@ -283,7 +286,6 @@ class ExpertParallelDispatch:
         back: (y [T, H] summed per token, ``shared(h)`` or None; the shared experts run while the first
         chunks are in flight). The three overlap chunk by chunk inside one autograd node
         (``pipeline.py``), so the backward's collectives keep one order on every rank."""
-        run = PipelineRun(self.first, self.second, experts, self.slot_of, self.tagged, shared, self.top_k,
-                          self.fixed_order)
+        run = PipelineRun(self.first, self.second, experts, self.slot_of, self.tagged, shared, self.rows)
         y, shared_y = run_pipeline(run, self.h, self.gates)
         return y, None if shared is None else shared_y

@@ -18,6 +18,7 @@ from dist_moe.dispatch.agree import agree, agreed_routing
 from dist_moe.dispatch.contract import Dispatcher, Routes, Tokens
 from dist_moe.dispatch.dispatcher import make_dispatcher
 from dist_moe.dispatch.pipeline import check_chunks
+from dist_moe.dispatch.wire import check_wire_dtype
 from dist_moe.distributed.groups import WeakGroup
 from placement import Placement, Topology, Traffic
 from placement.plan import check_dedup
@@ -33,21 +34,25 @@ class ExchangeConfig:
     token's expert outputs, and the gradient rows of its copies, in a fixed order instead of with
     index_add, whose atomics on a GPU add them in any order: a rerun repeats bit for bit, for an extra
     pass over the [T * K, H] rows. ``timeout`` bounds the collectives of the groups the exchange
-    creates (node dedup's per-node groups; the main group's is set where it was created)."""
+    creates (node dedup's per-node groups; the main group's is set where it was created). ``wire_dtype``:
+    the dtype rows travel in (``wire.py``; auto: the dtype the experts compute in)."""
 
     dedup: str = "rank"
     pipeline_chunks: int = 1
     deterministic: bool = False
     timeout: datetime.timedelta | None = None
+    wire_dtype: str = "auto"
 
     def __post_init__(self):
         check_dedup(self.dedup)
+        check_wire_dtype(self.wire_dtype)
         check_chunks(self.pipeline_chunks)
 
     def build(self, group, placement: Placement, topology: Topology, agree_group=None,
               what: str = "this MoE layer") -> ExpertExchange:
         """The exchange over ``group`` (None: every expert on this rank, nothing exchanged)."""
-        dispatcher = make_dispatcher(group, placement, topology, self.dedup, self.timeout, self.deterministic)
+        dispatcher = make_dispatcher(group, placement, topology, self.dedup, self.timeout, self.deterministic,
+                                     self.wire_dtype)
         return ExpertExchange(dispatcher, self.pipeline_chunks, agree_group, what)
 
 

@@ -16,9 +16,13 @@ fixes rather than the autograd engine (two nodes could run their backward collec
 different order on different ranks). The node is always in the graph when grad mode is on (an
 anchor that requires grad): a rank whose inputs need no gradient still enters every backward
 collective its peers do. Every rank runs every chunk, empty or not, so all ranks issue the same
-collectives in the same order. Outputs and gradients accumulate in fp32 and are cast once.
+collectives in the same order. Rows travel in the wire dtype (the compute dtype by default: bf16 under
+autocast's bf16), in both directions, forward and backward, and are kept for backward in it; every sum
+(a copy's pairs, a token's copies, their gradients) accumulates in fp32 and is cast once.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -30,6 +34,8 @@ from dist_moe.dispatch.apply_experts import apply_experts, apply_experts_in_orde
 from dist_moe.dispatch.combine import row_places, sum_rows
 from dist_moe.dispatch.contract import ExpertsContract
 from dist_moe.dispatch.profiling import profiled
+from dist_moe.dispatch.weight_casts import one_cast_per_forward
+from dist_moe.distributed.collective_order import exchange_done, exchange_recorded
 
 
 def check_chunks(chunks) -> int:
@@ -51,16 +57,27 @@ def chunk_bounds(tokens: int, chunks: int) -> list[tuple[int, int]]:
     return bounds
 
 
+@dataclass(frozen=True)
+class RowPolicy:
+    """How an exchange's rows are summed and carried: ``fixed_order`` sums every row (a copy's pairs, a token's
+    copies, their gradients) in a fixed order (``combine.py``), each row taking at most ``top_k``, instead of
+    with index_add; ``wire`` is the dtype rows travel in (None: the rows' own)."""
+
+    top_k: int = 1
+    fixed_order: bool = False
+    wire: torch.dtype | None = None
+
+
 class PipelineRun:
     """One forward's hops and the per-chunk graphs its backward needs."""
 
     def __init__(self, first: list[Hop], second, experts: ExpertsContract, slot_of: Tensor, tagged: bool,
-                 side: nn.Module | None, top_k: int = 1, fixed_order: bool = False):
+                 side: nn.Module | None, rows: RowPolicy | None = None):
         """``second``: node dedup's second hops, or what plans them (called once the first hop's payload has
-        left), or None. ``fixed_order``: every sum of rows (a copy's pairs, a token's copies, their gradients) in a
-        fixed order (``combine.py``), each row taking at most ``top_k``, instead of with index_add."""
+        left), or None."""
         self.first, self.second = first, second
-        self.top_k, self.fixed_order = top_k, fixed_order
+        rows = rows or RowPolicy()
+        self.top_k, self.fixed_order, self.wire = rows.top_k, rows.fixed_order, rows.wire
         self.experts, self.slot_of, self.tagged, self.side = experts, slot_of, tagged, side
         # the trainable tensors the backward returns gradients for
         self.params: list[Tensor] = [p for p in experts.template().values() if p.requires_grad]
@@ -70,16 +87,19 @@ class PipelineRun:
         self.saved: list[Tensor] = []  # (h, side output) if a side; then per chunk (copies, gates, expert output)
 
     def forward(self, h: Tensor) -> tuple[Tensor, Tensor | None]:
-        dtype = h.dtype
+        dtype, wire = h.dtype, self.wire or h.dtype
+        self.compute = compute_dtype(h)  # what the experts compute in, whatever the rows travel in
         self.weights = self._weights(h)
-        sent = [hop.out(h[hop.copy_row]) for hop in self.first]
+        rows = h.to(wire)
+        sent = [hop.out(rows[hop.copy_row]) for hop in self.first]
         if callable(self.second):  # node dedup's second hop, planned while the first's payload is in flight
             with profiled("plan_inner"):
                 self.second = self.second()
         with profiled("shared_expert"):
             side = self._side(h)
-        back = self._each_chunk(sent, lambda hop, x: self._experts(x, hop), dtype,
-                                ("dispatch_wait", "dispatch_wait_inner", "combine_wait_inner"))
+        with one_cast_per_forward():  # an engine's experts cast their weights for the first chunk only
+            back = self._each_chunk(sent, lambda hop, x: self._experts(x, hop), wire,
+                                    ("dispatch_wait", "dispatch_wait_inner", "combine_wait_inner"))
         got = [_wait(pending, "combine_wait") for pending in back]
         with profiled("combine"):
             out = self._sum_rows(got, [hop.copy_row for hop in self.first], h.shape[0])
@@ -88,7 +108,7 @@ class PipelineRun:
     def _each_chunk(self, arrived: list, compute, dtype, waits: tuple) -> list:
         """Every chunk in turn: wait for its rows (``arrived``), run ``compute(hop, rows)`` on them (with
         node dedup, on the rows forwarded inside the node, whose results come back to this gateway),
-        and start the fp32 result back the way the rows came; returns those sends. With node dedup a
+        and start the result back the way the rows came, in ``dtype``; returns those sends. With node dedup a
         chunk's results from inside the node are waited for one chunk later, after this gateway has
         computed the next chunk, so the two gateways of a node do not wait on each other's experts for
         every chunk. ``waits`` name the waits: rows, rows inside the node, results inside the node."""
@@ -138,19 +158,21 @@ class PipelineRun:
         return {"weights": dict(zip(slots, self.leaves))}
 
     def _experts(self, x: Tensor, hop: Hop) -> Tensor:
-        """This rank's experts on one received chunk: one fp32 row per received copy."""
+        """This rank's experts on one received chunk: one row per received copy, summed in fp32 and kept
+        (with the rows) in the dtype they travel in."""
         tags = hop.copy_meta[:, -1] if self.tagged else None  # the last meta column holds row tags
         gate = hop.pair_gate
         if self.train:
             x, gate = x.detach().requires_grad_(), gate.detach().requires_grad_()
         with torch.set_grad_enabled(self.train), profiled("experts"):
-            slot = self.slot_of[hop.pair_expert]
+            slot, rows = self.slot_of[hop.pair_expert], x.to(self.compute)
             if self.fixed_order:  # a copy takes at most top_k pairs
-                y = apply_experts_in_order(self.experts, x, (hop.pair_copy, slot, gate), self.top_k, tags,
+                y = apply_experts_in_order(self.experts, rows, (hop.pair_copy, slot, gate), self.top_k, tags,
                                            counts=hop.expert_counts, **self.weights)
             else:
-                y = apply_experts(self.experts, x, hop.pair_copy, slot, gate, tags, counts=hop.expert_counts,
+                y = apply_experts(self.experts, rows, hop.pair_copy, slot, gate, tags, counts=hop.expert_counts,
                                   **self.weights)
+            y = y.to(x.dtype)
         if self.train:
             self.saved += [x, gate, y]
         return y.detach()
@@ -168,8 +190,8 @@ class PipelineRun:
 
     def backward(self, saved: tuple, grad_out: Tensor, grad_side: Tensor | None, h_shape, dtype,
                  gates_numel: int) -> tuple:
-        grad_out = grad_out.float()
-        returned = [hop.out(grad_out[hop.copy_row].to(dtype)) for hop in self.first]
+        wire = self.wire or dtype
+        returned = [hop.out(grad_out[hop.copy_row].to(wire)) for hop in self.first]
         side_saved, chunks = (saved[:2], saved[2:]) if self.side is not None else ((), saved)  # as _side saved
         inner = iter(zip(chunks[0::3], chunks[1::3], chunks[2::3]))
         # summed over the chunks in fp32 whatever the parameters' dtype (an engine's may be bf16), cast once at the end
@@ -185,7 +207,7 @@ class PipelineRun:
             gate_grads.append(gg)  # in chunk order
             return gx
 
-        sent_rows = self._each_chunk(returned, chunk_backward, dtype, ("backward.combine_wait",
+        sent_rows = self._each_chunk(returned, chunk_backward, wire, ("backward.combine_wait",
                                      "backward.combine_wait_inner", "backward.dispatch_wait_inner"))
         # gate gradients are 4 bytes a pair: each hop returns every chunk's in one all-to-all
         if self.second is not None:
@@ -226,7 +248,7 @@ def _expert_grads(saved, grad_y: Tensor, params: list[Tensor], param_grads: list
     ``param_grads`` (fp32, one buffer each, whatever dtype the chunk computed in)."""
     x, gate, y = saved
     with profiled("backward.experts"):
-        grads = torch.autograd.grad(y, [x, gate, *params], grad_y.float(), retain_graph=True, allow_unused=True)
+        grads = torch.autograd.grad(y, [x, gate, *params], grad_y.to(y.dtype), retain_graph=True, allow_unused=True)
     for acc, g in zip(param_grads, grads[2:]):
         if g is not None:
             acc += g
@@ -252,6 +274,7 @@ class _Pipelined(torch.autograd.Function):
             grad_out = torch.zeros(h_shape, dtype=dtype, device=ctx.run.slot_of.device)
         grad_h, grad_g, param_grads, side_grads = ctx.run.backward(ctx.saved_tensors, grad_out, grad_side, h_shape,
                                                                    dtype, g_shape.numel())
+        exchange_done(ctx.run)  # every collective of this backward issued and waited
         return None, None, grad_h, grad_g.reshape(g_shape).to(g_dtype), *param_grads, *side_grads
 
 
@@ -260,4 +283,6 @@ def run_pipeline(run: PipelineRun, h: Tensor, gates: Tensor) -> tuple[Tensor, Te
     run.train = torch.is_grad_enabled()
     anchor = torch.zeros((), device=h.device, requires_grad=run.train)
     outs = _Pipelined.apply(run, anchor, h, gates, *run.params, *run.side_params)
+    if run.train:  # its backward's collectives come before any gradient sum (collective_order.py)
+        exchange_recorded(run)
     return outs[0], (outs[1] if len(outs) > 1 else None)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from torch import Tensor
 
 from dist_moe.dispatch.contract import per_token
+from dist_moe.distributed.collective_order import through_exchanges
 from dist_moe.integrations.context import routing_context
 
 
@@ -23,5 +24,6 @@ def call_engine(run: Callable[[Tensor, Tensor | None], tuple[Tensor, Tensor]], x
     categories, token_ids = per_token(categories, x.shape, "categories"), per_token(token_ids, x.shape, "token_ids")
     padding = per_token(padding_mask, x.shape, "padding_mask")
     with routing_context(categories=categories, token_ids=token_ids):
-        y, aux = run(x.reshape(-1, x.shape[-1]), padding)
+        # the engine's own dispatcher exchanges in backward too: no gradient sum starts before them
+        y, aux = run(through_exchanges(x.reshape(-1, x.shape[-1])), padding)
     return y.reshape(x.shape), aux

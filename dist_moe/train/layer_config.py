@@ -15,7 +15,7 @@ def exchange_config(parallel: ParallelConfig, deterministic: bool) -> ExchangeCo
     """How a run's MoE layers exchange their tokens where dist-moe's dispatcher moves them (``parallel``,
     ``train.deterministic``); an auto chunk count starts at 1 until measured."""
     return ExchangeConfig(parallel.dedup, parallel.start_chunks, deterministic,
-                          datetime.timedelta(seconds=parallel.timeout_s))
+                          datetime.timedelta(seconds=parallel.timeout_s), parallel.wire_dtype)
 
 
 def layer_config(cfg: RunConfig, hidden: int, router: RouterConfig | dict) -> MoELayerConfig:

@@ -35,6 +35,7 @@ from dist_moe.config.choices import (
     PRECISIONS,
     SHARED_EXPERT_ENGINES,
     SHARED_EXPERT_HIDDEN,
+    WIRE_DTYPES,
 )
 from dist_moe.config.choices import MEGATRON_DISPATCHERS as DISPATCHERS
 from dist_moe.config.types import fits, hints, kinds, optional, wanted
@@ -89,8 +90,8 @@ class ParallelConfig:
     dedup: str = one_of("rank", DEDUP_MODES)
     # who moves an engine's tokens (engine deepspeed or megatron; engine torch is dist-moe's own): dist_moe
     # (dist-moe's dispatcher: dedup, pipeline_chunks), engine (the engine's own: DeepSpeed's all-to-all, Megatron's
-    # alltoall, or Megatron's allgather by that name), or auto: dist_moe when dedup is node or pipeline_chunks > 1,
-    # else the engine's own, which sends one copy per selected expert
+    # alltoall, or Megatron's allgather by that name), or auto: dist_moe when dedup is node, pipeline_chunks > 1
+    # or wire_dtype is named, else the engine's own, which sends one copy per selected expert
     dispatcher: str = one_of("auto", DISPATCHER_CHOICES)
     # ranks per expert-parallel group: each MoE layer's experts are shared out over ep_size ranks, and the world
     # holds world / ep_size replicas of them, whose gradients are summed; null: the world (no replicas)
@@ -109,15 +110,19 @@ class ParallelConfig:
     # measure C in chunk_tuning.CANDIDATES where a node boundary is crossed, and the run keeps the fastest
     pipeline_chunks: int | str = key(1, f"an int in [1, {MAX_PIPELINE_CHUNKS}] or auto",
                                      lambda v: v == "auto" if isinstance(v, str) else 1 <= v <= MAX_PIPELINE_CHUNKS)
+    # the dtype token rows travel in through dist-moe's dispatcher (both ways, forward and backward); auto: the
+    # dtype the experts compute in (bf16 under train.precision bf16), fp32 or bf16 to name one
+    wire_dtype: str = one_of("auto", WIRE_DTYPES)
 
     def dispatches(self, engine: str) -> bool:
         """Whether ``engine``'s MoE layers exchange through dist-moe's dispatcher (which dedups by node and
         pipelines chunks) rather than the engine's own: always for torch; for deepspeed and megatron,
         ``dispatcher`` dist_moe, or auto when this section asks for what only dist-moe's dispatcher does
-        (node dedup, pipelined chunks; auto chunks measure where dist-moe's dispatcher runs anyway)."""
+        (node dedup, pipelined chunks, a named wire dtype; auto chunks measure where dist-moe's dispatcher
+        runs anyway)."""
         if engine == "torch":
             return True
-        asked = self.pipeline_chunks not in (1, "auto")
+        asked = self.pipeline_chunks not in (1, "auto") or self.wire_dtype != "auto"
         return self.dispatcher == "dist_moe" or (self.dispatcher == "auto" and (self.dedup == "node" or asked))
 
     @property
@@ -395,6 +400,9 @@ def _check_engine_dispatch(cfg: RunConfig) -> None:
     if parallel.dedup == "node":  # the engines' own dispatchers send one copy per (token, expert)
         raise ValueError(f"parallel.dedup=node is dist-moe's dispatcher's ({key_}: dist_moe or auto); {key_}: "
                          f"{choice} sends one copy per (token, expert)")
+    if parallel.wire_dtype != "auto":  # the engines' own dispatchers send the activations' dtype
+        raise ValueError(f"parallel.wire_dtype={parallel.wire_dtype} sets what dist-moe's dispatcher sends ({key_}: "
+                         f"dist_moe); {key_}: {choice} exchanges in the engine's own dtype: set it to auto")
 
 
 def _move_dispatcher_keys(d: dict, warn: bool) -> dict:

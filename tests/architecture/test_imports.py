@@ -117,10 +117,10 @@ def test_routing_is_pure_tensor_math():
 
 # dispatch/ is the exchange and nothing else
 EXCHANGE = {"__init__", "contract", "exchange", "dispatcher", "pipeline", "all_to_all", "apply_experts", "combine",
-            "agree", "profiling"}
+            "agree", "profiling", "wire", "weight_casts"}
 # what the exchange and the process-group package may import of dist_moe: themselves and what lies below them
 BELOW = {"dist_moe.dispatch": ("dist_moe.dispatch", "dist_moe.distributed.groups", "dist_moe.distributed.reductions",
-                               "dist_moe.config", "dist_moe.errors"),
+                               "dist_moe.distributed.collective_order", "dist_moe.config", "dist_moe.errors"),
          "dist_moe.distributed": ("dist_moe.distributed", "dist_moe.config", "dist_moe.errors")}
 # where torch.distributed is imported: the exchange, process groups and devices, the trainer's gradient sums,
 # expert groups and checkpoints, the engines' own groups, and the one placement module that needs a cluster

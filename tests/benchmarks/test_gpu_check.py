@@ -1,5 +1,6 @@
 """benchmarks/gpu_check.py in its --cpu mode (CUDA mapped to the CPU): the expert-parallel checks
-pass on one gloo rank, and a tensor built from Python data in the dispatch plan fails the sync
+pass on one gloo rank (and the multi-rank one on two), as do the local path's sync count, the grouped GEMM's
+edges and the wire's bytes; and a tensor built from Python data in the dispatch plan fails the sync
 check, naming the line (on a GPU the same build raises under set_sync_debug_mode("error"))."""
 from tests.support.dist_utils import run_workers
 
@@ -13,7 +14,11 @@ def _worker(rank, world):
     cpu = torch.device("cpu")
     gpu_check.ep_sync(cpu)
     gpu_check.ep_fp32(cpu)
-    assert [r["status"] for r in gpu_check.RESULTS] == ["PASS", "PASS"], gpu_check.RESULTS
+    gpu_check.local_sync(cpu)
+    gpu_check.grouped_edges(cpu)
+    gpu_check.wire_bytes(cpu)
+    gpu_check.ep_two_ranks(cpu)
+    assert [r["status"] for r in gpu_check.RESULTS] == ["PASS"] * 6, gpu_check.RESULTS
 
     original = DispatchPlan.build.__func__
 

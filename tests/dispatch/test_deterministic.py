@@ -208,3 +208,25 @@ def test_no_float_accumulation_in_a_deterministic_expert_parallel_layer_on_every
     for rank in range(4):
         found = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert not found, f"rank {rank}: float accumulations by index: {found}"
+
+
+def test_a_row_over_its_places_raises_on_the_cpu_and_asserts_nothing_on_a_device():
+    """row_places' bound (a row takes at most per_row) holds by construction; the CPU checks it on every call,
+    another device issues no device assert (it would end every later CUDA call of the process)."""
+    index = torch.tensor([0, 1, 1, 1])
+    assert row_places(index, 2, 3).tolist() == [0, 3, 4, 5]
+    with pytest.raises(RuntimeError, match="more contributions than per_row"):
+        row_places(index, 2, 2)
+
+    class Asserts(TorchDispatchMode):
+        devices: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "_assert_async" in str(func.overloadpacket):
+                self.devices.append(args[0].device.type)
+            return func(*args, **(kwargs or {}))
+
+    with Asserts() as asserts:
+        row_places(index.to("meta"), 2, 2)  # over its places: a device raises nothing
+        row_places(index, 2, 3)
+    assert asserts.devices == ["cpu"]

@@ -12,6 +12,8 @@ checks its own outputs and every gradient it holds.
 import zlib
 
 import pytest
+import torch
+from torch.overrides import TorchFunctionMode
 
 from tests.support.dist_utils import run_cases
 
@@ -60,6 +62,20 @@ def _check(tag, rank, y, gx, grads, bf16_run, fp32_run) -> None:
           f"{from_fp32:.1e} to its fp32 run", flush=True)
     assert all(e < BF16_TOL for e in errors.values()), (rank, tag, errors)
     assert from_fp32 > BF16_FLOOR, (rank, tag, "computed in fp32", from_fp32)
+
+
+class _StackedWeightCasts(TorchFunctionMode):
+    """Counts fp32 -> bf16 casts of [E, in, out] stacked expert weights."""
+
+    count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is torch.Tensor.to and args[0].dim() == 3 and args[0].dtype == torch.float32 \
+                and getattr(out, "dtype", None) == torch.bfloat16:
+            self.count += 1
+        return out
 
 
 def _megatron_worker(rank, world):
@@ -111,7 +127,10 @@ def _megatron_worker(rank, world):
         for tag, layer in layers.items():
             layer.load_state_dict(state)
             # the engine's bf16: fp32 weights (Adam's master copy), the forward under autocast (Runtime.compute)
-            y, gx, grads = run(layer, autocast=True)
+            with _StackedWeightCasts() as casts:
+                y, gx, grads = run(layer, autocast=True)
+            if tag.startswith("dist_moe"):  # fc1 and fc2 cast once per forward, however many chunks
+                assert casts.count == 2, (rank, tag, casts.count)
             assert all(p.dtype == torch.float32 for p in layer.parameters())
             _check(f"megatron {tag}", rank, y, gx, grads, bf16_run, fp32_run)
     finally:

@@ -113,6 +113,11 @@ def test_plan_cli_prints_json_and_a_plot_and_names_bad_values(tmp_path, capsys):
     assert hidden["contiguous", "rank", 4] < hidden["contiguous", "rank", 1]
     node = {(r["placement"], r["dedup"]): r["bytes_per_token_by_level"]["node"] for r in out["rows"]}
     assert node["contiguous", "node"] < node["contiguous", "rank"] <= node["contiguous", "none"]
+    # the layer's activations for backward: bf16 rows (2 x copies x H on the wire, 2 x pairs x H and SwiGLU's
+    # 4 x pairs x F in the experts), per pair its gate and indices, per token the router's E probabilities
+    pairs = 512 * 4
+    assert out["activation_bytes_per_layer"] == 2 * pairs * 1024 * 2 + pairs * (2 * 1024 + 4 * 512) * 2 \
+        + pairs * 36 + 512 * 64 * 4
     for bad, word in ((["--link", "node=fast"], "'fast'"), (["--link", "pod=1GB/s"], "'pod'"),
                       (["--top-k", "99"], "--top-k 99"), (["--dtype", "int4"], "'int4'"), (["--ep", "3"], "--ep 3"),
                       (["--pipeline-chunks", "0"], "'0'"), (["--overlap", "1.5"], "--overlap")):

@@ -21,7 +21,8 @@ LAYER_KEYS = {"ffn_hidden_size": ("model.ffn_hidden_size", 48), "capacity_factor
               "shared_expert_hidden": ("model.shared_expert_hidden", 16), "expert_type": ("model.expert_type", "lora"),
               "lora_rank": ("model.lora_rank", 4), "lora_alpha": ("model.lora_alpha", 2.0)}
 EXCHANGE_KEYS = {"dedup": ("parallel.dedup", "node"), "pipeline_chunks": ("parallel.pipeline_chunks", 3),
-                 "deterministic": ("train.deterministic", True), "timeout": ("parallel.timeout_s", 77.0)}
+                 "deterministic": ("train.deterministic", True), "timeout": ("parallel.timeout_s", 77.0),
+                 "wire_dtype": ("parallel.wire_dtype", "bf16")}
 GIVEN_BY_THE_MODEL = {"hidden_size", "router"}
 
 

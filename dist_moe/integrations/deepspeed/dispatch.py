@@ -24,6 +24,7 @@ import dist_moe.integrations.deepspeed.patches as deepspeed_patches
 from dist_moe.dispatch.apply_experts import compute_dtype
 from dist_moe.dispatch.contract import Tokens
 from dist_moe.dispatch.exchange import ExchangeConfig, ExpertExchange
+from dist_moe.dispatch.weight_casts import cast_weight
 from dist_moe.integrations.stacked import grouped_mm, stack_in_place, stacked_alias, stacked_view
 from dist_moe.moe.cluster import bind_to_topology
 from dist_moe.moe.experts import SingleExpert, grouped_ok, offsets
@@ -91,7 +92,7 @@ class DeepSpeedExperts:
         if torch.is_tensor(counts):  # grouped: SingleExpert's math over [E, in, out] stacked weights
             dtype = compute_dtype(x)  # autocast's, which F.grouped_mm does not apply itself; else x's
             x = x.to(dtype)
-            w = {name: stacked_view([getattr(e, name) for e in self._inner]).squeeze(1).to(dtype)
+            w = {name: cast_weight(stacked_view([getattr(e, name) for e in self._inner]).squeeze(1), dtype)
                  for name in self._slots()}
             offs = offsets(counts.to(x.device))
             if "w_gate" in w:

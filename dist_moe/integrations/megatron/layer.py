@@ -26,6 +26,7 @@ from torch import Tensor
 import dist_moe.integrations.megatron.patches as megatron_patches
 from dist_moe.dispatch.apply_experts import compute_dtype
 from dist_moe.dispatch.exchange import ExchangeConfig
+from dist_moe.dispatch.weight_casts import cast_weight
 from dist_moe.integrations.megatron.router import DistMoERouter
 from dist_moe.integrations.stacked import grouped_mm, stack_in_place, stacked_alias, stacked_view
 from dist_moe.moe.cluster import bind_to_topology
@@ -90,7 +91,7 @@ class MegatronExperts:
             # autocast's dtype (train.precision bf16), which F.grouped_mm does not apply itself: the
             # GEMMs in bf16, as Megatron's linear layers run them under autocast or Float16Module
             dtype = compute_dtype(x)
-            x, (fc1, fc2) = x.to(dtype), (w.to(dtype) for w in weights)
+            x, (fc1, fc2) = x.to(dtype), (cast_weight(w, dtype) for w in weights)
             offs = offsets(counts.to(x.device))
             h = grouped_mm(x, fc1, offs)
             if self.experts.config.gated_linear_unit:  # Megatron's glu: activation(first half) * second half

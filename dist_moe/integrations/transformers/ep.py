@@ -29,6 +29,7 @@ from torch import Tensor
 
 from dist_moe.dispatch.apply_experts import compute_dtype
 from dist_moe.dispatch.exchange import ExchangeConfig
+from dist_moe.dispatch.weight_casts import cast_weight
 from dist_moe.integrations.stacked import grouped_mm
 from dist_moe.moe.chosen import ChosenRouter, chosen_route, chosen_tokens
 from dist_moe.moe.experts import grouped_ok, offsets
@@ -146,7 +147,7 @@ class StackedExperts:
         weights = self._weights()
         dtype = compute_dtype(x)
         if weights is not None and grouped_ok(x, list(weights), dtype):
-            x, (up, down) = x.to(dtype), (w.to(dtype) for w in weights)
+            x, (up, down) = x.to(dtype), (cast_weight(w, dtype) for w in weights)
             offs = offsets(counts)
             rows = None
             h = grouped_mm(x, up, offs)

@@ -6,7 +6,10 @@ order (the order backward reaches them); a post-accumulate-grad hook counts each
 and starts its all-reduce, asynchronously, once all have arrived, always in bucket order so every
 rank issues the same collectives in the same order. ``finish`` (after backward) starts any bucket a
 gradient never reached (zeros), waits, and writes the sums back. The sums run on a process group of
-their own, so they never interleave with the expert-parallel exchanges that backward also runs.
+their own, and start only once every exchange of the step has run its backward, in one order on every
+rank (``distributed/collective_order.py``): a sum started between two exchanges on one rank and after
+them on another would deadlock NCCL with one connection. A second ``OverlappedGradSum`` chained
+``after`` a first starts its buckets once the first has started all of its own.
 DDP itself would hold its group strongly past ``destroy_process_group`` (``groups.py`` says why
 dist-moe never does) and would need every forward to pass through its wrapper.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dist_moe.distributed.collective_order import exchanges_pending
 from dist_moe.distributed.groups import WeakGroup
 from dist_moe.train.step.grads import BUCKET_BYTES
 
@@ -37,8 +41,12 @@ class OverlappedGradSum:
 
     group = WeakGroup()  # held weakly (groups.py)
 
-    def __init__(self, params: list, make_group, bucket_bytes: int = BUCKET_BYTES):
+    def __init__(self, params: list, make_group, bucket_bytes: int = BUCKET_BYTES, after=None):
         self.make_group, self._made = make_group, False  # made at the first arm: GAR's runs never arm
+        self.after: OverlappedGradSum | None = after  # starts nothing until that one has started everything
+        self.then: OverlappedGradSum | None = None
+        if after is not None:
+            after.then = self
         self.buckets = _buckets(list(reversed(params)), bucket_bytes)
         self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self.armed = False
@@ -58,8 +66,17 @@ class OverlappedGradSum:
         if not self.armed:
             return
         self.waiting[self.bucket_of[id(p)]] -= 1
+        self._start_ready()
+
+    def _start_ready(self) -> None:
+        """Start the ready buckets, in order, unless an exchange's backward is still to come or the sum
+        this one follows has buckets left to start."""
+        if exchanges_pending() or (self.after is not None and self.after.next < len(self.after.buckets)):
+            return
         while self.next < len(self.buckets) and self.waiting[self.next] == 0:
             self._start(self.next)
+        if self.next == len(self.buckets) and self.then is not None and self.then.armed:
+            self.then._start_ready()
 
     def _start(self, i: int) -> None:
         bucket = self.buckets[i]

@@ -52,7 +52,8 @@ class LocalStepper:
         if experts is not None:
             self.norm_group = experts.ep
             if own:
-                self.replica_sum = OverlappedGradSum(own, experts.new_replica_group)
+                self.replica_sum = OverlappedGradSum(own, experts.new_replica_group,
+                                                     after=self.sums[0] if self.sums else None)
                 self.sums.append(self.replica_sum)
 
     def __call__(self, loss: torch.Tensor) -> torch.Tensor:
