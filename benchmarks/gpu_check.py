@@ -594,43 +594,49 @@ def wire_bytes(device):
 
 
 def _two_rank_worker(rank: int, world: int, device_type: str, store: str, out: str) -> None:
-    """One rank of the multi-rank check: the EP layer on its share of the tokens against one process holding
-    every expert on all of them (the same weights), for rank and node dedup, 1 and 3 chunks."""
-    from placement import Topology
-
+    """One rank of the multi-rank check, joining its group (NCCL on its GPU, gloo on the CPU)."""
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}", rank=rank,
                             world_size=world)
-    worst = 0.0
     try:
-        for dedup, chunks in (("rank", 1), ("rank", 3), ("node", 1), ("node", 3)):
-            torch.manual_seed(0)
-            cfg = {"type": "switch", "num_experts": 8, "top_k": 2, "jitter_eps": 0.0}
-            ref = MoELayer(H, F, dict(cfg), capacity_factor=None).to(device)
-            ep = MoELayer(H, F, dict(cfg), capacity_factor=None, group=dist.group.WORLD, dedup=dedup,
-                          pipeline_chunks=chunks, topology=Topology(("node", "gpu"), (2, world // 2))).to(device)
-            ep.router.load_state_dict(ref.router.state_dict())
-            for name, p in ep.experts.named_parameters():
-                p.data.copy_(getattr(ref.experts, name).data[ep.local_expert_ids])
-            g = torch.Generator().manual_seed(1)
-            x_all, w_all = (torch.randn(world * T, H, generator=g).to(device) for _ in range(2))
-            mine = slice(rank * T, (rank + 1) * T)
-            x_ref = x_all.clone().requires_grad_()
-            (ref(x_ref)[0] * w_all).sum().backward()
-            x = x_all[mine].clone().requires_grad_()
-            y, _ = ep(x)
-            (y * w_all[mine]).sum().backward()
-            pairs = [(y, ref(x_all)[0][mine]), (x.grad, x_ref.grad[mine])]
-            pairs += [(p.grad, getattr(ref.experts, n).grad[ep.local_expert_ids])
-                      for n, p in ep.experts.named_parameters()]
-            for a, b in pairs:
-                worst = max(worst, _relative(a, b))
-        assert worst <= TOLERANCE[torch.float32], f"rank {rank}: worst {worst:.2e}"
+        worst = ranks_equal_one_process(rank, world, device)
     finally:
         dist.destroy_process_group()
     Path(out, f"rank{rank}").write_text(f"{worst:.2e}")
+
+
+def ranks_equal_one_process(rank: int, world: int, device: torch.device) -> float:
+    """The EP layer on this rank's share of the tokens against one process holding every expert on all of
+    them (the same weights), for rank and node dedup, 1 and 3 chunks: the worst relative difference."""
+    from placement import Topology
+
+    worst = 0.0
+    for dedup, chunks in (("rank", 1), ("rank", 3), ("node", 1), ("node", 3)):
+        torch.manual_seed(0)
+        cfg = {"type": "switch", "num_experts": 8, "top_k": 2, "jitter_eps": 0.0}
+        ref = MoELayer(H, F, dict(cfg), capacity_factor=None).to(device)
+        ep = MoELayer(H, F, dict(cfg), capacity_factor=None, group=dist.group.WORLD, dedup=dedup,
+                      pipeline_chunks=chunks, topology=Topology(("node", "gpu"), (2, world // 2))).to(device)
+        ep.router.load_state_dict(ref.router.state_dict())
+        for name, p in ep.experts.named_parameters():
+            p.data.copy_(getattr(ref.experts, name).data[ep.local_expert_ids])
+        g = torch.Generator().manual_seed(1)
+        x_all, w_all = (torch.randn(world * T, H, generator=g).to(device) for _ in range(2))
+        mine = slice(rank * T, (rank + 1) * T)
+        x_ref = x_all.clone().requires_grad_()
+        (ref(x_ref)[0] * w_all).sum().backward()
+        x = x_all[mine].clone().requires_grad_()
+        y, _ = ep(x)
+        (y * w_all[mine]).sum().backward()
+        pairs = [(y, ref(x_all)[0][mine]), (x.grad, x_ref.grad[mine])]
+        pairs += [(p.grad, getattr(ref.experts, n).grad[ep.local_expert_ids])
+                  for n, p in ep.experts.named_parameters()]
+        for a, b in pairs:
+            worst = max(worst, _relative(a, b))
+    assert worst <= TOLERANCE[torch.float32], f"rank {rank}: worst {worst:.2e}"
+    return worst
 
 
 @check("ep ranks: expert parallelism over 2 or 4 GPUs (NCCL; rank and node dedup, 1 and 3 chunks) equals one process")

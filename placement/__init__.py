@@ -10,10 +10,10 @@ from placement.locality import busiest, node_share, random_pair_tree_distance, t
 from placement.placement import Placement, cut_weight
 from placement.plan import DispatchPlan
 from placement.topology import Topology
-from placement.traffic import Traffic, dispatch_traffic
+from placement.traffic import Traffic, dispatch_traffic, wire_row_bytes
 
 __all__ = [
     "Topology", "Placement", "Traffic", "dispatch_traffic", "tree_distance", "random_pair_tree_distance", "node_share",
     "busiest", "CostModel", "LevelCost", "fit_level", "cut_weight", "DispatchPlan",
-    "check_output_file", "parse_yaml", "read_npz", "read_yaml", "write_atomic", "yaml_problem",
+    "check_output_file", "parse_yaml", "read_npz", "read_yaml", "write_atomic", "yaml_problem", "wire_row_bytes",
 ]

@@ -30,8 +30,9 @@ from placement.placement import Placement
 from placement.plan import DEDUP_MODES, DispatchPlan
 from placement.simulate import check_memory
 from placement.topology import Topology
+from placement.traffic import DTYPE_BYTES, wire_row_bytes
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+WIRES = ("fp32", "bf16", "fp8")  # what a dispatcher's rows travel in (dist_moe's parallel.wire_dtype)
 PLACEMENTS = NAMED  # every named placement, compared side by side
 # The most of each shape value: far above any model (hidden sizes are thousands, MoE layers about a
 # hundred), and low enough that bytes and seconds stay finite floats whatever the link rates.
@@ -62,7 +63,7 @@ class ModelShape:
 
     @property
     def token_bytes(self) -> int:
-        return self.hidden * DTYPE_BYTES[self.dtype]
+        return wire_row_bytes(self.hidden, self.dtype)
 
     def expert_seconds(self, tflops: float) -> float:
         """Forward + backward of one layer's expert matmuls on one rank."""
@@ -165,7 +166,12 @@ def group_forecast(shape: ModelShape, group: Topology, routing=None, tflops: flo
             for c in chunks:
                 layer = group.cost.layer_time(hop_s, out["expert_seconds"], c)
                 out["rows"].append({"placement": kind, "dedup": dedup, "chunks": c,
-                                    "bytes_per_token_by_level": bytes_per_token, "exchange_seconds": exchange,
+                                    "bytes_per_token_by_level": bytes_per_token,
+                                    "bytes_per_token_by_wire": {w: {name: v / shape.token_bytes
+                                                                    * wire_row_bytes(shape.hidden, w)
+                                                                    for name, v in bytes_per_token.items()}
+                                                                for w in WIRES},
+                                    "exchange_seconds": exchange,
                                     "step_seconds": shape.layers * layer["layer_s"],
                                     "comm_share": min(layer["exchange_s"] / layer["layer_s"], 1.0)})
     return out

@@ -1,6 +1,6 @@
 """Exact byte accounting of expert-parallel dispatch (the byte rules below).
 
-Payload only: ``token_bytes = hidden_size * element_size``; routing metadata is
+Payload only: ``token_bytes = wire_row_bytes(hidden_size, wire dtype)``; routing metadata is
 counted separately by the dispatcher and never mixed in. The counting runs on the
 dispatcher's own plan (``placement.plan``), so the rules below are written once. Bytes that stay on
 their source rank are not counted. The combine direction carries the same
@@ -24,6 +24,15 @@ from torch import Tensor
 from placement.placement import Placement
 from placement.plan import DEDUP_MODES, DispatchPlan
 from placement.topology import Topology
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+FP8_GROUP = 128  # values of a row per fp32 scale on an fp8 wire
+
+
+def wire_row_bytes(hidden: int, dtype: str) -> int:
+    """Bytes one token copy of ``hidden`` values takes on a wire of ``dtype``: fp8's e4m3 values carry one
+    fp32 scale per 128 of them (a shorter last group where 128 does not divide ``hidden``)."""
+    return hidden + 4 * -(-hidden // FP8_GROUP) if dtype == "fp8" else hidden * DTYPE_BYTES[dtype]
 
 __all__ = ["DEDUP_MODES", "Traffic", "dispatch_traffic"]
 

@@ -21,7 +21,7 @@ from placement import check_output_file
 from placement.activations import activation_bytes
 from placement.cost import in_bounds, in_range
 from placement.files import replacing
-from placement.forecast import DTYPE_BYTES, PLACEMENTS, ModelShape, forecast
+from placement.forecast import DTYPE_BYTES, PLACEMENTS, WIRES, ModelShape, forecast
 from placement.layouts import price_layouts
 from placement.simulate import RoutingRecord
 
@@ -165,13 +165,17 @@ def run(args) -> int:
           + (" (uncalibrated: pipelining hides nothing, so C > 1 rows equal C = 1 plus their extra collectives' "
              "latency; set it with --overlap or a topology YAML from dist-moe calibrate)"
              if topo.cost.overlap == 0 else ""))
+    top = levels[0]  # the slowest link's bytes on each wire dtype
     print(f"{'placement':<12}{'dedup':<6}{'C':>3}" + "".join(f"{lv + ' B/token':>15}" for lv in levels)
-          + f"{'exchange ms':>13}{'step ms':>11}{'comm':>7}")
+          + "".join(f"{top + ' ' + w:>11}" for w in WIRES) + f"{'exchange ms':>13}{'step ms':>11}{'comm':>7}")
     for r in out["rows"]:
         cells = "".join(f"{r['bytes_per_token_by_level'][lv]:>15.1f}" for lv in levels)
-        print(f"{r['placement']:<12}{r['dedup']:<6}{r['chunks']:>3}{cells}{1e3 * r['exchange_seconds']:>13.3f}"
+        wires = "".join(f"{r['bytes_per_token_by_wire'][w][top]:>11.1f}" for w in WIRES)
+        print(f"{r['placement']:<12}{r['dedup']:<6}{r['chunks']:>3}{cells}{wires}{1e3 * r['exchange_seconds']:>13.3f}"
               f"{1e3 * r['step_seconds']:>11.2f}{100 * r['comm_share']:>6.0f}%")
-    print(f"exchange ms = one exchange, of the 4 per layer per step; step = {shape.layers} MoE layer(s) x "
+    print(f"{top} fp32/bf16/fp8 = the {top} B/token column on each wire dtype (parallel.wire_dtype; fp8: e4m3 "
+          f"values and one fp32 scale per 128); exchange ms = one exchange, of the 4 per layer per step; "
+          f"step = {shape.layers} MoE layer(s) x "
           f"(4 exchanges + experts, C > 1 overlapped); comm = the exchanges' share of the layer; planned in "
           f"{out['seconds_to_plan']} s" + (f"; plot: {args.plot}" if args.plot else ""))
     for note in why_rows_agree(out["rows"], shape.experts, out["ep"], args.routing):

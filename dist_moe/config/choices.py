@@ -15,7 +15,7 @@ SHARED_EXPERT_ENGINES = ("torch",)
 MEGATRON_EXPERT_KINDS = ("swiglu", "gelu")
 MEGATRON_DISPATCHERS = ("alltoall", "allgather")  # Megatron's own token dispatchers (integrations/megatron)
 # the dtype an exchange's rows travel in (dispatch/wire.py; auto: the experts' compute dtype)
-WIRE_DTYPES = ("auto", "fp32", "bf16")
+WIRE_DTYPES = ("auto", "fp32", "bf16", "fp8")
 DEVICES = ("auto", "cpu", "cuda")  # distributed/process_group.py
 # How long a collective may wait for a peer: below a second the group's own start-up (the store's
 # rendezvous) times out before any peer could answer; beyond a week a hung peer is never reported,

@@ -274,22 +274,24 @@ def _counts(chunk: Chunk, expert_slot: Tensor, num_local: int) -> Tensor:
 
 
 def plan_hops(group, chunks: list[Chunk], expert_slot: Tensor, num_local: int, tag: int = 0,
-              problem: Tensor | None = None) -> list[Hop]:
+              problem: Tensor | None = None, wire: int = 0) -> list[Hop]:
     """The plan phase of one exchange over ``group`` for every chunk: one host read in all.
 
     ``expert_slot`` [E] maps an expert to its slot on its rank (``num_local`` slots per rank), so
-    each destination learns from the header how many pairs each of its experts gets.
+    each destination learns from the header how many pairs each of its experts gets. ``wire``: the code of
+    what this rank's rows travel in (``wire.Wire.code``), which every rank must send alike.
     """
     w, device = chunks[0].hop.num_dst, chunks[0].pair_row.device
     code = problem.reshape(1).long() if problem is not None else torch.zeros(1, dtype=torch.long, device=device)
-    header = torch.cat([torch.full((1,), tag, dtype=torch.long, device=device), code]).expand(w, 2)
+    header = torch.cat([torch.full((1,), tag, dtype=torch.long, device=device), code,
+                        torch.full((1,), wire, dtype=torch.long, device=device)]).expand(w, 3)
     counts = torch.cat([_counts(c, expert_slot, num_local) for c in chunks] + [header], 1).contiguous()
     got = torch.empty_like(counts)
     with WAITS.timing(device):
         dist.all_to_all_single(got, counts, group=group)
         both = torch.stack([counts, got])  # [2, W, chunks * width + 2]
         sent_rows, got_rows = read_to_host(both)  # the exchange's one host read
-    check_headers([r[-2] for r in got_rows], [r[-1] for r in got_rows], tag)
+    check_headers([r[-3] for r in got_rows], [r[-2] for r in got_rows], tag, wires=[r[-1] for r in got_rows])
     width = 2 + num_local
     buffers: list = []
     kept: list = []

@@ -137,6 +137,7 @@ class CountsBytes(Protocol):
     topology: object  # placement.Topology
     placement: object  # placement.Placement
     dedup: str
+    exchange: object  # dispatch.exchange.ExpertExchange: its dispatcher's row_bytes, what one copy sent
 
     @property
     def traffic(self):

@@ -73,6 +73,7 @@ class LocalDispatcher:
 
     exchanges = False
     rank = 0
+    row_bytes = None  # nothing is sent
     metadata_bytes = 0
 
     def __init__(self, placement: Placement, fixed_order: bool = False):
@@ -184,6 +185,7 @@ class ExpertParallelDispatcher:
         self.g = topology.ranks_per_node
         self.node_group = node_subgroup(group, topology, timeout) if self.dedup == "node" else None
         self.calls = 0
+        self.row_bytes: int | None = None  # bytes of one dispatched row at the last forward (its wire's)
         self.reset_traffic()
 
     def reset_traffic(self) -> None:
@@ -239,7 +241,7 @@ class ExpertParallelDispatcher:
         meta = torch.cat(parts, 1) if parts else h.new_zeros((t, 0), dtype=torch.long)
         pair_expert, pair_gate = expert_idx.reshape(-1), gates.reshape(-1)
         wire = wire_dtype(self.wire_dtype, h)
-        row_bytes = h.shape[1] * wire.itemsize
+        row_bytes = self.row_bytes = wire.dispatch_row_bytes(h.shape[1])  # the routing record's token bytes
         with profiled("plan"):  # the split sizes' exchange (its one host read) and the routing metadata's
             chunked: list = []
             for a, b in chunk_bounds(t, chunks):
@@ -247,10 +249,10 @@ class ExpertParallelDispatcher:
                                           local=True)
                 chunked.append(Chunk(plan.hops[0], plan.pair_token + a, pair_expert[a * k:b * k],
                                      pair_gate[a * k:b * k], meta, a * k))
-            first = plan_hops(self.group, chunked, slot_of, self.num_local, tag, problem)
+            first = plan_hops(self.group, chunked, slot_of, self.num_local, tag, problem, wire.code)
             self._record(first, 0, row_bytes, 8 * meta.shape[1])
         # node dedup's second hop is planned from the pairs the first delivers: while its payload crosses
-        second = (lambda: self._second_hop(first, tag, row_bytes)) if self.dedup == "node" else None
+        second = (lambda: self._second_hop(first, tag, row_bytes, wire.code)) if self.dedup == "node" else None
         return ExpertParallelDispatch(h, gates, first, second, slot_of, row_tags is not None,
                                       RowPolicy(k, self.fixed_order, wire))
 
@@ -260,13 +262,13 @@ class ExpertParallelDispatcher:
         ``shared(h)`` or None)."""
         return self.dispatch(tokens, routing, chunks).experts_and_combine(experts, shared)
 
-    def _second_hop(self, first: list, tag: int, row_bytes: int) -> list:
+    def _second_hop(self, first: list, tag: int, row_bytes: int, wire: int) -> list:
         """Node dedup's second hop on the gateway: one copy per destination rank inside this node."""
         node_base = self.topology.node_of(self.rank) * self.g
         chunks = [Chunk(Exchange.group(hop.pair_copy, self.rank_of[hop.pair_expert] - node_base, self.g,
                                        sum(hop.recv_c)), hop.pair_copy, hop.pair_expert, hop.pair_gate,
                         hop.copy_meta) for hop in first]
-        second = plan_hops(self.node_group, chunks, self.slot_of, self.num_local, tag)
+        second = plan_hops(self.node_group, chunks, self.slot_of, self.num_local, tag, wire=wire)
         self._record(second, node_base, row_bytes, 8 * first[0].copy_meta.shape[1])
         return second
 

@@ -16,8 +16,9 @@ fixes rather than the autograd engine (two nodes could run their backward collec
 different order on different ranks). The node is always in the graph when grad mode is on (an
 anchor that requires grad): a rank whose inputs need no gradient still enters every backward
 collective its peers do. Every rank runs every chunk, empty or not, so all ranks issue the same
-collectives in the same order. Rows travel in the wire dtype (the compute dtype by default: bf16 under
-autocast's bf16), in both directions, forward and backward, and are kept for backward in it; every sum
+collectives in the same order. Rows travel in the wire's dtype (``wire.py``; the compute dtype by default:
+bf16 under autocast's bf16), in both directions, forward and backward (an fp8 wire's dispatch: packed e4m3
+rows, dequantized on arrival), and are kept for backward in it; every sum
 (a copy's pairs, a token's copies, their gradients) accumulates in fp32 and is cast once.
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ from dist_moe.dispatch.combine import row_places, sum_rows
 from dist_moe.dispatch.contract import ExpertsContract
 from dist_moe.dispatch.profiling import profiled
 from dist_moe.dispatch.weight_casts import one_cast_per_forward
+from dist_moe.dispatch.wire import Wire
 from dist_moe.distributed.collective_order import exchange_done, exchange_recorded
 
 
@@ -61,11 +63,11 @@ def chunk_bounds(tokens: int, chunks: int) -> list[tuple[int, int]]:
 class RowPolicy:
     """How an exchange's rows are summed and carried: ``fixed_order`` sums every row (a copy's pairs, a token's
     copies, their gradients) in a fixed order (``combine.py``), each row taking at most ``top_k``, instead of
-    with index_add; ``wire`` is the dtype rows travel in (None: the rows' own)."""
+    with index_add; ``wire`` is what rows travel in (None: the rows' own dtype)."""
 
     top_k: int = 1
     fixed_order: bool = False
-    wire: torch.dtype | None = None
+    wire: Wire | None = None
 
 
 class PipelineRun:
@@ -87,10 +89,14 @@ class PipelineRun:
         self.saved: list[Tensor] = []  # (h, side output) if a side; then per chunk (copies, gates, expert output)
 
     def forward(self, h: Tensor) -> tuple[Tensor, Tensor | None]:
-        dtype, wire = h.dtype, self.wire or h.dtype
+        dtype, self.width = h.dtype, h.shape[1]
+        wire = self.wire_now = self.wire or Wire(dtype)
+        if wire.fp8 and getattr(self.experts, "capture", None) is not None:
+            raise ValueError("wire_dtype fp8 rounds the experts' inputs, which GAR's factor capture records "
+                             "exactly: use wire_dtype auto, fp32 or bf16 with GAR")
         self.compute = compute_dtype(h)  # what the experts compute in, whatever the rows travel in
         self.weights = self._weights(h)
-        rows = h.to(wire)
+        rows = wire.pack(h)
         sent = [hop.out(rows[hop.copy_row]) for hop in self.first]
         if callable(self.second):  # node dedup's second hop, planned while the first's payload is in flight
             with profiled("plan_inner"):
@@ -98,7 +104,7 @@ class PipelineRun:
         with profiled("shared_expert"):
             side = self._side(h)
         with one_cast_per_forward():  # an engine's experts cast their weights for the first chunk only
-            back = self._each_chunk(sent, lambda hop, x: self._experts(x, hop), wire,
+            back = self._each_chunk(sent, lambda hop, x: self._experts(x, hop), wire.rows,
                                     ("dispatch_wait", "dispatch_wait_inner", "combine_wait_inner"))
         got = [_wait(pending, "combine_wait") for pending in back]
         with profiled("combine"):
@@ -162,6 +168,7 @@ class PipelineRun:
         (with the rows) in the dtype they travel in."""
         tags = hop.copy_meta[:, -1] if self.tagged else None  # the last meta column holds row tags
         gate = hop.pair_gate
+        x = self.wire_now.unpack(x, self.width)  # fp8: dequantized here, its gradient that of a plain cast
         if self.train:
             x, gate = x.detach().requires_grad_(), gate.detach().requires_grad_()
         with torch.set_grad_enabled(self.train), profiled("experts"):
@@ -190,7 +197,7 @@ class PipelineRun:
 
     def backward(self, saved: tuple, grad_out: Tensor, grad_side: Tensor | None, h_shape, dtype,
                  gates_numel: int) -> tuple:
-        wire = self.wire or dtype
+        wire = (self.wire or Wire(dtype)).rows  # an fp8 wire's backward: bf16
         returned = [hop.out(grad_out[hop.copy_row].to(wire)) for hop in self.first]
         side_saved, chunks = (saved[:2], saved[2:]) if self.side is not None else ((), saved)  # as _side saved
         inner = iter(zip(chunks[0::3], chunks[1::3], chunks[2::3]))

@@ -111,7 +111,8 @@ class ParallelConfig:
     pipeline_chunks: int | str = key(1, f"an int in [1, {MAX_PIPELINE_CHUNKS}] or auto",
                                      lambda v: v == "auto" if isinstance(v, str) else 1 <= v <= MAX_PIPELINE_CHUNKS)
     # the dtype token rows travel in through dist-moe's dispatcher (both ways, forward and backward); auto: the
-    # dtype the experts compute in (bf16 under train.precision bf16), fp32 or bf16 to name one
+    # dtype the experts compute in (bf16 under train.precision bf16), fp32 or bf16 to name one; fp8: the forward
+    # dispatch as e4m3 values with one fp32 scale per 128 of a row (H + 4 * ceil(H / 128) bytes), the rest bf16
     wire_dtype: str = one_of("auto", WIRE_DTYPES)
 
     def dispatches(self, engine: str) -> bool:
@@ -382,6 +383,9 @@ def _check_engine_dispatch(cfg: RunConfig) -> None:
     if choice in DISPATCHERS and engine != "megatron":
         raise ValueError(f"parallel.dispatcher={choice!r} names one of Megatron's own dispatchers (engine megatron); "
                          f"engine {engine} takes auto, dist_moe or engine")
+    if parallel.wire_dtype == "fp8" and cfg.train.gar is not None:
+        raise ValueError("parallel.wire_dtype=fp8 rounds the experts' inputs, which train.gar's factor capture "
+                         "records exactly: use auto, fp32 or bf16 with GAR")
     if engine == "torch":
         return
     if engine == "megatron" and cfg.model.capacity_factor is not None:  # Megatron's own dispatchers too

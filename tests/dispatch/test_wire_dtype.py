@@ -68,7 +68,7 @@ def test_a_wire_dtype_not_offered_is_refused_in_one_line():
     from dist_moe.dispatch.exchange import ExchangeConfig
     from dist_moe.train.config import load_config
 
-    with pytest.raises(ValueError, match=r"wire_dtype must be one of \('auto', 'fp32', 'bf16'\), got 'fp16'"):
+    with pytest.raises(ValueError, match=r"wire_dtype must be one of \('auto', 'fp32', 'bf16', 'fp8'\), got 'fp16'"):
         ExchangeConfig(wire_dtype="fp16")
     with pytest.raises(ValueError, match="parallel.wire_dtype"):
         load_config(None, ["parallel.wire_dtype=fp16"])

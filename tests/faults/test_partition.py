@@ -43,7 +43,7 @@ def _ip(*args):
 def test_link_down_stops_both_sides_and_the_checkpoint_resumes(tmp_path):
     out = tmp_path / "run"
     proc = _cluster(out, ["train.max_steps=100000"], tmp_path)
-    step = wait_for_checkpoint(out / "checkpoints", 20, [proc], timeout=180)
+    step = wait_for_checkpoint(out / "checkpoints", 10, [proc], timeout=180)
     ns = f"dm{proc.pid}"  # emulate_cluster names its namespaces dm<its pid>n<i>, the veths dm<pid>h<i>
     cut = time.monotonic()
     _ip("-n", f"{ns}n1", "link", "set", f"{ns}h1", "down")

@@ -5,8 +5,8 @@ Tiny random Mixtral, Qwen3-MoE and DeepSeek-V3 models (DeepSeek-V3 group-limited
 nodes, ``topk_group`` = 1), saved once and loaded by every rank with
 ``DistributedConfig(ep_size=W, fsdp_size=W, ...)``: per step the losses, and every gradient, equal
 those of transformers' ``all_to_all`` implementation from the same checkpoint (1e-5), for dedup none,
-rank and node (where there is a node to cross) and 1 and 3 chunks, on 2 ranks and on 4 as 2 nodes x 2, every
-rank checking its own;
+rank and node and 1 and 3 chunks on 4 ranks as 2 nodes x 2 (on 2 ranks of one node: rank dedup, 3 chunks),
+every rank checking its own;
 the bytes each rank measured equal ``dispatch_traffic`` of the routings its layers ran; node dedup's
 node-crossing bytes are below none's; ``save_pretrained`` then ``from_pretrained`` round-trips exactly.
 """

@@ -113,6 +113,13 @@ def test_plan_cli_prints_json_and_a_plot_and_names_bad_values(tmp_path, capsys):
     assert hidden["contiguous", "rank", 4] < hidden["contiguous", "rank", 1]
     node = {(r["placement"], r["dedup"]): r["bytes_per_token_by_level"]["node"] for r in out["rows"]}
     assert node["contiguous", "node"] < node["contiguous", "rank"] <= node["contiguous", "none"]
+    # each row's bytes on every wire dtype: fp8 is 1024 e4m3 values and 8 fp32 scales a copy (0.258x fp32's)
+    for r in out["rows"]:
+        wires = r["bytes_per_token_by_wire"]
+        assert wires["bf16"] == pytest.approx(r["bytes_per_token_by_level"])  # the shape's dtype: bf16
+        for level, v in wires["fp32"].items():
+            assert wires["bf16"][level] == pytest.approx(v / 2)
+            assert wires["fp8"][level] == pytest.approx(v * 1056 / 4096)
     # the layer's activations for backward: bf16 rows (2 x copies x H on the wire, 2 x pairs x H and SwiGLU's
     # 4 x pairs x F in the experts), per pair its gate and indices, per token the router's E probabilities
     pairs = 512 * 4

@@ -49,9 +49,10 @@ def record_routing(out_dir: Path, model, data, rt, max_rows: int | None = None) 
         probs = all_gather_rows(torch.cat([p for _, p in routed[i]]), group)  # replays other limits later
         # each token's rank in its expert-parallel group: every replica's tokens on the one layout they share
         src = all_gather_rows(torch.full((idx.shape[0],), rt.ep_rank, dtype=torch.long), group)
-        if rt.is_main:
-            record = RoutingRecord(idx_all, src, layer.router.num_experts, rt.ep_size, layer.hidden_size * 4, dispatch,
-                                   probs)
+        if rt.is_main:  # a copy's bytes as its wire sent them (fp32 where nothing was exchanged)
+            sent = counters[i].exchange.dispatcher.row_bytes if measured else None
+            record = RoutingRecord(idx_all, src, layer.router.num_experts, rt.ep_size, sent or layer.hidden_size * 4,
+                                   dispatch, probs)
             record.save(out_dir, i)
     if rt.is_main:  # a previous run in this directory may have had more layers
         for stale in range(len(layers), recorded_layers(out_dir)):

@@ -174,9 +174,10 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
-    # node dedup on one node is rank dedup (Topology.effective_dedup): run where it has a node to cross
-    dedups = ("none", "rank", "node") if Topology.parse(topology_spec).num_nodes > 1 else ("none", "rank")
-    cases = [(dedup, chunks) for dedup in dedups for chunks in (1, 3)]
+    # every dedup and chunk count on 2 nodes x 2; on one node (node dedup is rank dedup there) expert
+    # parallelism of 2 ranks, pipelined, for every model
+    two_nodes = Topology.parse(topology_spec).num_nodes > 1
+    cases = [(dedup, chunks) for dedup in ("none", "rank", "node") for chunks in (1, 3)] if two_nodes else [("rank", 3)]
     for kind in MODELS:
         _case(rank, world, folder, topology_spec, kind, cases)
     if world == 4:
