@@ -49,8 +49,9 @@ def add_parser(sub, debug) -> None:
                        ("tokens-per-rank", "tokens each rank routes per MoE layer and step")):
         pp.add_argument(f"--{name}", type=int, help=f"{what} (default: --config's; one of the two is needed)")
     pp.add_argument("--layers", type=int, help="MoE layers per step (default: --config's, else 1)")
-    pp.add_argument("--dtype", help="bf16, fp16, fp32 or fp8: bytes per hidden value (default: --config's precision "
-                                    "as a GPU trains it, auto: bf16; else bf16)")
+    pp.add_argument("--dtype", help="bf16, fp16, fp32 or fp8: the wire's bytes per hidden value, fp8 with one fp32 "
+                                    "scale per 128 (default: --config's parallel.wire_dtype, else its precision as "
+                                    "a GPU trains it, auto: bf16; else bf16)")
     pp.add_argument("--routing", default="uniform",
                     help="uniform (default) or a run directory whose recorded routing (routing.npz) is tiled "
                          "over the experts")

@@ -19,8 +19,8 @@ TFLOPS = {"cuda": 400.0, "cpu": 0.1}  # achieved per rank by the experts' matmul
 
 def moe_shape(cfg, device: str = "cuda") -> ModelShape:
     """The shape ``dist-moe plan`` prices: each MoE layer's hidden and expert sizes, the tokens a rank routes
-    per step, the MoE layers, the dtype rows travel in (``train.precision: auto`` as it resolves on
-    ``device``: plan prices a GPU cluster)."""
+    per step, the MoE layers, the dtype rows travel in (``parallel.wire_dtype``; auto: ``train.precision`` as
+    it resolves on ``device``: plan prices a GPU cluster)."""
     m, r, d = cfg.model, cfg.router, cfg.data
     if m.kind == "hf":
         from dist_moe.models.hf_config import EXPERT_COUNTS
@@ -34,9 +34,11 @@ def moe_shape(cfg, device: str = "cuda") -> ModelShape:
     hidden = {"lm": m.d_model, "text": 384}.get(m.kind, m.d_model) or _features(d.name)
     per_row = d.seq_len if m.kind in ("lm", "text") else 1
     top_k = getattr(r, "top_k", None) or r.num_experts  # a dense router (SpecDrop) reaches every expert
+    wire = cfg.parallel.wire_dtype
+    if wire == "auto":  # the compute dtype
+        wire = run_precision(cfg.train.precision, torch.device(device), cfg.train.gar is not None)
     return ModelShape(hidden, m.ffn_hidden_size, r.num_experts, top_k, cfg.train.batch_size * per_row,
-                      m.layers if m.kind == "lm" else 1,
-                      run_precision(cfg.train.precision, torch.device(device), cfg.train.gar is not None))
+                      m.layers if m.kind == "lm" else 1, wire)
 
 
 def _features(name: str) -> int:

@@ -31,6 +31,8 @@ def test_plan_and_the_layout_choice_price_rows_in_the_precision_the_run_will_tra
     assert moe_shape(cfg).dtype == "bf16"  # plan prices a GPU cluster
     assert moe_shape(cfg, "cpu").dtype == "fp32"
     assert moe_shape(load_config(None, ["train.precision=fp32"])).dtype == "fp32"
+    assert moe_shape(load_config(None, ["parallel.wire_dtype=fp8"])).dtype == "fp8"  # a named wire: its bytes
+    assert moe_shape(load_config(None, ["train.precision=fp32", "parallel.wire_dtype=bf16"])).dtype == "bf16"
 
 
 def test_the_runtime_resolves_auto_on_its_device(monkeypatch):
