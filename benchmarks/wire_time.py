@@ -1,12 +1,14 @@
 """One MoE layer's forward + backward across the emulated link under bf16, its rows on each wire dtype.
 
     launch/emulate_cluster.sh --nodes 2 --procs-per-node 2 --rate 400mbit benchmarks/wire_time.py [--repeats 9]
+                                                                            [--precision bf16|fp32]
 
 4 ranks as 2 nodes x 2, the fine-grained layer (hidden 512, expert ffn 128, 16 experts top-4, 1,024 tokens
 per rank, random tokens and untrained routers: the routing's spread, not its quality, sets the bytes), every
-arm under bf16 autocast as ``train.precision: bf16`` runs it. Two arms: the baseline (Switch, contiguous
+arm under bf16 autocast as ``train.precision: bf16`` runs it (``--precision fp32``: the experts in fp32, the
+wires named). Two arms: the baseline (Switch, contiguous
 placement, no dedup) and BRANCH limited to one node (``subtree_limit: 1``) with tree-prefix placement and
-node dedup; each with its rows on an fp32, a bf16 (``auto``) and an fp8 wire, the six taking turns
+node dedup; each with its rows on an fp32, a bf16 and an fp8 wire, the six taking turns
 ``--repeats`` times (``paired.py``). Printed: each arm's time per wire and its fp8 / bf16 ratio, BRANCH
 limited + node dedup + fp8 against the bf16 baseline, the node-crossing bytes each sent, and the efficiency
 max(compute alone, the link time of its bytes) / layer time per wire (the link time: the busiest node's
@@ -42,9 +44,9 @@ ARMS = {"baseline (switch, contiguous, no dedup)": ({"type": "switch", "num_expe
 WIRES = ("fp32", "bf16", "fp8")
 
 
-def bf16(fn):
+def under(precision: str, fn):
     def run():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             return fn()
     return run
 
@@ -52,6 +54,9 @@ def bf16(fn):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                    help="what the layer computes in (fp32: the wires named, the experts in fp32: on a CPU, whose bf16 "
+                         "matmuls are slow, the regime where the link sets the time)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     init_from_env()
@@ -64,14 +69,14 @@ def main() -> int:
             torch.manual_seed(0)
             where = Placement.tree_prefix(E, topo) if placement == "tree_prefix" else Placement.contiguous(E, world)
             layer = MoELayer(H, F, dict(cfg), placement=where, topology=topo, group=dist.group.WORLD, dedup=dedup,
-                             capacity_factor=None, wire_dtype="auto" if wire == "bf16" else wire)
+                             capacity_factor=None, wire_dtype=wire)
             layers[arm, wire] = layer
 
             def step(layer=layer):
                 y, aux = layer(x)
                 (y.float().square().mean() + aux).backward()
 
-            steps[f"{arm} | {wire}"] = bf16(step)
+            steps[f"{arm} | {wire}"] = under(args.precision, step)
     torch.manual_seed(0)
     alone = {arm: MoELayer(H, F, dict(cfg)) for arm, (cfg, _, _) in ARMS.items()}  # every expert here
 
@@ -80,13 +85,13 @@ def main() -> int:
         (y.float().square().mean() + aux).backward()
 
     for arm in ARMS:
-        steps[f"{arm} | compute alone"] = bf16(lambda arm=arm: compute(arm))
+        steps[f"{arm} | compute alone"] = under(args.precision, lambda arm=arm: compute(arm))
     times = interleaved(steps, args.repeats)
     rate = line_rate()
     sent = {}
     for key, layer in layers.items():  # one more forward each, its bytes counted on every rank
         layer.reset_traffic()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
             layer(x.detach())
         matrix = layer.traffic.matrix.clone()
         dist.all_reduce(matrix)
@@ -94,7 +99,7 @@ def main() -> int:
     if rank == 0:
         node = topo.levels[0]
         print(f"{world} ranks on {topo.describe()}, link {'%.0f MB/s' % (rate / 1e6) if rate else 'not shaped'}; "
-              f"hidden {H}, ffn {F}, {E} experts top-{K}, {T} tokens per rank, bf16 autocast; "
+              f"hidden {H}, ffn {F}, {E} experts top-{K}, {T} tokens per rank, computing in {args.precision}; "
               f"median of {args.repeats} turns each")
         print(f"{'arm':<42}{'wire':>6}{'ms':>9}{node + ' MB':>10}{'efficiency':>12}")
         for arm in ARMS:
@@ -111,7 +116,7 @@ def main() -> int:
                 print(f"{arm:<42}{wire:>6}{1e3 * layer_s:>9.1f}{by_level[node] / 1e6:>10.2f}{efficiency:>12}")
             print(f"  fp8 / bf16 wire: {ratio_text(times[f'{arm} | fp8'], times[f'{arm} | bf16'])}; "
                   f"compute alone {1e3 * alone_s:.1f} ms")
-        limited, base = list(ARMS)
+        base, limited = list(ARMS)
         print(f"BRANCH limited + node dedup + fp8 / baseline on a bf16 wire: "
               f"{ratio_text(times[f'{limited} | fp8'], times[f'{base} | bf16'])} (goal <= 0.5x)")
     shutdown()
