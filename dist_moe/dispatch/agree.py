@@ -21,11 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dist_moe.dispatch.wire import WIRE_CODES
 from dist_moe.distributed.reductions import reduce_copy
 
 # input_problem's bits, and what each says
 INPUT_PROBLEMS = {1: "NaN or Inf in the router input", 2: "category ids out of range"}
-WIRE_NAMES = {1: "fp32", 2: "bf16", 4: "fp16", 8: "fp8"}  # wire.Wire.code's
+_WIRE_NAMES = {code: name for name, code in WIRE_CODES.items()}
 
 
 def input_problem(x: Tensor, categories: Tensor | None = None, num_categories: int | None = None) -> Tensor:
@@ -66,7 +67,7 @@ def check_headers(tags: list[int], problems: list[int], my_tag: int, what: str =
     included); the wire codes (``wire.Wire.code``) must all be equal."""
     if wires is not None and len(set(wires)) > 1:
         raise ValueError(f"{what}: the ranks send their rows in different wire dtypes ("
-                         + ", ".join(f"rank {i}: {WIRE_NAMES.get(c, c)}" for i, c in enumerate(wires))
+                         + ", ".join(f"rank {i}: {_WIRE_NAMES.get(c, c)}" for i, c in enumerate(wires))
                          + "); set parallel.wire_dtype (or ExchangeConfig.wire_dtype) alike on every rank")
     bad = [f"rank {i} of the expert-parallel group ({describe_problem(p)})" for i, p in enumerate(problems) if p]
     if bad:

@@ -90,7 +90,7 @@ class PipelineRun:
 
     def forward(self, h: Tensor) -> tuple[Tensor, Tensor | None]:
         dtype, self.width = h.dtype, h.shape[1]
-        wire = self.wire_now = self.wire or Wire(dtype)
+        wire = self.wire_now = self.wire or Wire(dtype)  # resolved once: the backward sends in its rows' dtype
         if wire.fp8 and getattr(self.experts, "capture", None) is not None:
             raise ValueError("wire_dtype fp8 rounds the experts' inputs, which GAR's factor capture records "
                              "exactly: use wire_dtype auto, fp32 or bf16 with GAR")
@@ -197,7 +197,7 @@ class PipelineRun:
 
     def backward(self, saved: tuple, grad_out: Tensor, grad_side: Tensor | None, h_shape, dtype,
                  gates_numel: int) -> tuple:
-        wire = (self.wire or Wire(dtype)).rows  # an fp8 wire's backward: bf16
+        wire = self.wire_now.rows  # an fp8 wire's backward: bf16
         returned = [hop.out(grad_out[hop.copy_row].to(wire)) for hop in self.first]
         side_saved, chunks = (saved[:2], saved[2:]) if self.side is not None else ((), saved)  # as _side saved
         inner = iter(zip(chunks[0::3], chunks[1::3], chunks[2::3]))

@@ -23,7 +23,9 @@ from placement.traffic import FP8_GROUP, wire_row_bytes
 
 _NAMED = {"fp32": torch.float32, "bf16": torch.bfloat16}
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
-_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 4}  # what the ranks agree on (agree.py)
+# what every rank of an exchange must send alike in its header (agree.py names a disagreement by these)
+WIRE_CODES = {"fp32": 1, "bf16": 2, "fp16": 4, "fp8": 8}
+_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def check_wire_dtype(name) -> str:
@@ -71,11 +73,11 @@ class Wire:
     @property
     def code(self) -> int:
         """A number every rank of an exchange must send alike (its header carries it)."""
-        return 8 if self.fp8 else _CODES.get(self.rows, 16)
+        return WIRE_CODES.get(self.name, 16)
 
     @property
     def name(self) -> str:
-        return "fp8" if self.fp8 else str(self.rows).removeprefix("torch.")
+        return "fp8" if self.fp8 else _NAMES.get(self.rows, str(self.rows))
 
     def dispatch_row_bytes(self, width: int) -> int:
         return fp8_row_bytes(width) if self.fp8 else width * self.rows.itemsize
