@@ -17,6 +17,11 @@ payload is the routed copies inside them); Megatron's allgather bytes are every
 rank's tokens sent to every other rank (analytic; its splits are not per peer).
 
     .venv/bin/python benchmarks/engines.py [--steps 10] [--tokens 2048] [--hidden 256] [--ffn 512]
+                                           [--precision fp32|bf16] [--wire auto|fp32|bf16|fp8]
+
+``--precision bf16``: every host as bf16 training runs it, the hidden states arriving in bf16 under bf16
+autocast (so the engines' own dispatchers send bf16 rows); ``--wire``: the wire dtype of every host
+through dist-moe's dispatcher (auto: the dtype the experts compute in).
 
 Beside each host: its link time (its node-crossing bytes as one raw all-to-all, times 4), its
 bound max(compute alone, link), where compute alone is dist-moe's layer with every expert on one
@@ -57,11 +62,13 @@ from benchmarks.link_bound import line_rate, line_seconds  # noqa: E402
 from benchmarks.paired import ratio_text  # noqa: E402
 from benchmarks.stage_profile import print_profiles, stage_profile  # noqa: E402
 from dist_moe import MoELayer  # noqa: E402
+from dist_moe.config.choices import WIRE_DTYPES  # noqa: E402
 from dist_moe.dispatch.contract import CountsBytes  # noqa: E402
+from dist_moe.dispatch.exchange import ExchangeConfig  # noqa: E402
 from dist_moe.distributed.process_group import launched_world_size  # noqa: E402
 from dist_moe.integrations.deepspeed import deepspeed_moe_layer, init_distributed, load_dist_moe_experts  # noqa: E402
 from dist_moe.integrations.megatron import load_dist_moe_experts as load_megatron  # noqa: E402
-from dist_moe.integrations.megatron import megatron_config, megatron_moe_layer, sent_bytes  # noqa: E402
+from dist_moe.integrations.megatron import megatron_config, megatron_moe_layer  # noqa: E402
 from dist_moe.integrations.megatron import patches as megatron_patches  # noqa: E402
 from dist_moe.integrations.megatron.layer import megatron_dist_moe_layer  # noqa: E402
 from placement import Placement, Topology  # noqa: E402
@@ -113,7 +120,7 @@ def worker(rank, world, args, out_path):  # noqa: C901
     for dedup, chunks in (("none", 1), ("rank", 1), ("node", 1), ("rank", PIPELINED), ("node", PIPELINED)):
         name = f"dist-moe {dedup}" + (f" C={chunks}" if chunks > 1 else "")
         hosts[name] = MoELayer(H, F, dict(ROUTER), placement=placement, topology=topo, group=dist.group.WORLD,
-                               dedup=dedup, pipeline_chunks=chunks)
+                               exchange=ExchangeConfig(dedup, chunks, wire_dtype=args.wire))
     ref = hosts["dist-moe rank"]
     for other in hosts.values():
         other.router.load_state_dict(ref.router.state_dict())
@@ -133,7 +140,9 @@ def worker(rank, world, args, out_path):  # noqa: C901
     # experts, then BRANCH limited to one node per token on tree-prefix placement (its own weights)
     for dedup, chunks, router, where in (("rank", 1, ROUTER, placement), ("node", PIPELINED, ROUTER, placement),
                                          ("node", PIPELINED, BRANCH_LIMITED, Placement.tree_prefix(E, topo))):
-        mg = megatron_dist_moe_layer(megatron_config(H, F, E, K, world), dict(router), dedup, chunks, where, topo)
+        exchange = ExchangeConfig(dedup, chunks, wire_dtype=args.wire)
+        mg = megatron_dist_moe_layer(megatron_config(H, F, E, K, world), dict(router), placement=where, topology=topo,
+                                     exchange=exchange)
         if router is ROUTER:
             mg.router.router.load_state_dict(ref.router.state_dict())
             load_megatron(mg, ref.experts)
@@ -141,7 +150,7 @@ def worker(rank, world, args, out_path):  # noqa: C901
         hosts[f"Megatron+dm {label}{dedup}" + (f" C={chunks}" if chunks > 1 else "")] = mg
         # DeepSpeed's MoE module and expert copies through dist-moe's dispatcher, the same three ways
         dsd = deepspeed_moe_layer(H, F, dict(router), ep_size=world, placement=where, topology=topo,
-                                  dispatcher="dist_moe", dedup=dedup, pipeline_chunks=chunks)
+                                  dispatcher="dist_moe", exchange=exchange)
         dsd.set_deepspeed_parallelism()
         if router is ROUTER:
             dsd.deepspeed_moe.gate.router.load_state_dict(ref.router.state_dict())
@@ -158,9 +167,16 @@ def worker(rank, world, args, out_path):  # noqa: C901
 
     g = torch.Generator().manual_seed(rank)
     # hidden states from earlier layers: the input takes a gradient, as inside any model
-    x, w = torch.randn(T, H, generator=g).requires_grad_(), torch.randn(T, H, generator=g)
+    bf16 = args.precision == "bf16"
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16 if bf16 else torch.float32).requires_grad_()
+    w = torch.randn(T, H, generator=g)
+    row = H * x.element_size()  # the engines' own dispatchers send the rows as they arrive
 
     def step(name, layer):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            return _step(name, layer)
+
+    def _step(name, layer):
         if isinstance(layer, MoELayer):
             y, aux = layer(x)
         elif name.startswith("DeepSpeed"):
@@ -168,7 +184,7 @@ def worker(rank, world, args, out_path):  # noqa: C901
         else:
             y, _ = layer(x.unsqueeze(1))  # Megatron: [S, B, H]; aux rides on its probs
             y, aux = y.squeeze(1), torch.zeros(())
-        return (y * w).sum() + aux
+        return (y.float() * w).sum() + aux
 
     times = {name: [] for name in hosts}
     memory, sent, peers = {}, {}, {}
@@ -201,12 +217,12 @@ def worker(rank, world, args, out_path):  # noqa: C901
                 sent[name] = (tr["padded_bytes"], tr["payload_bytes"])
                 peers[name] = others * tr["padded_bytes"] / (world - 1)  # E x C slots, evenly to every peer
             elif name.endswith("alltoall"):
-                sent[name] = (sent_bytes(layer), None)
                 splits = torch.tensor([float(n) for n in layer.token_dispatcher.input_splits])
-                peers[name] = others * splits * H * 4
+                peers[name] = others * splits * row  # the rows as they arrived
+                sent[name] = (int(peers[name].sum()), None)
             else:
-                sent[name] = (T * H * 4 * (world - 1), None)
-                peers[name] = others * float(T * H * 4)
+                sent[name] = (T * row * (world - 1), None)
+                peers[name] = others * float(T * row)
     totals = {}
     for name in hosts:
         mem = torch.tensor([float(memory[name]), float(sent[name][0]), float(sent[name][1] or 0)])
@@ -235,7 +251,8 @@ def report(world: int, totals: dict, args) -> None:
     where = ", launched" if launched() else ""
     print(f"\n{world} ranks (gloo, CPU{where}), switch E={E} top-{K}, {args.tokens} tokens x hidden {args.hidden} "
           "per rank, "
-          f"SwiGLU ffn {args.ffn}, fwd+bwd, median of {args.steps} steps:")
+          f"SwiGLU ffn {args.ffn}, fwd+bwd, median of {args.steps} steps, computing in {args.precision}, "
+          f"dist-moe's wire {args.wire}:")
     profiles, steps = totals.pop("profiles"), totals.pop("steps")
     alone = {label: totals[f"{COMPUTE_ALONE} {label}"][0] for label in ("switch", "BRANCH-limited")}
     print(f"{'host':<40}{'step ms':>9}{'vs dist-moe rank':>18}{'saved MB':>10}{'memory ratio':>14}"
@@ -258,7 +275,8 @@ def report(world: int, totals: dict, args) -> None:
     best = min((n for n in totals if n.startswith("dist-moe")), key=lambda n: totals[n][0])
     print(f"fastest dist-moe host ({best}) / DeepSpeed = {ratio_text(steps[best], ds)}; "
           f"/ Megatron alltoall = {ratio_text(steps[best], mg)}")
-    goal = " (goal <= 0.5x across the emulated link, <= 1.0x on loopback)"
+    goal = (" (goal, bf16 both sides on the fp8 wire: <= 0.5x across the emulated link)" if args.wire == "fp8" else
+            " (goal <= 0.5x across the emulated link, <= 1.0x on loopback)")
     for name in (n for n in totals if n.startswith("Megatron+dm")):
         print(f"{name} / Megatron alltoall (TopKRouter's switch) = {ratio_text(steps[name], mg)}"
               + (goal if "BRANCH" in name else ""))
@@ -275,6 +293,10 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--ffn", type=int, default=512)
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                    help="bf16: the hidden states arrive in bf16 and every host runs under bf16 autocast")
+    ap.add_argument("--wire", choices=WIRE_DTYPES, default="auto",
+                    help="the wire dtype of the hosts through dist-moe's dispatcher")
     args = ap.parse_args()
     if launched():  # one run on the launched ranks
 
