@@ -45,7 +45,8 @@ def print_summary(s: dict) -> None:
     def num(key, scale=1.0, digits=4):  # a metric may be null (e.g. NaN after skipped steps)
         return "n/a" if s.get(key) is None else f"{scale * s[key]:.{digits}f}"
 
-    print(f"\n{s['name']}: router={s['router']} steps={s['steps']} time={s['seconds']}s")
+    own = f" ({s['num_experts']} experts, top-{s['top_k']}: the model's own router)" if "num_experts" in s else ""
+    print(f"\n{s['name']}: router={s['router']}{own} steps={s['steps']} time={s['seconds']}s")
     if s.get("already_finished"):
         print(f"  the run in {s['output_dir']} had already finished at step {s['steps']}: nothing left to train "
               "(raise train.epochs or train.max_steps to train on); its checkpoint evaluates to:")
@@ -63,7 +64,7 @@ def print_summary(s: dict) -> None:
         print(f"  tree distance {td:.3f} (random pairs {rp:.3f}: co-selected experts {side})")
     if s.get("val_node_share"):
         print(f"  node share {' / '.join(f'{v:.3f}' for v in s['val_node_share'])} "
-              f"(CV {num('val_node_share_cv', 1, 3)}): each node's share of the router's validation load, "
+              f"(their CV {num('val_node_share_cv', 1, 3)}): each node's share of the router's validation load, "
               "before capacity drops (dist-moe report: of the slots dispatched after them)")
     if s.get("val_busiest_rank") is not None:
         print(f"  busiest rank {s['val_busiest_rank']:.2f}x the mean rank's routed slots (validation, before drops)")

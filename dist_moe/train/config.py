@@ -18,6 +18,7 @@ import yaml
 from dist_moe.errors import shown
 from dist_moe.routing.registry import ROUTERS, accepted_keys, config_class
 from dist_moe.train.checkpoint import store as checkpoint
+from dist_moe.train.hf_defaults import apply_hf_defaults, given_keys
 from dist_moe.train.run_config import OLD_DISPATCHER_KEYS, RunConfig, verbatim_keys
 from dist_moe.train.step.engines import ENGINES
 from placement import parse_yaml, read_yaml, yaml_problem
@@ -77,6 +78,8 @@ def _switch_router_type(old: dict, new: dict) -> dict:
 def _keep_given_router_keys(router: dict, given: dict[str, str], item: str) -> None:
     """A router key set on the command line is never dropped by a later ``router.type=X`` whose
     router does not take it (the config file's keys are: that is what the bare type switch is for)."""
+    if not isinstance(router, dict):  # null: model.kind hf's own router (apply_hf_defaults names a key given)
+        return
     lost = [k for k in given if k not in router]
     if lost and router.get("type") in ROUTERS:  # an unknown type is named by the router check instead
         raise ValueError(f"override {shown(item)} drops router.{lost[0]}, set by override {shown(given[lost[0]])}: "
@@ -113,6 +116,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         if not isinstance(loaded, dict):
             raise ValueError(f"config file {str(path)!r} must hold a mapping")
         cfg = _merge(cfg, loaded)
+        set_keys = given_keys(loaded, f"config file {str(path)!r}")
+    else:
+        set_keys = {}
     given: dict[str, str] = {}  # router key -> the override that set it
     for item in overrides:
         update = parse_override(item)
@@ -120,11 +126,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         _keep_given_router_keys(cfg["router"], given, item)
         if isinstance(update.get("router"), dict):
             given.update({k: item for k in update["router"] if k != "type"})
-    cfg["name"] = run_name(cfg["name"], overrides)
+        set_keys.update(given_keys(update, f"override {shown(item)}"))
+    named_by_folder = "name" not in set_keys and cfg["model"].get("kind") == "hf"
+    cfg = apply_hf_defaults(cfg, set_keys)
+    # a model folder names its run: the keys that chose it need no tag
+    cfg["name"] = run_name(cfg["name"], overrides, untagged=("model.kind", "model.path") if named_by_folder else ())
     return RunConfig.from_dict(cfg)
 
 
-def run_name(name: str, overrides) -> str:
+def run_name(name: str, overrides, untagged: tuple[str, ...] = ()) -> str:
     """``name`` plus the overrides that change the model, its data or its engine (``+router.variant=uniform``), so
     that a control run gets an output directory of its own instead of overwriting the config's run;
     unchanged when the overrides set ``name`` or ``output.dir`` themselves."""
@@ -133,7 +143,7 @@ def run_name(name: str, overrides) -> str:
         return name
     named = (*MODEL_SECTIONS, "seed", "engine")
     tags = [item.strip() for item, k in zip(overrides, keys)
-            if k.split(".")[0] in named or k.split(".")[:2] == ["train", "gar"]]
+            if (k.split(".")[0] in named or k.split(".")[:2] == ["train", "gar"]) and k not in untagged]
     full = name + "".join("+" + t.replace("/", "_").replace("\\", "_").replace("..", "_").replace(" ", "")
                           for t in tags)
     return _fits_a_directory_name(full)
@@ -176,9 +186,11 @@ def model_changes(saved: dict, cfg: RunConfig) -> list[tuple[str, object, object
     settings under ``router.gar``) resumes as it was saved, its missing keys at their defaults."""
     engine_keys = ENGINES[cfg.engine].resume_keys
 
+    # model.kind hf routes with the model's own router: a router section its checkpoint saved was never read
+    sections = tuple(s for s in (*MODEL_SECTIONS, "seed") if not (cfg.model.kind == "hf" and s == "router"))
+
     def compared(config: dict) -> dict:
-        return {k: v for k, v in _leaves(config).items()
-                if k.split(".")[0] in (*MODEL_SECTIONS, "seed") or k in engine_keys}
+        return {k: v for k, v in _leaves(config).items() if k.split(".")[0] in sections or k in engine_keys}
 
     old, new = compared(_with_defaults(saved)), compared(checkpoint.as_saved(cfg.to_dict(full=True)))
     return [(k, old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]

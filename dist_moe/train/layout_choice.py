@@ -22,6 +22,9 @@ def moe_shape(cfg, device: str = "cuda") -> ModelShape:
     per step, the MoE layers, the dtype rows travel in (``parallel.wire_dtype``; auto: ``train.precision`` as
     it resolves on ``device``: plan prices a GPU cluster)."""
     m, r, d = cfg.model, cfg.router, cfg.data
+    wire = cfg.parallel.wire_dtype
+    if wire == "auto":  # the compute dtype
+        wire = run_precision(cfg.train.precision, torch.device(device), cfg.train.gar is not None)
     if m.kind == "hf":
         from dist_moe.models.hf_config import EXPERT_COUNTS
         from dist_moe.models.hf_model import load_config, model_folder
@@ -30,13 +33,10 @@ def moe_shape(cfg, device: str = "cuda") -> ModelShape:
         experts = next(getattr(c, k) for k in EXPERT_COUNTS if getattr(c, k, None) is not None)
         ffn = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
         return ModelShape(c.hidden_size, ffn, experts, c.num_experts_per_tok, cfg.train.batch_size * d.seq_len,
-                          c.num_hidden_layers, "fp32")
+                          c.num_hidden_layers, wire)
     hidden = {"lm": m.d_model, "text": 384}.get(m.kind, m.d_model) or _features(d.name)
     per_row = d.seq_len if m.kind in ("lm", "text") else 1
     top_k = getattr(r, "top_k", None) or r.num_experts  # a dense router (SpecDrop) reaches every expert
-    wire = cfg.parallel.wire_dtype
-    if wire == "auto":  # the compute dtype
-        wire = run_precision(cfg.train.precision, torch.device(device), cfg.train.gar is not None)
     return ModelShape(hidden, m.ffn_hidden_size, r.num_experts, top_k, cfg.train.batch_size * per_row,
                       m.layers if m.kind == "lm" else 1, wire)
 

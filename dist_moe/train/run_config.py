@@ -42,6 +42,7 @@ from dist_moe.config.types import fits, hints, kinds, optional, wanted
 from dist_moe.errors import shown
 from dist_moe.routing.gar import GARConfig
 from dist_moe.routing.registry import GAR_MOVED, RouterConfig, RouterKeyError, router_config, router_shape
+from dist_moe.train.hf_defaults import apply_hf_defaults, given_keys
 from placement.names import DEDUP_MODES, EP_LAYOUTS
 from placement.names import NAMED as PLACEMENTS
 
@@ -155,7 +156,8 @@ class ModelConfig:
     # "tabular" (one MoE block between input and head), "image" (conv stem, then the same; for data.name
     # fashion_mnist), "lm" (tiny transformer, MoE FFN per layer; for data.name corpus), "text" (frozen
     # MiniLM states, LoRA-expert MoE, a head per task; for data.name text_tasks) or "hf" (the transformers
-    # MoE model at model.path, its own router and experts; for a local text or token file)
+    # MoE model at model.path, its own router and experts; for a local text or token file; unless given: no router
+    # section, no capacity factor, a batch of about 2,048 tokens, the run named after the model's folder)
     kind: str = one_of("tabular", MODEL_KINDS)
     # model.kind hf: a local transformers model folder (or its config.json); without weights it starts random
     path: str | None = path_key(None)
@@ -246,7 +248,8 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
-    router: RouterConfig = field(default_factory=lambda: router_config(DEFAULT_ROUTER, GIVEN_LATER))
+    # null: model.kind hf's model routes with its own router (hf_defaults.py)
+    router: RouterConfig | None = field(default_factory=lambda: router_config(DEFAULT_ROUTER, GIVEN_LATER))
     train: TrainConfig = field(default_factory=TrainConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
@@ -256,6 +259,7 @@ class RunConfig:
         A ValueError names the first bad key (``config key 'train.lr' must be ...``)."""
         d = _move_router_gar(d, warn)
         d = _move_dispatcher_keys(d, warn)
+        d = apply_hf_defaults(d, given_keys(d, "the config")) if isinstance(d, dict) else d
         cfg = _section(cls, d, "")
         _check_across(cfg)
         return cfg
@@ -280,8 +284,8 @@ def _section(cls, d, prefix: str):
         if name not in d:
             continue  # its default
         value = d[name]
-        if hint is RouterConfig:
-            values[name] = _router(value)
+        if RouterConfig in kinds(hint):
+            values[name] = None if value is None else _router(value)
         elif GARConfig in kinds(hint):
             values[name] = None if value is None else GARConfig.from_dict(value, f"config key {where!r}")
         elif is_dataclass(hint):
@@ -315,6 +319,7 @@ def _router(value) -> RouterConfig:
 def _check_across(cfg: RunConfig) -> None:
     """The rules that tie keys of different sections together."""
     output_dir(cfg)  # a field other than {name}, a ~user that does not exist
+    _check_hf(cfg)
     if cfg.train.resume and cfg.output.overwrite:
         raise ValueError("train.resume=true continues the run in output.dir and output.overwrite=true removes it: "
                          "set one of them")
@@ -327,7 +332,6 @@ def _check_across(cfg: RunConfig) -> None:
         raise ValueError("parallel.pipeline_chunks=auto picks the chunk count by timing, which a rerun may not "
                          "repeat: a deterministic run (train.deterministic: true) takes a number")
     _check_engine_dispatch(cfg)
-    _check_hf(cfg)
     _check_layer_options(cfg)
 
 
@@ -364,15 +368,21 @@ def _check_hf(cfg: RunConfig) -> None:
         raise ValueError("model.kind=hf needs model.path (a transformers model folder)" if kind == "hf" else
                          f"model.path={path!r} is read by model.kind=hf only (model.kind is {kind!r})")
     if kind != "hf":
+        if cfg.router is None:
+            raise ValueError("config key 'router' must be a mapping with a 'type' (null only under model.kind=hf, "
+                             "whose model routes with its own router)")
         return
     if cfg.engine != "torch":
         raise ValueError(f"model.kind=hf trains through dist-moe's own engine: set engine: torch (got {cfg.engine!r})")
     if cfg.train.gar is not None:
         raise ValueError("model.kind=hf routes with the model's own router, which GAR cannot observe: "
                          "set train.gar: null")
-    if cfg.router != router_config(DEFAULT_ROUTER, GIVEN_LATER):
+    if cfg.router is not None:
         raise ValueError(f"model.kind=hf routes with the model's own router: remove the router section "
                          f"(router.type={cfg.router.type!r})")
+    if cfg.model.capacity_factor is not None:
+        raise ValueError(f"model.capacity_factor={cfg.model.capacity_factor}: model.kind=hf trains the model's own "
+                         "experts dropless: remove it")
 
 
 def _check_engine_dispatch(cfg: RunConfig) -> None:

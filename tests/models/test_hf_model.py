@@ -108,6 +108,7 @@ def test_dist_moe_train_trains_a_users_model_folder_on_its_text_in_one_command(t
     assert losses[-1] < losses[0] - 0.5
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["router"] == "MixtralTopKRouter" and summary["hf_model"] == str(tmp_path / "run" / "hf_model")
+    assert (summary["num_experts"], summary["top_k"], summary["random_pair_tree_distance"]) == (8, 2, None)
     back = AutoModelForCausalLM.from_pretrained(summary["hf_model"])
     assert back.config.num_local_experts == 8 and (tmp_path / "run" / "hf_model" / "tokenizer.json").is_file()
 
@@ -116,7 +117,8 @@ def test_dist_moe_train_trains_a_users_model_folder_on_its_text_in_one_command(t
     ("no path", ["model.kind=hf"], "model.kind=hf needs model.path"),
     ("path alone", ["model.path=M"], "is read by model.kind=hf only (model.kind is 'tabular')"),
     ("engine", ["model.kind=hf", "model.path=M", "engine=deepspeed"], "set engine: torch"),
-    ("router", ["model.kind=hf", "model.path=M", "router.type=switch"], "remove the router section"),
+    ("router", ["model.kind=hf", "model.path=M", "router.type=switch"],
+     "router.type (given by override 'router.type=switch'): model.kind=hf routes with the model's own router"),
     ("built-in data", ["model.kind=hf", "model.path=M", "data.name=corpus"], "data.name='corpus' is none"),
     ("no config", ["model.kind=hf", "model.path=EMPTY", "data.name=T"], "must be a transformers model folder"),
     ("pickles", ["model.kind=hf", "model.path=PICKLED", "data.name=T"],

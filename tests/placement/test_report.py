@@ -255,5 +255,5 @@ def test_report_shows_every_layer_and_the_summary_says_it_averages(tmp_path, cap
                     "val_layer1_node_share": [0.7, 0.3]})
     printed = capsys.readouterr().out
     assert "mean over the 2 MoE layers" in printed and "val_layer<i>_* in runs/lm/summary.json" in printed
-    assert "node share 0.600 / 0.400 (CV 0.200): each node's share of the router's validation load, before " \
+    assert "node share 0.600 / 0.400 (their CV 0.200): each node's share of the router's validation load, before " \
            "capacity drops" in printed

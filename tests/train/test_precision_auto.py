@@ -1,5 +1,7 @@
 """train.precision: auto, the default: bf16 where the run's device is a GPU (the grouped GEMMs' fast kernels
 are bf16's), fp32 on the CPU and under GAR; fp32 and bf16 as asked."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -33,6 +35,11 @@ def test_plan_and_the_layout_choice_price_rows_in_the_precision_the_run_will_tra
     assert moe_shape(load_config(None, ["train.precision=fp32"])).dtype == "fp32"
     assert moe_shape(load_config(None, ["parallel.wire_dtype=fp8"])).dtype == "fp8"  # a named wire: its bytes
     assert moe_shape(load_config(None, ["train.precision=fp32", "parallel.wire_dtype=bf16"])).dtype == "bf16"
+    mixtral = ["model.kind=hf", f"model.path={Path(__file__).parents[2] / 'examples' / 'hf_mixtral'}",
+               "data.name=README.md"]  # a user's transformers model: the same rule
+    assert (moe_shape(load_config(None, mixtral)).dtype, moe_shape(load_config(None, mixtral), "cpu").dtype) == (
+        "bf16", "fp32")
+    assert moe_shape(load_config(None, [*mixtral, "parallel.wire_dtype=fp8"])).dtype == "fp8"
 
 
 def test_the_runtime_resolves_auto_on_its_device(monkeypatch):

@@ -49,6 +49,8 @@ def layers_metrics(per_layer: list[dict]) -> dict:
         return math.fsum(values) / len(values)
 
     out = {k: mean([m[k] for m in per_layer]) for k in per_layer[0]}
+    if "node_share" in out:  # the CV of the mean shares printed beside it, not the mean of each layer's CV
+        out["node_share_cv"] = load_cv(torch.tensor(out["node_share"], dtype=torch.float64))
     out.update({f"layer{i}_{k}": v for i, m in enumerate(per_layer) for k, v in m.items()})
     return out
 

@@ -42,9 +42,10 @@ def write_summary(cfg: RunConfig, rt: Runtime, out_dir: Path, trained: Trained, 
     over the ranks). ``first_layer``: the model's first MoE layer; ``hf_model``: where model.kind hf's trained
     model went (None: no export); ``extra``: fields of an experiment's ``after`` hook, last."""
     chunks = cfg.parallel.pipeline_chunks
+    own = cfg.router is None  # model.kind hf: the model's own router, by its class name, and what it routes to
     summary = json_safe({
-        # model.kind hf: the model's own router, by its class name
-        "name": cfg.name, "router": getattr(first_layer.router, "name", cfg.router.type),
+        "name": cfg.name, "router": first_layer.router.name if own else cfg.router.type,
+        **({"num_experts": first_layer.num_experts, "top_k": _top_k(first_layer)} if own else {}),
         "engine": rt.engine.name, "world_size": rt.world, "ep_size": rt.ep_size,
         **({"ep_layout": rt.layout.layout} if rt.layout.replicas > 1 else {}),
         "topology": rt.topology().describe(),
@@ -58,13 +59,21 @@ def write_summary(cfg: RunConfig, rt: Runtime, out_dir: Path, trained: Trained, 
         **({"pipeline_chunks_measured_s": {str(c): round(t, 4) for c, t in tuner.medians.items()}}
            if tuner.medians else {}),
         **trained.last_eval,
-        "random_pair_tree_distance": _random_pair(first_layer.num_experts), "output_dir": str(out_dir),
+        # the baseline of BRANCH's tree distance: a tree of dist-moe's experts, not a model's own router's
+        "random_pair_tree_distance": None if own else _random_pair(first_layer.num_experts),
+        "output_dir": str(out_dir),
         **({"hf_model": str(hf_model)} if hf_model is not None else {}),
         **extra,
     })
     if rt.is_main:
         write_atomic(out_dir / SUMMARY_FILE, json.dumps(summary, indent=2, allow_nan=False) + "\n")
     return summary
+
+
+def _top_k(layer) -> int | None:
+    """The experts each token chose in the layer's last routing (None before any)."""
+    routing = getattr(layer, "last_routing", None)
+    return None if routing is None else int(routing.expert_idx.shape[1])
 
 
 def _random_pair(num_experts: int) -> float | None:
