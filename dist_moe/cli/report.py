@@ -9,7 +9,7 @@ from pathlib import Path
 from dist_moe.cli.topology_arg import CALIBRATION, rates_origin, topology_of
 from dist_moe.train.rundir import LOCK, METRICS
 from placement import Topology, read_yaml
-from placement.report import write_report
+from placement.report import against_flat_sentence, write_report
 from placement.simulate import ROUTING_FILE, RoutingRecord
 from placement.traffic import DEDUP_MODES
 
@@ -52,6 +52,9 @@ def run(args) -> int:
     if own is None:
         print(f"  (the run's placement {report['run_placement']} is not shown: it does not place its experts on "
               f"{report['topology']})")
+    against = against_flat_sentence(report)
+    if against:
+        print(against)
     rates = report["link_rates"]
     print(f"time estimates (report.md): {'default link rates' if rates['default'] else rates['source']} "
           f"({rates['levels']})")

@@ -134,6 +134,17 @@ def test_report_bytes_equal_the_bytes_the_run_measured(tmp_path):
     assert report["topology_source"] == "the run's own, recorded with its routing"
     assert run["measured_bytes_by_level"] == run["analytic_bytes_by_level"]
     assert run["measured_bytes_by_level"]["node"] > 0
+    # the run's own layout against the flat one on the same routing, as report prints and report.md says
+    record = RoutingRecord.load(out)
+    src = record.src_rank
+    against, modes = report["run_against_flat"], report["placements"]
+    assert (against["placement"], against["dedup"], against["level"]) == ("placement.yaml", "node", "node")
+    assert against["bytes_per_token"] == modes["placement.yaml"]["modes"]["node"]["bytes_per_token_by_level"]["node"]
+    flat = dispatch_traffic(record.expert_idx, src, Placement.contiguous(16, 4), Topology(("node", "gpu"), (2, 2)),
+                            record.token_bytes, "none")
+    assert against["flat_bytes_per_token"] == flat.by_level()["node"] / len(src) > against["bytes_per_token"]
+    md = (out / "report.md").read_text()
+    assert f"({against['ratio']:.2f}x)" in md and "bytes crossing the gpu level inside a node rise" in md
 
 
 def _calibration(path, sizes=(2, 2), node_Bps=50e6):
