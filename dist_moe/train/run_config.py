@@ -210,6 +210,8 @@ class TrainConfig:
     gar_groups: str = one_of("consecutive", ("consecutive", "same_category"))
     # steps between DCP checkpoints under output.dir/checkpoints (null: none)
     checkpoint_every: int | None = _positive(None)
+    # the newest checkpoints kept: after each save the older ones are removed, the one just written never (null: all)
+    keep_checkpoints: int | None = _positive(None)
     resume: bool = False  # continue from the newest checkpoint in output.dir (none yet: start afresh)
     # a step whose loss or gradients are not finite is skipped (no update, router state restored);
     # the run stops once more than max_skipped_steps have been skipped (checked at each log step)

@@ -369,7 +369,8 @@ class _TrainingRun:
         every = self.tcfg.checkpoint_every
         if every and (self.step % every == 0 or last):
             save_state(self.out_dir / "checkpoints", self.step, self.model, self.step_fn.opt, self.cursor, self.rt,
-                       config=self.cfg.to_dict(full=True))  # whole: a resume compares it key by key
+                       config=self.cfg.to_dict(full=True),  # whole: a resume compares it key by key
+                       keep=self.tcfg.keep_checkpoints)
 
     def evaluate(self) -> dict:
         data = self.data

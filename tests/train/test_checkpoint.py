@@ -121,6 +121,22 @@ def test_a_non_finite_state_is_never_saved_and_latest_keeps_the_last_good_one(tm
     assert checkpoint.latest(tmp_path).name == "step-1"
 
 
+def test_retention_keeps_the_one_just_written_and_the_newest_others_and_nothing_else_goes(tmp_path):
+    from dist_moe.train.config import load_config
+
+    for name in ("step-1", "step-3", "step-10", "step-2", "notes", "elsewhere"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "step-7").symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "step-8").write_text("not a checkpoint")
+    # step-2 just written (a run resumed from it saves below step-10's number): it stays, with the newest other
+    old = checkpoint.older_checkpoints(tmp_path, tmp_path / "step-2", 2)
+    assert sorted(p.name for p in old) == ["step-1", "step-3"]
+    assert checkpoint.older_checkpoints(tmp_path, tmp_path / "step-2", 1)[0].name == "step-10"
+    with pytest.raises(ValueError, match=r"^config key 'train.keep_checkpoints' must be a positive int or null, "
+                                         r"got 0$"):
+        load_config(None, ["train.keep_checkpoints=0"])
+
+
 def test_the_balance_bias_travels_and_a_checkpoint_from_before_it_loads(tmp_path):
     limited = {"type": "branch", "num_experts": E, "top_k": 2, "subtree_limit": 1, "subtree_depth": 1}
     torch.manual_seed(0)
@@ -165,9 +181,12 @@ def test_resume_gives_the_uninterrupted_loss_curve(tmp_path, monkeypatch):
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     _run([*RUN, f"output.dir={whole}", "train.max_steps=45"])
     # 19 training batches per epoch: the interruption falls mid-epoch, the resume crosses an epoch
-    _run([*RUN, f"output.dir={parts}", "train.max_steps=30", "train.checkpoint_every=15"])
+    kept = ["train.checkpoint_every=5", "train.keep_checkpoints=2"]  # the older ones removed as it goes
+    _run([*RUN, f"output.dir={parts}", "train.max_steps=30", *kept])
     assert checkpoint.latest(parts / "checkpoints").name == "step-30"
-    _run([*RUN, f"output.dir={parts}", "train.max_steps=45", "train.resume=true"])
+    assert sorted(p.name for p in (parts / "checkpoints").iterdir()) == ["latest", "step-25", "step-30"]
+    _run([*RUN, f"output.dir={parts}", "train.max_steps=45", "train.resume=true", *kept])
+    assert sorted(p.name for p in (parts / "checkpoints").iterdir()) == ["latest", "step-40", "step-45"]
     a, b = _curve(whole), _curve(parts)
     assert sorted(b) == list(range(1, 46))
     assert all(a[s] == b[s] for s in range(1, 46)), [(s, a[s], b[s]) for s in range(31, 46) if a[s] != b[s]][:3]

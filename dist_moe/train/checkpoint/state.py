@@ -101,7 +101,9 @@ def restore_state(path: Path, model, opt, cursor: DataCursor, rt) -> int:
     return int(loaded["step"])
 
 
-def save_state(directory: Path, step: int, model, opt, cursor: DataCursor, rt, config: dict | None = None) -> Path:
-    """Checkpoint ``step-<step>`` under ``directory`` with this position (every rank calls it)."""
+def save_state(directory: Path, step: int, model, opt, cursor: DataCursor, rt, config: dict | None = None,
+               keep: int | None = None) -> Path:
+    """Checkpoint ``step-<step>`` under ``directory`` with this position (every rank calls it); the newest
+    ``keep`` stay (None: all)."""
     return checkpoint.save(directory, step, model, opt, position(step, cursor, rt), rt.group if rt.world > 1 else None,
-                           config=config)
+                           config=config, keep=keep)

@@ -119,9 +119,10 @@ def state_of(model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str
 
 
 def save(directory: str | Path, step: int, model: nn.Module, optimizer, extra: dict, group=None,
-         config: dict | None = None) -> Path:
+         config: dict | None = None, keep: int | None = None) -> Path:
     """Write ``step-<step>`` atomically (every rank calls this); returns its path. ``config``, the
-    run's config, is kept beside the tensors (``saved_config``)."""
+    run's config, is kept beside the tensors (``saved_config``). ``keep``: once it is complete, only the
+    newest ``keep`` checkpoints stay, this one always among them (None: every one)."""
     directory = Path(directory)
     final = directory / f"step-{step}"
     tmp = directory / f".tmp-step-{step}"
@@ -145,8 +146,21 @@ def save(directory: str | Path, step: int, model: nn.Module, optimizer, extra: d
         _remove(final)
         tmp.rename(final)
         write_atomic(directory / LATEST, final.name + "\n", 0o600)  # never through a planted link
+        if keep is not None:
+            for old in older_checkpoints(directory, final, keep):
+                _remove(old)
     barrier(group)
     return final
+
+
+def older_checkpoints(directory: Path, newest: Path, keep: int) -> list[Path]:
+    """The ``step-<N>`` checkpoint directories under ``directory`` beyond the ``keep`` newest, ``newest`` (the
+    one just written, which ``latest`` names) counted first whatever its number; never a link, a file, or a
+    directory of another name."""
+    saved = [p for p in directory.iterdir()
+             if _STEP_NAME.fullmatch(p.name) and p != newest and p.is_dir() and not p.is_symlink()]
+    saved.sort(key=lambda p: int(p.name.split("-")[1]), reverse=True)
+    return saved[keep - 1:]
 
 
 SHARED_MARK = ".shared-check-"  # + a fresh token: a name no node can have cached
