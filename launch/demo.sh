@@ -7,7 +7,8 @@
 #   launch/demo.sh [OUTPUT_DIR [key=value ...]]    (default runs/demo_lm; overrides go to dist-moe train)
 #
 # `make demo` run again trains the demo again: the previous demo run in OUTPUT_DIR is replaced
-# (output.overwrite=true; dist-moe removes only its own run files there). dist-moe comes from the
+# (output.overwrite=true; dist-moe replaces only its own run files there, and only once the new run has
+# finished: stopped before, the previous run and its report come back as they were). dist-moe comes from the
 # active environment (VIRTUAL_ENV, else CONDA_PREFIX), else the project's .venv (launch/lib.sh).
 #
 # Without the corpus's Debian packages (fortunes-min, wordnet-base; make installs them as

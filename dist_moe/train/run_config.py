@@ -231,7 +231,8 @@ class OutputConfig:
     dir: str = path_key("runs/{name}")
     tensorboard: bool = False  # also write TensorBoard scalars to <dir>/tensorboard (needs tensorboard)
     # a dir that already holds a run is refused unless train.resume continues it or this is true, which
-    # removes that run's files first (dist-moe's own only: rundir.RUN_FILES and RUN_DIRS)
+    # replaces that run (dist-moe's own files only: rundir.RUN_FILES and RUN_DIRS): set aside in .previous-run
+    # until the new run has finished, back in place if the new one stops first with no checkpoint
     overwrite: bool = False
 
 

@@ -25,6 +25,9 @@ RUN_FILES = ("config.yaml", METRICS, "summary.json", "train_traffic.json", "repo
 RUN_DIRS = ("checkpoints", "tensorboard", "hf_model")  # hf_model: model.kind hf's trained model
 _ROUTING = re.compile(r"routing(\.layer[0-9]+)?\.(npz|json)")
 HOLDS_A_RUN = (METRICS, "checkpoints", "summary.json")  # any of these: a run trained here
+# output.overwrite: where the run being replaced waits until the new one has finished (then it goes), or comes
+# back from when the new one stops first with nothing to resume
+PREVIOUS = ".previous-run"
 
 
 def _ours(name: str) -> bool:
@@ -76,7 +79,9 @@ class RunDir:
     """Rank 0's hold on the output directory: ``open`` creates it (remembering what it created), refuses
     symlinked run files, takes the lock and refuses a directory that already holds a run unless the
     config resumes or overwrites it; ``discard`` removes what this run created when it stops before
-    its first step, and leaves whatever was there before untouched."""
+    its first step, and leaves whatever was there before untouched. A run it overwrites is set aside in
+    ``PREVIOUS``: ``finish`` removes it once the new run has ended, ``bring_back`` restores it when the
+    new run stops first without a checkpoint to resume from."""
 
     def __init__(self, path: Path):
         self.path, self.lock = Path(path), RunLock(path)
@@ -84,6 +89,7 @@ class RunDir:
         self.before: set[str] = set()  # names in the directory before this run wrote any
         self.held: list[str] = []  # of HOLDS_A_RUN, what was there: a run trained here before
         self.owned = False
+        self.aside: Path | None = None  # PREVIOUS, while this run holds the run it replaces there
 
     def open(self, resume: bool, overwrite: bool) -> None:
         d = str(self.path)
@@ -111,8 +117,44 @@ class RunDir:
             if not overwrite:
                 raise ValueError(f"output.dir {d!r} already holds a run ({', '.join(held)}): set train.resume=true "
                                  "to continue it or output.overwrite=true to replace it, or choose another output.dir")
-            self._remove({name for name in self.before if _ours(name) and name != LOCK})
+            self._set_aside({name for name in self.before if _ours(name) and name != LOCK})
         self.lock.mark()
+
+    def _set_aside(self, names) -> None:
+        """Move the run being replaced into PREVIOUS (renames in one directory: nothing copied). A PREVIOUS
+        already there is the last run that ended, left by a replacement killed outright: it stays, and what
+        that replacement left goes."""
+        aside = self.path / PREVIOUS
+        if aside.is_symlink() or (aside.exists() and not aside.is_dir()):
+            raise _link_refused(self.path, PREVIOUS)
+        if aside.exists():
+            self._remove(names)
+        else:
+            aside.mkdir(mode=0o700)
+            for name in sorted(names):
+                os.rename(self.path / name, aside / name)
+        self.aside = aside
+
+    def finish(self) -> None:
+        """The new run has ended: the one it replaced goes."""
+        if self.aside is not None:
+            shutil.rmtree(self.aside)
+            self.aside = None
+
+    def bring_back(self, resumable: bool) -> str | None:
+        """The new run stopped before its end. Without a checkpoint of its own (``resumable``) its files go and
+        the run it replaced comes back, as it was; with one it stays, to resume, and the old one waits in
+        PREVIOUS. Returns what happened, for the user, or None when nothing was replaced."""
+        if self.aside is None:
+            return None
+        aside, self.aside = self.aside, None
+        if resumable:
+            return f"the run it replaces is kept in {aside} until this one finishes"
+        self._remove({name for name in os.listdir(self.path) if _ours(name) and name != LOCK})
+        for name in sorted(os.listdir(aside)):
+            os.rename(aside / name, self.path / name)
+        aside.rmdir()
+        return f"the previous run in {self.path} is back as it was"
 
     def _remove(self, names) -> None:
         for name in sorted(names):

@@ -157,11 +157,19 @@ def _train(cfg: RunConfig, rt: Runtime, quiet: bool, after=None) -> dict:
             return {"name": cfg.name, "output_dir": str(out_dir), "hf_model": str(out_dir / HF_MODEL),
                     "exported_before": True}
         run = _TrainingRun(cfg, rt, out_dir, resume_from, quiet)
-        return _train_in(run, after)
+        summary = _train_in(run, after)
+        if run_dir is not None:
+            run_dir.finish()  # output.overwrite: the run this one replaced goes only now
+        return summary
     except BaseException as e:
+        newest = _newest_checkpoint(out_dir)
+        if run_dir is not None:
+            said = run_dir.bring_back(resumable=newest is not None)
+            if said is not None:
+                print(f"dist-moe: the run stopped: {said}", file=sys.stderr)
         if run_dir is not None and (run is None or run.step == run.first_step):
             run_dir.discard()  # stopped before its first step: leave nothing it created behind
-        newest = _newest_checkpoint(out_dir) if isinstance(e, KeyboardInterrupt) else None
+        newest = newest if isinstance(e, KeyboardInterrupt) else None
         if newest is not None:  # Ctrl-C: where the run goes on from (every rank: a launcher shows one's line)
             raise KeyboardInterrupt(f"train.resume=true continues from {newest}") from None
         raise

@@ -162,6 +162,40 @@ def test_overwrite_removes_the_old_run_and_nothing_else(tmp_path):
         load_config(None, ["output.overwrite=true", "train.resume=true"])
 
 
+def test_an_overwrite_stopped_midway_brings_the_previous_run_back_and_a_finished_one_replaces_it(
+        tmp_path, monkeypatch, capsys):
+    """The run output.overwrite replaces is set aside until the new run has finished: Ctrl-C at its third step
+    (two trained, no checkpoint) brings the previous run back byte for byte, report included; a new run that
+    saved a checkpoint stays, to resume, the previous one kept beside it; a finished one replaces it."""
+    from dist_moe.train import trainer
+
+    out = tmp_path / "run"
+    _train(out)
+    assert main(["report", str(out)]) == 0
+    before = _snapshot(out)
+    step = trainer._TrainingRun.train_step
+
+    def ctrl_c_at_step_3(self):
+        if self.step == 2:
+            raise KeyboardInterrupt
+        return step(self)
+
+    monkeypatch.setattr(trainer._TrainingRun, "train_step", ctrl_c_at_step_3)
+    capsys.readouterr()
+    with pytest.raises(KeyboardInterrupt):
+        _train(out, "output.overwrite=true", "train.max_steps=4", "seed=1")
+    assert f"the previous run in {out} is back as it was" in capsys.readouterr().err
+    assert {k: v for k, v in _snapshot(out).items() if k != ".dist-moe.lock"} == {
+        k: v for k, v in before.items() if k != ".dist-moe.lock"}
+    with pytest.raises(KeyboardInterrupt, match="train.resume=true continues from"):
+        _train(out, "output.overwrite=true", "train.max_steps=4", "train.checkpoint_every=1", "seed=1")
+    assert (out / ".previous-run" / "report.md").read_bytes() == before["report.md"]
+    assert checkpoint.latest(out / "checkpoints").name == "step-2"  # the new run's, to resume
+    monkeypatch.setattr(trainer._TrainingRun, "train_step", step)
+    _train(out, "output.overwrite=true", "seed=2")
+    assert not (out / ".previous-run").exists() and not (out / "report.md").exists()
+
+
 @pytest.mark.parametrize("bad", ["router.num_experts=0", "router.num_experts=1099511627776", "first_step"])
 def test_a_run_stopped_before_its_first_step_leaves_nothing_behind(tmp_path, monkeypatch, bad):
     if bad == "first_step":
