@@ -73,7 +73,7 @@ def group_topology(topology: Topology, ranks: list[int]) -> Topology:
     under one parent, the same under every parent, and member i at the i-th mixed-radix position; else a
     ValueError (a group that is no regular block of the topology has no node layout of its own)."""
     coords = [topology.coords(r) for r in ranks]
-    sizes = []
+    sizes, siblings = [], []  # siblings[depth]: parent prefix -> its members' coordinates there, sorted
     for depth in range(len(topology.levels)):
         under: dict[tuple, set] = {}
         for c in coords:
@@ -83,18 +83,19 @@ def group_topology(topology: Topology, ranks: list[int]) -> Topology:
             raise ValueError(f"the expert-parallel group of ranks {ranks} holds an uneven number of "
                              f"{topology.levels[depth]}s per {topology.levels[depth - 1]} on {topology.describe()}")
         sizes.append(counts.pop())
+        siblings.append({prefix: {v: i for i, v in enumerate(sorted(values))} for prefix, values in under.items()})
     sub = Topology(topology.levels, tuple(sizes), topology.cost)
-    if math.prod(sizes) != len(ranks) or any(_position(coords, c) != i for i, c in enumerate(coords)):
+    if math.prod(sizes) != len(ranks) or any(_position(siblings, c) != i for i, c in enumerate(coords)):
         raise ValueError(f"the expert-parallel group of ranks {ranks} is not a regular block of {topology.describe()}")
     return sub
 
 
-def _position(coords: list[tuple], c: tuple) -> int:
-    """Member ``c``'s mixed-radix position among ``coords``: each coordinate ranked among its siblings'."""
+def _position(siblings: list[dict], c: tuple) -> int:
+    """Member ``c``'s mixed-radix position in its group: each coordinate ranked among its siblings'."""
     pos = 0
     for depth, value in enumerate(c):
-        siblings = sorted({o[depth] for o in coords if o[:depth] == c[:depth]})
-        pos = pos * len(siblings) + siblings.index(value)
+        rank_of = siblings[depth][c[:depth]]
+        pos = pos * len(rank_of) + rank_of[value]
     return pos
 
 
@@ -107,8 +108,10 @@ def ring_sends(ranks: list[int], position: int, elements: int, element_size: int
     n = len(ranks)
     if n < 2 or not elements:
         return None, 0
-    chunk = [elements // n + (i < elements % n) for i in range(n)]
-    sent = 2 * elements - chunk[(position + 1) % n] - chunk[(position + 2) % n]
+    def chunk(i: int) -> int:  # computed, not listed: a ring of thousands of ranks asks n times
+        return elements // n + (i < elements % n)
+
+    sent = 2 * elements - chunk((position + 1) % n) - chunk((position + 2) % n)
     return topology.crossing_level(ranks[position], ranks[(position + 1) % n]), sent * element_size
 
 

@@ -173,7 +173,8 @@ def group_forecast(shape: ModelShape, group: Topology, routing=None, tflops: flo
                                                                 for w in WIRES},
                                     "exchange_seconds": exchange,
                                     "step_seconds": shape.layers * layer["layer_s"],
-                                    "comm_share": min(layer["exchange_s"] / layer["layer_s"], 1.0)})
+                                    # the exchanges' time the experts' matmuls do not hide, per step
+                                    "exposed_seconds": shape.layers * (layer["layer_s"] - layer["compute_s"])})
     return out
 
 

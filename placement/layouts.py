@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from placement.ep_groups import LAYOUTS, ExpertLayout, ring_sends
+from placement.ep_groups import LAYOUTS, ExpertLayout
 from placement.forecast import PLACEMENTS, ModelShape, group_forecast
 from placement.topology import Topology
 
@@ -54,15 +54,7 @@ def grad_sum_seconds(layout: ExpertLayout, elements: int) -> tuple[float, dict[s
     gradients on every rank over its replica group, all groups at once."""
     topology = layout.topology
     levels = topology.levels
-    sent = torch.zeros(len(levels), topology.world_size, dtype=torch.float64)
-    recv = torch.zeros_like(sent)
-    for ranks in layout.replica_groups():
-        for position, rank in enumerate(ranks):
-            level, nbytes = ring_sends(ranks, position, elements, GRAD_BYTES, topology)
-            if level is not None:
-                i = levels.index(level)
-                sent[i, rank] += nbytes
-                recv[i, ranks[(position + 1) % len(ranks)]] += nbytes
+    sent, recv = ring_level_bytes(layout, elements)
     r = layout.replicas
     if r == 1 or not elements:
         return 0.0, {name: 0 for name in levels}
@@ -73,6 +65,37 @@ def grad_sum_seconds(layout: ExpertLayout, elements: int) -> tuple[float, dict[s
     buckets = math.ceil(elements * GRAD_BYTES / BUCKET_BYTES)
     by_level = {name: int(sent[i].sum()) for i, name in enumerate(levels)}
     return messages * per_message + buckets * cost.latency_s, by_level
+
+
+def ring_level_bytes(layout: ExpertLayout, elements: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[levels, world] bytes each rank sends and receives across each level in the ring all-reduces of
+    ``elements`` gradients over its replica group: ``ring_sends`` for every rank at once (a plan prices
+    thousands of ranks in each of its layouts)."""
+    topology = layout.topology
+    sent = torch.zeros(len(topology.levels), topology.world_size, dtype=torch.float64)
+    recv = torch.zeros_like(sent)
+    groups = torch.tensor(layout.replica_groups(), dtype=torch.long)  # [groups, n], each in ring order
+    n = groups.shape[1]
+    if n < 2 or not elements:
+        return sent, recv
+    after = groups.roll(-1, dims=1)  # the next rank of each ring
+    rank, coords = torch.arange(topology.world_size), []
+    for size in reversed(topology.sizes):
+        coords.insert(0, rank % size)
+        rank = rank // size
+    coords = torch.stack(coords, dim=1)  # [world, levels]
+    differ = coords[groups] != coords[after]
+    level = differ.int().argmax(dim=-1)  # the outermost level that differs
+    position = torch.arange(n)
+
+    def chunk(i: torch.Tensor) -> torch.Tensor:  # torch.tensor_split's chunk sizes, as ring_sends counts them
+        return elements // n + (i < elements % n).long()
+
+    per_position = (2 * elements - chunk((position + 1) % n) - chunk((position + 2) % n)) * GRAD_BYTES
+    nbytes = (per_position.double().expand(groups.shape) * differ.any(dim=-1)).flatten()
+    sent.index_put_((level.flatten(), groups.flatten()), nbytes, accumulate=True)
+    recv.index_put_((level.flatten(), after.flatten()), nbytes, accumulate=True)
+    return sent, recv
 
 
 def group_links(layout: ExpertLayout) -> Topology:

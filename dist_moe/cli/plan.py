@@ -167,18 +167,26 @@ def run(args) -> int:
              "latency; set it with --overlap or a topology YAML from dist-moe calibrate)"
              if topo.cost.overlap == 0 else ""))
     top = levels[0]  # the slowest link's bytes on each wire dtype
-    print(f"{'placement':<12}{'dedup':<6}{'C':>3}" + "".join(f"{lv + ' B/token':>15}" for lv in levels)
-          + "".join(f"{top + ' ' + w:>11}" for w in WIRES) + f"{'exchange ms':>13}{'step ms':>11}{'comm':>7}")
-    for r in out["rows"]:
+    rows, folded = fold_identical(out["rows"])
+    width = max(12, *(len(r["placement"]) + 1 for r in rows))
+    print(f"{'placement':<{width}}{'dedup':<6}{'C':>3}" + "".join(f"{lv + ' B/token':>15}" for lv in levels)
+          + "".join(f"{top + ' ' + w:>11}" for w in WIRES) + f"{'exchange ms':>13}{'step ms':>11}{'exposed ms':>12}")
+    for r in rows:
         cells = "".join(f"{r['bytes_per_token_by_level'][lv]:>15.1f}" for lv in levels)
         wires = "".join(f"{r['bytes_per_token_by_wire'][w][top]:>11.1f}" for w in WIRES)
-        print(f"{r['placement']:<12}{r['dedup']:<6}{r['chunks']:>3}{cells}{wires}{1e3 * r['exchange_seconds']:>13.3f}"
-              f"{1e3 * r['step_seconds']:>11.2f}{100 * r['comm_share']:>6.0f}%")
+        times = (f"{1e3 * r['exchange_seconds']:>13.3f}{1e3 * r['step_seconds']:>11.2f}"
+                 f"{1e3 * r['exposed_seconds']:>12.2f}")
+        print(f"{r['placement']:<{width}}{r['dedup']:<6}{r['chunks']:>3}{cells}{wires}{times}")
     print(f"{top} fp32/bf16/fp8 = the {top} B/token column on each wire dtype (parallel.wire_dtype; fp8: e4m3 "
           f"values and one fp32 scale per 128); exchange ms = one exchange, of the 4 per layer per step; "
           f"step = {shape.layers} MoE layer(s) x "
-          f"(4 exchanges + experts, C > 1 overlapped); comm = the exchanges' share of the layer; planned in "
-          f"{out['seconds_to_plan']} s" + (f"; plot: {args.plot}" if args.plot else ""))
+          f"(4 exchanges + experts, C > 1 overlapped); exposed = the exchanges' time per step that the experts' "
+          f"matmuls do not hide (step - matmuls: the plot's 'exchanges not hidden'); planned in "
+          f"{out['seconds_to_plan']} s after start-up"
+          + (f"; plot: {args.plot}" if args.plot else ""))
+    for names in folded:
+        print(f"note: {' and '.join(names)} compute the same numbers in every row: shown once, as "
+              f"{'='.join(names)}")
     for note in why_rows_agree(out["rows"], shape.experts, out["ep"], args.routing):
         print(f"note: {note}")
     print(f"activations kept for backward: at most {out['activation_bytes_per_layer'] / 2**20:.1f} MiB per MoE layer "
@@ -218,12 +226,15 @@ def print_layouts(out: dict, topo, memory_gib: float) -> None:
     levels = list(topo.levels)
     print(f"\nlayouts on {out['topology']} (each: its fastest placement / dedup / C; experts' gradients summed over "
           f"their replicas as a ring all-reduce, fp32, not hidden behind the backward):")
-    print(f"{'ep_size':>8} {'layout':<11}{'groups':<14}{'row':<22}{'MoE ms':>9}{'grad ms':>9}"
+    rows = {id(r): f"{r['placement']}/{r['dedup']}/C={r['chunks']}" for r in out["layouts"]}
+    gw = max(7, *(len(r["group"]) + 1 for r in out["layouts"]))  # columns as wide as their longest entry
+    rw = max(4, *(len(v) + 1 for v in rows.values()))
+    print(f"{'ep_size':>8} {'layout':<11}{'groups':<{gw}}{'row':<{rw}}{'MoE ms':>11}{'grad ms':>11}"
           + "".join(f"{'grad ' + lv + ' MB':>15}" for lv in levels) + f"{'step ms':>12}{'GiB':>8}")
     for r in out["layouts"]:
-        row = f"{r['placement']}/{r['dedup']}/C={r['chunks']}"
+        row = rows[id(r)]
         grads = "".join(f"{r['grad_bytes_by_level'][lv] / 1e6:>15.1f}" for lv in levels)
-        print(f"{r['ep']:>8} {r['layout']:<11}{r['group']:<14}{row:<22}{1e3 * r['moe_seconds']:>11.2f}"
+        print(f"{r['ep']:>8} {r['layout']:<11}{r['group']:<{gw}}{row:<{rw}}{1e3 * r['moe_seconds']:>11.2f}"
               f"{1e3 * r['grad_seconds']:>11.2f}{grads}{1e3 * r['step_seconds']:>12.2f}"
               f"{r['memory_bytes'] / 2**30:>8.1f}" + ("" if r["fits"] else f"  (over {memory_gib:g} GiB)"))
     best = out["recommended"]
@@ -232,6 +243,34 @@ def print_layouts(out: dict, topo, memory_gib: float) -> None:
     else:
         print(f"recommended: parallel.ep_size={best['ep']} parallel.ep_layout={best['layout']} "
               f"({1e3 * best['step_seconds']:.2f} ms per step)")
+
+
+def fold_identical(rows: list[dict]) -> tuple[list[dict], list[list[str]]]:
+    """``rows`` with the placements whose rows are identical in every dedup and chunk count (under uniform
+    routing a placement may change nothing) shown once, as ``a=b``; and each such list of placement names."""
+    by_placement: dict[str, list[dict]] = {}
+    for r in rows:
+        by_placement.setdefault(r["placement"], []).append(r)
+
+    def numbers(name: str) -> list:
+        return [{k: v for k, v in r.items() if k != "placement"} for r in by_placement[name]]
+
+    groups: list[list[str]] = []
+    for name in by_placement:
+        same = next((g for g in groups if numbers(g[0]) == numbers(name)), None)
+        if same is None:
+            groups.append([name])
+        else:
+            same.append(name)
+    out = [{**r, "placement": "=".join(g)} for g in groups for r in by_placement[g[0]]]
+    return out, [g for g in groups if len(g) > 1]
+
+
+def plot_bars(out: dict) -> tuple[list[str], list[float], list[float]]:
+    """The plot's rows (folded as the table's), each row's exposed exchanges and its matmuls, ms per step."""
+    rows, _ = fold_identical(out["rows"])
+    labels = [f"{r['placement']} / {r['dedup']} / C={r['chunks']}" for r in rows]
+    return labels, [1e3 * r["exposed_seconds"] for r in rows], [1e3 * out["expert_seconds"] * out["layers"]] * len(rows)
 
 
 def why_rows_agree(rows: list[dict], experts: int, ep: int, routing: str) -> list[str]:
@@ -269,12 +308,9 @@ def _plot(out: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = out["rows"]
-    labels = [f"{r['placement']} / {r['dedup']} / C={r['chunks']}" for r in rows]
-    comp = [1e3 * out["expert_seconds"] * out["layers"] for _ in rows]
-    comm = [1e3 * r["step_seconds"] - c for r, c in zip(rows, comp)]
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.5))
-    ax.barh(labels, comm, label="exchanges not hidden")
+    labels, comm, comp = plot_bars(out)
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(labels) + 1.5))
+    ax.barh(labels, comm, label="exchanges not hidden (the table's exposed ms)")
     ax.barh(labels, comp, left=comm, label="experts' matmuls")
     ax.invert_yaxis()
     ax.set_xlabel("predicted MoE time per step (ms)")

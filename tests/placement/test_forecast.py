@@ -133,6 +133,29 @@ def test_plan_cli_prints_json_and_a_plot_and_names_bad_values(tmp_path, capsys):
         assert word in err and len(err.splitlines()) == 1, err
 
 
+def test_the_tables_exposed_exchanges_are_the_plots_bars_and_identical_placements_show_once():
+    """One meaning of exposed communication: the table's exposed ms of each row is the plot's 'exchanges not
+    hidden' bar, step minus the matmuls, and it falls with pipelining; placements whose rows are identical
+    in every dedup and chunk count are one row, named for both, in the table and the plot alike."""
+    from dist_moe.cli.plan import fold_identical, plot_bars
+
+    topo = Topology.parse("node=2,gpu=2")
+    topo = Topology(topo.levels, topo.sizes, topo.cost.with_exchange(0.0, 0.8))
+    shape = ModelShape(hidden=256, ffn=512, experts=8, top_k=2, tokens_per_rank=4096, layers=2, dtype="bf16")
+    out = forecast(shape, topo, tflops=0.01, sample=512, placements=("contiguous", "round_robin"), chunks=(1, 4))
+    rows, _ = fold_identical(out["rows"])
+    labels, exposed, matmuls = plot_bars(out)
+    assert exposed == [1e3 * r["exposed_seconds"] for r in rows] and len(labels) == len(rows)
+    assert all(e + m == pytest.approx(1e3 * r["step_seconds"]) for r, e, m in zip(rows, exposed, matmuls))
+    one, four = (next(r for r in rows if r["dedup"] == "rank" and r["chunks"] == c) for c in (1, 4))
+    assert four["exposed_seconds"] < one["exposed_seconds"]
+    row = {"dedup": "rank", "chunks": 1, "step_seconds": 1.0}
+    folded, groups = fold_identical([{**row, "placement": "contiguous"}, {**row, "placement": "tree_prefix"},
+                                     {**row, "placement": "optimized", "step_seconds": 2.0}])
+    assert [r["placement"] for r in folded] == ["contiguous=tree_prefix", "optimized"]
+    assert groups == [["contiguous", "tree_prefix"]]
+
+
 def test_the_plan_says_why_rows_agree_and_only_when_they_do(capsys):
     from dist_moe.cli import main
     from dist_moe.cli.plan import why_rows_agree
@@ -141,8 +164,9 @@ def test_the_plan_says_why_rows_agree_and_only_when_they_do(capsys):
             "--top-k", "4", "--tokens-per-rank", "256", "--pipeline-chunks", "1"]
     assert main(base) == 0  # 32 experts on 32 ranks, uniform routing: placements agree, rank = none
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
-    assert len(notes) == 2 and "every placement moves the same bytes" in notes[0], notes
-    assert "32 experts on 32 ranks is one expert per rank" in notes[1], notes
+    assert len(notes) == 3 and "contiguous and round_robin and tree_prefix compute the same numbers" in notes[0]
+    assert "every placement moves the same bytes" in notes[1], notes
+    assert "32 experts on 32 ranks is one expert per rank" in notes[2], notes
     assert main([*base, "--ep", "8"]) == 0  # 4 experts per rank: rank dedup saves bytes, no note about it
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
     assert not [n for n in notes if "dedup rank" in n], notes
@@ -151,6 +175,25 @@ def test_the_plan_says_why_rows_agree_and_only_when_they_do(capsys):
     rows = [{**row, "placement": "contiguous"},
             {**row, "placement": "tree_prefix", "bytes_per_token_by_level": {"node": 50.0, "gpu": 10.0}}]
     assert why_rows_agree(rows, 32, 8, "uniform") == []
+
+
+def test_every_ranks_ring_bytes_at_once_are_each_ranks_ring_sends():
+    """The layouts' gradient sums, priced for every rank at once, send and receive per rank and level what
+    ring_sends counts rank by rank (3 levels, chunks of unequal length)."""
+    from placement.ep_groups import ring_sends
+    from placement.layouts import layouts_of, ring_level_bytes
+
+    topo = Topology(("rack", "node", "gpu"), (2, 2, 2))
+    for layout in layouts_of(topo, 8):
+        sent, recv = ring_level_bytes(layout, 1001)
+        want_sent, want_recv = torch.zeros_like(sent), torch.zeros_like(recv)
+        for ranks in layout.replica_groups():
+            for position, rank in enumerate(ranks):
+                level, nbytes = ring_sends(ranks, position, 1001, 4, topo)
+                if level is not None:
+                    want_sent[topo.levels.index(level), rank] += nbytes
+                    want_recv[topo.levels.index(level), ranks[(position + 1) % len(ranks)]] += nbytes
+        assert torch.equal(sent, want_sent) and torch.equal(recv, want_recv), (layout.ep_size, layout.layout)
 
 
 def test_plan_prices_every_layout_with_its_gradient_sums_and_recommends_the_fastest_that_fits(capsys):
