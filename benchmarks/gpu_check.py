@@ -1,7 +1,7 @@
 """Every check that needs a GPU, in one prepared script for one GPU (an H200 when one is lent).
 
-    PYTHONPATH=. python3 benchmarks/gpu_check.py [--out DIR] [--throughput]
-    PYTHONPATH=. python3 benchmarks/gpu_check.py --cpu      # the same checks, CUDA mapped to the CPU
+    PYTHONPATH=. python3 benchmarks/gpu_check.py [--out DIR] [--throughput]   # a GPU image's python3, with its torch
+    PYTHONPATH=. .venv/bin/python benchmarks/gpu_check.py --cpu   # the same checks, CUDA mapped to the CPU
 
 It runs on the GPU machine's image as it is (its own CUDA build of torch, no pip install); checks
 that need DeepSpeed or Megatron-core there skip with a line saying so. It makes its own data. It
@@ -51,9 +51,15 @@ import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
-import torch
-import torch.distributed as dist
+try:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+except ModuleNotFoundError as missing:  # e.g. a system python3 beside the project's .venv: say which to run instead
+    sys.stderr.write(f"gpu_check.py: {missing.name} is not installed for {sys.executable}: run it with a Python that "
+                     "has torch (here .venv/bin/python; on a GPU machine, its image's own python3), "
+                     "or benchmarks/gpu_check.sh to install one\n")
+    sys.exit(2)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (the shared EP checks) beside the packages
 

@@ -26,6 +26,10 @@ if [ "$install" = 1 ]; then
   "$venv/bin/pip" install -q -e '.[deepspeed,megatron]'
   python=$venv/bin/python
 fi
+if [ "$install" = 0 ] && ! "$python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)'; then
+  echo "gpu_check.sh: --no-install runs the checks on $(command -v "$python"), which has no torch: drop --no-install to install one in $venv" >&2
+  exit 2
+fi
 installed=$((SECONDS - start))
 status=0
 PYTHONPATH=. "$python" benchmarks/gpu_check.py "$@" || status=$?

@@ -16,6 +16,7 @@ traceback.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import errno
 import json
 import os
@@ -41,6 +42,13 @@ def shown(value) -> str:
     r.maxlist = r.maxtuple = r.maxdict = r.maxset = 10
     r.maxlevel = 3
     return r.repr(value)
+
+
+def did_you_mean(key, valid, prefix: str = "") -> str:
+    """``" (did you mean 'train.epochs'?)"`` for the valid key closest to a mistyped one, or ``""`` when none is close
+    (``prefix``: the section the keys sit in, so the suggestion reads as the key to type)."""
+    close = difflib.get_close_matches(str(key), [str(v) for v in valid], n=1)
+    return f" (did you mean {prefix + close[0]!r}?)" if close else ""
 
 
 def first_line(e: BaseException) -> str:

@@ -5,10 +5,23 @@ for the CPU. A missing engine is a one-line error naming the extra that installs
 from __future__ import annotations
 
 import importlib
+import logging
 
 # an engine's top-level package -> (its distribution, the dist-moe extra that installs it)
 ENGINES = {"deepspeed": ("deepspeed", "deepspeed"), "megatron": ("megatron-core", "megatron"),
            "transformers": ("transformers", "text"), "safetensors": ("safetensors", "text")}
+# DeepSpeed's line on every machine where it finds no GPU, logged when it is first imported, which transformers and
+# accelerate do while saving or loading a model: dist-moe runs on the CPU there by choice, so it says nothing to act on
+DEEPSPEED_CPU_NOTE = "Setting accelerator to CPU."
+
+
+def _not_deepspeed_cpu_note(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(DEEPSPEED_CPU_NOTE)
+
+
+# On DeepSpeed's logger, made here before DeepSpeed makes it (getLogger returns the same one, filters kept): only
+# that one line is dropped, whoever imports DeepSpeed after dist-moe, and nothing else DeepSpeed logs
+logging.getLogger("DeepSpeed").addFilter(_not_deepspeed_cpu_note)
 
 
 def engine_import(module: str, *names: str):

@@ -87,6 +87,8 @@ def main() -> None:
     model_parallel_cuda_manual_seed(0)  # Megatron's named RNG streams (on the CPU generator without CUDA)
     config = TransformerConfig(
         num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, num_moe_experts=EXPERTS,
+        moe_ffn_hidden_size=64,  # the experts' width (unset, Megatron warns that it takes ffn_hidden_size)
+        cuda_graph_scope=[],  # the whole layer, as Megatron's default "full" is, which warns that it is deprecated
         moe_router_topk=2, moe_router_pre_softmax=True, moe_aux_loss_coeff=0.01,
         moe_router_load_balancing_type="aux_loss", moe_token_dispatcher_type="alltoall",
         expert_model_parallel_size=world, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, MixtralConfig
 from transformers.distributed import DistributedConfig
 
 import dist_moe.integrations.transformers as dm_hf
+from placement import Topology
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -40,6 +41,9 @@ for step in range(3):
 sent = dm_hf.traffic(model)
 if rank == 0:
     print(f"rank 0 sent {sum(sent.values())} bytes in forward dispatch over 3 steps, by level: {sent}")
+    if Topology.launched(world).sizes[0] == 1:  # torchrun --standalone: every rank on this one machine
+        print("node: 0 bytes because these ranks share one node (no byte crosses a node boundary, where node dedup "
+              "saves); on 2 nodes: launch/emulate_cluster.sh --nodes 2 --procs-per-node 2 examples/transformers_ep.py")
 dist.barrier()
 if rank == 0:
     import shutil

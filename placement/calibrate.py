@@ -8,7 +8,8 @@ the same exchange run with one sender per unit: a private link takes as long, a 
 about a unit's ranks times less. One-byte all-to-alls give the latency every collective pays;
 one exchange run while this rank multiplies matrices gives the share of the shorter of the two
 that overlap hides; the same exchange cut into concurrent chunks, how fast chunks in flight
-together move. Times are medians over repeats of the slowest rank.
+together move. Times are medians over repeats of the slowest rank; the latency's over 8 times as many, with the
+middle half of them beside it (``calibration``).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import functools
 import math
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -23,12 +25,42 @@ import torch.distributed as dist
 from placement import CostModel, Topology, fit_level
 
 SIZES = (1 << 18, 1 << 20, 1 << 21)  # bytes per peer: past a shaper's burst, short enough to sweep
+# The one-byte exchange is repeated this many times more than the others: it is the cheapest (a few ms in all) and
+# the noisiest, a descheduled rank or a shaper's burst taking it from 0.3 to 5 ms on a busy machine, where a median
+# of 5 can land on either
+LATENCY_REPEATS = 8
+
+
+@dataclass(frozen=True)
+class Spread:
+    """A time's median over its repeats and the middle half of them (first to third quartile), in seconds."""
+    median: float
+    low: float
+    high: float
+    repeats: int
+
+    @classmethod
+    def of(cls, times: list[float]) -> Spread:
+        low, _, high = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else times * 3
+        return cls(statistics.median(times), low, high, len(times))
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What ``dist-moe calibrate`` fitted, and how noisy its latency was."""
+    cost: CostModel
+    latency: Spread  # the one-byte exchange's, whose median is cost.latency_s
 
 
 def slowest(fn, repeats: int = 5, group=None) -> float:
     """Median over repeats of the slowest rank's seconds for fn() (one warm-up run first)."""
+    return slowest_spread(fn, repeats, group).median
+
+
+def slowest_spread(fn, repeats: int = 5, group=None) -> Spread:
+    """The slowest rank's seconds for fn() over repeats (one warm-up run first)."""
     times = [slowest_once(fn, group) for _ in range(repeats + 1)]
-    return statistics.median(times[1:])
+    return Spread.of(times[1:])
 
 
 def slowest_once(fn, group=None) -> float:
@@ -82,9 +114,21 @@ def level_pattern(topology: Topology, level: int, nbytes: int, one_sender_per_un
 
 def calibrate(topology: Topology, sizes=SIZES, repeats: int = 5) -> CostModel:
     """The launch's cost model: per-level alpha, bandwidth and sharing, collective latency, overlap."""
-    defaults = CostModel.default(topology.levels)
+    return calibration(topology, sizes, repeats).cost
+
+
+def calibration(topology: Topology, sizes=SIZES, repeats: int = 5) -> Calibration:
+    """The launch's cost model, and the spread of the collective latency it holds."""
     w = topology.world_size
-    latency = slowest(lambda: replay(torch.ones(w, w, dtype=torch.long)), repeats)  # one byte to every peer
+    spread = slowest_spread(lambda: replay(torch.ones(w, w, dtype=torch.long)),  # one byte to every peer
+                            LATENCY_REPEATS * repeats)
+    cost = _fit_levels(topology, sizes, repeats, spread.median)
+    return Calibration(cost.with_exchange(spread.median, *measure_overlap(topology, repeats)), spread)
+
+
+def _fit_levels(topology: Topology, sizes, repeats: int, latency: float) -> CostModel:
+    """Per level: alpha, bandwidth and whether its link is shared, from the sweep in its own pattern."""
+    defaults = CostModel.default(topology.levels)
     fitted = {}
     for li, name in enumerate(topology.levels):
         if topology.sizes[li] == 1:  # nothing crosses this level
@@ -108,7 +152,7 @@ def calibrate(topology: Topology, sizes=SIZES, repeats: int = 5) -> CostModel:
             raise ValueError(f"calibration: the {name} level's exchanges did not take longer with more bytes ({ms} ms "
                              f"for {', '.join(_size(s) for s in sizes)} per peer); the link was busy or its bandwidth "
                              "is beyond these sizes: run it again, with more --repeats") from None
-    return CostModel(fitted).with_exchange(latency, *measure_overlap(topology, repeats))
+    return CostModel(fitted)
 
 
 def _size(nbytes: int) -> str:

@@ -224,7 +224,19 @@ def split_by_levels(num_experts: int, topology: Topology, split) -> list[int]:
 
 def _check_divides(num_experts: int, world_size: int) -> None:
     if num_experts < 1 or world_size < 1 or num_experts % world_size:
-        raise ValueError(f"experts per rank must be integral: {num_experts} experts over {world_size} ranks")
+        raise ValueError(f"experts per rank must be integral: {num_experts} experts over {world_size} ranks; "
+                         f"{_how_to_divide(num_experts, world_size)}")
+
+
+def _how_to_divide(num_experts: int, world_size: int) -> str:
+    """The two ways out, in the training config's keys: the ranks here are one expert-parallel group's."""
+    more = f"set router.num_experts to a positive multiple of {world_size}"
+    # a smaller group must divide these ranks (so the world too: parallel.ep_size's own rule) and the experts
+    sizes = [g for g in range(1, world_size) if world_size % g == 0 and num_experts % g == 0]
+    if num_experts < 1 or not sizes:
+        return more
+    listed = str(sizes[-1]) if len(sizes) == 1 else f"{', '.join(map(str, sizes[:-1]))} or {sizes[-1]}"
+    return f"{more}, or parallel.ep_size to {listed} (expert-parallel groups whose size divides the experts)"
 
 
 def cut_weight(c: torch.Tensor, parts) -> float:

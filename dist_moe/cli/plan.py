@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import re
+import textwrap
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 from dist_moe.cli.topology_arg import topology_of
 from dist_moe.config.choices import MAX_PIPELINE_CHUNKS
@@ -21,8 +23,9 @@ from placement import check_output_file
 from placement.activations import activation_bytes
 from placement.cost import in_bounds, in_range
 from placement.files import replacing
-from placement.forecast import DTYPE_BYTES, PLACEMENTS, WIRES, ModelShape, forecast
+from placement.forecast import DTYPE_BYTES, PLACEMENTS, WIRES, ModelShape, ep_topology, forecast
 from placement.layouts import price_layouts
+from placement.placement import Placement
 from placement.simulate import RoutingRecord
 
 _NUMBER = r"((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[+-]?[0-9]+)?)"  # what float() reads, without a sign, nan or inf
@@ -151,8 +154,10 @@ def run(args) -> int:
     out["seconds_to_plan"] = round(time.time() - start, 2)
     # strict JSON, made before the plot is written: every input is bounded to keep the numbers finite
     text = json.dumps(out, indent=1, allow_nan=False) if args.json else None
+    # the table and the plot show the same rows, folded alike
+    rows, fold_notes = folded_rows(out["rows"], placements_of(out, shape, topo), args.routing == "uniform")
     if args.plot:
-        _plot(out, Path(args.plot))
+        _plot(plot_bars(rows, fold_notes, out), f"{out['topology']}, EP {out['ep']}", Path(args.plot))
     if text is not None:
         print(text)
         return 0
@@ -167,7 +172,6 @@ def run(args) -> int:
              "latency; set it with --overlap or a topology YAML from dist-moe calibrate)"
              if topo.cost.overlap == 0 else ""))
     top = levels[0]  # the slowest link's bytes on each wire dtype
-    rows, folded = fold_identical(out["rows"])
     width = max(12, *(len(r["placement"]) + 1 for r in rows))
     print(f"{'placement':<{width}}{'dedup':<6}{'C':>3}" + "".join(f"{lv + ' B/token':>15}" for lv in levels)
           + "".join(f"{top + ' ' + w:>11}" for w in WIRES) + f"{'exchange ms':>13}{'step ms':>11}{'exposed ms':>12}")
@@ -181,13 +185,12 @@ def run(args) -> int:
           f"values and one fp32 scale per 128); exchange ms = one exchange, of the 4 per layer per step; "
           f"step = {shape.layers} MoE layer(s) x "
           f"(4 exchanges + experts, C > 1 overlapped); exposed = the exchanges' time per step that the experts' "
-          f"matmuls do not hide (step - matmuls: the plot's 'exchanges not hidden'); planned in "
+          f"matmuls do not hide (step - matmuls: the plot's 'exposed ms' bar); planned in "
           f"{out['seconds_to_plan']} s after start-up"
           + (f"; plot: {args.plot}" if args.plot else ""))
-    for names in folded:
-        print(f"note: {' and '.join(names)} compute the same numbers in every row: shown once, as "
-              f"{'='.join(names)}")
-    for note in why_rows_agree(out["rows"], shape.experts, out["ep"], args.routing):
+    for note in fold_notes:
+        print(f"note: {note}")
+    for note in why_rows_agree(rows, shape.experts, out["ep"], args.routing):
         print(f"note: {note}")
     print(f"activations kept for backward: at most {out['activation_bytes_per_layer'] / 2**20:.1f} MiB per MoE layer "
           f"per rank ({shape.dtype} rows, every pair its own copy), "
@@ -245,54 +248,117 @@ def print_layouts(out: dict, topo, memory_gib: float) -> None:
               f"({1e3 * best['step_seconds']:.2f} ms per step)")
 
 
-def fold_identical(rows: list[dict]) -> tuple[list[dict], list[list[str]]]:
-    """``rows`` with the placements whose rows are identical in every dedup and chunk count (under uniform
-    routing a placement may change nothing) shown once, as ``a=b``; and each such list of placement names."""
+RECORDED_HINT = "--routing RUN_DIR (a recorded run's routing) tells placements apart"
+
+
+def placements_of(out: dict, shape: ModelShape, topo) -> dict[str, Placement]:
+    """Each planned placement's expert -> rank map on one EP group (placements that are the same map fold)."""
+    group = ep_topology(topo, out["ep"])
+    return {name: Placement.named(name, shape.experts, group) for name in dict.fromkeys(r["placement"]
+                                                                                         for r in out["rows"])}
+
+
+def folded_rows(rows: list[dict], placements: dict[str, Placement], uniform: bool) -> tuple[list[dict], list[str]]:
+    """The rows to show, each fold of placements once (named for all, as ``a=b``, with the first's numbers),
+    and a note for each fold saying what it stands for and why. Placements fold when they put every expert
+    on the same rank; under uniform routing also when each rank holds as many experts in both: one is then
+    the other with its experts renumbered, which uniform routing cannot tell apart, so their rows differ by
+    the sampled tokens' noise alone."""
     by_placement: dict[str, list[dict]] = {}
     for r in rows:
         by_placement.setdefault(r["placement"], []).append(r)
-
-    def numbers(name: str) -> list:
-        return [{k: v for k, v in r.items() if k != "placement"} for r in by_placement[name]]
-
-    groups: list[list[str]] = []
-    for name in by_placement:
-        same = next((g for g in groups if numbers(g[0]) == numbers(name)), None)
-        if same is None:
-            groups.append([name])
-        else:
-            same.append(name)
-    out = [{**r, "placement": "=".join(g)} for g in groups for r in by_placement[g[0]]]
-    return out, [g for g in groups if len(g) > 1]
+    same_map = _grouped([[n] for n in by_placement], lambda g: tuple(placements[g[0]].expert_to_rank))
+    folds = [[g] for g in same_map]
+    if uniform:
+        folds = _grouped(folds, lambda f: _experts_per_rank(placements[f[0][0]]))
+    shown, notes = [], []
+    for fold in folds:
+        names = [n for group in fold for n in group]
+        shown += [{**r, "placement": "=".join(names)} for r in by_placement[names[0]]]
+        if len(names) > 1:
+            notes.append(_fold_note(fold, by_placement, _experts_per_rank(placements[names[0]])))
+    return shown, notes
 
 
-def plot_bars(out: dict) -> tuple[list[str], list[float], list[float]]:
-    """The plot's rows (folded as the table's), each row's exposed exchanges and its matmuls, ms per step."""
-    rows, _ = fold_identical(out["rows"])
-    labels = [f"{r['placement']} / {r['dedup']} / C={r['chunks']}" for r in rows]
-    return labels, [1e3 * r["exposed_seconds"] for r in rows], [1e3 * out["expert_seconds"] * out["layers"]] * len(rows)
+def _grouped(items: list[list], key) -> list[list]:
+    """``items`` (lists) concatenated where their ``key`` agrees, in order of first appearance."""
+    groups: dict = {}
+    for item in items:
+        groups.setdefault(key(item), []).extend(item)
+    return list(groups.values())
+
+
+def _experts_per_rank(placement: Placement) -> tuple[int, ...]:
+    counts = [0] * placement.world_size
+    for rank in placement.expert_to_rank:
+        counts[rank] += 1
+    return tuple(counts)
+
+
+def _fold_note(fold: list[list[str]], by_placement: dict, per_rank: tuple[int, ...]) -> str:
+    names = [n for group in fold for n in group]
+    first = names[0]
+    why = [f"{_listed(group)} put every expert on the same rank" for group in fold if len(group) > 1]
+    if len(fold) > 1:
+        others = names[len(fold[0]):]
+        spread = max(_spread(by_placement[first], by_placement[n]) for n in others)
+        held = f"{per_rank[0]} on every rank" if len(set(per_rank)) == 1 else "the same on each rank"
+        why.append(f"under uniform routing the bytes depend only on how many experts each rank holds ({held} "
+                   f"here), so placement does not change them ({_listed(others)}: within {100 * spread:.2g}% of "
+                   f"{first}'s, the sampled tokens' noise); {RECORDED_HINT}")
+    return f"{'='.join(names)} stands for {_listed(names)}, shown once with {first}'s numbers: " + "; ".join(why)
+
+
+def _spread(rows: list[dict], others: list[dict]) -> float:
+    """The largest relative difference of two placements' bytes per token, over rows and levels."""
+    theirs = {(r["dedup"], r["chunks"]): _bytes_of(r) for r in others}
+    return max((abs(x - y) / max(abs(x), abs(y), 1e-9) for r in rows
+                for x, y in zip(_bytes_of(r), theirs[r["dedup"], r["chunks"]])), default=0.0)
+
+
+def _listed(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+class Bars(NamedTuple):
+    """What the plot draws: a bar per table row (its label, exposed exchanges and matmuls, ms per step) and
+    the table's fold notes as its caption."""
+    labels: list[str]
+    exposed_ms: list[float]
+    matmul_ms: list[float]
+    notes: list[str]
+
+
+def plot_bars(rows: list[dict], notes: list[str], out: dict) -> Bars:
+    """The plot of the table's ``rows`` (folded, as printed) and its fold ``notes``."""
+    matmuls = 1e3 * out["expert_seconds"] * out["layers"]
+    return Bars([f"{r['placement']} / {r['dedup']} / C={r['chunks']}" for r in rows],
+                [1e3 * r["exposed_seconds"] for r in rows], [matmuls] * len(rows), notes)
+
+
+def _bytes_of(r: dict) -> tuple:
+    return tuple(r["bytes_per_token_by_level"].values())
+
+
+def _close(a: tuple, b: tuple) -> bool:
+    """Within 1%: rows that differ by the sampled tokens' noise alone."""
+    return all(abs(x - y) <= 0.01 * max(abs(x), abs(y), 1e-9) for x, y in zip(a, b))
 
 
 def why_rows_agree(rows: list[dict], experts: int, ep: int, routing: str) -> list[str]:
-    """What makes rows of the table equal, said where it happens (1% apart or less: sampling noise)."""
-    def bytes_of(r) -> tuple:
-        return tuple(r["bytes_per_token_by_level"].values())
-
-    def close(a: tuple, b: tuple) -> bool:
-        return all(abs(x - y) <= 0.01 * max(abs(x), abs(y), 1e-9) for x, y in zip(a, b))
-
+    """What makes rows of the table (as shown: folded) equal, said where it happens (1% apart or less:
+    sampling noise). Under uniform routing such placements are folded, and the fold's note says why."""
     notes = []
     by_setting: dict = {}
     for r in rows:
-        by_setting.setdefault((r["dedup"], r["chunks"]), []).append(bytes_of(r))
-    if len(rows) > len(by_setting) and all(close(v[0], w) for v in by_setting.values() for w in v):
-        notes.append("every placement moves the same bytes (within 1%): "
-                     + ("under uniform routing each expert draws the same share of tokens wherever it sits; "
-                        "--routing RUN_DIR (a recorded run's routing) tells placements apart" if routing == "uniform"
-                        else "the recorded routing's co-activation does not favour one placement here"))
+        by_setting.setdefault((r["dedup"], r["chunks"]), []).append(_bytes_of(r))
+    if (routing != "uniform" and len(rows) > len(by_setting)
+            and all(_close(v[0], w) for v in by_setting.values() for w in v)):
+        notes.append("every placement moves the same bytes (within 1%): the recorded routing's co-activation "
+                     "does not favour one placement here")
     same = [r for r in rows if r["dedup"] == "rank"]
-    none = {(r["placement"], r["chunks"]): bytes_of(r) for r in rows if r["dedup"] == "none"}
-    if same and all((r["placement"], r["chunks"]) in none and close(bytes_of(r), none[r["placement"], r["chunks"]])
+    none = {(r["placement"], r["chunks"]): _bytes_of(r) for r in rows if r["dedup"] == "none"}
+    if same and all((r["placement"], r["chunks"]) in none and _close(_bytes_of(r), none[r["placement"], r["chunks"]])
                     for r in same):
         notes.append("dedup rank sends what none sends: "
                      + (f"{experts} experts on {ep} ranks is one expert per rank, so no token has two experts "
@@ -301,21 +367,24 @@ def why_rows_agree(rows: list[dict], experts: int, ep: int, routing: str) -> lis
     return notes
 
 
-def _plot(out: dict, path: Path) -> None:
+def _plot(bars: Bars, title: str, path: Path) -> None:
     # matplotlib: optional and slow to import, only when a figure is drawn
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels, comm, comp = plot_bars(out)
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(labels) + 1.5))
-    ax.barh(labels, comm, label="exchanges not hidden (the table's exposed ms)")
-    ax.barh(labels, comp, left=comm, label="experts' matmuls")
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(bars.labels) + 1.5))
+    ax.barh(bars.labels, bars.exposed_ms, label="exposed ms: the exchanges the matmuls do not hide")
+    ax.barh(bars.labels, bars.matmul_ms, left=bars.exposed_ms, label="experts' matmuls")
     ax.invert_yaxis()
     ax.set_xlabel("predicted MoE time per step (ms)")
-    ax.set_title(f"{out['topology']}, EP {out['ep']}")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, frameon=False)
+    ax.set_title(title, pad=30)
+    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, frameon=False)
+    if bars.notes:  # the table's fold notes, under the axis in points: the same place at any number of bars
+        caption = "\n".join(textwrap.fill(f"note: {n}", 110) for n in bars.notes)
+        ax.annotate(caption, xy=(0, 0), xycoords="axes fraction", xytext=(0, -40), textcoords="offset points",
+                    va="top", fontsize=8)
     path.parent.mkdir(parents=True, exist_ok=True)
     with replacing(path) as f:  # the path as given (a name without .png included), never through a link
         fig.savefig(f, format="png", dpi=110, bbox_inches="tight")

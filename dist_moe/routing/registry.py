@@ -19,7 +19,7 @@ from typing import ClassVar
 
 from dist_moe.config.choices import DEPRECATED_KEYS_REMOVED_IN
 from dist_moe.config.types import fits, hints, wanted
-from dist_moe.errors import shown
+from dist_moe.errors import did_you_mean, shown
 from dist_moe.routing.base import Router, check_shape
 from dist_moe.routing.branch import BranchRouter
 from dist_moe.routing.flat import DeepSeekV3Router, HashRouter, SkyworkRouter, SwitchRouter, UniformRouter
@@ -137,6 +137,7 @@ class RouterKeyError(ValueError):
             msg = full + msg[len(key):]
         else:
             msg = msg.replace(f"key {key!r}", f"key {full!r}")
+        msg = msg.replace("(did you mean '", f"(did you mean '{section}.")  # the suggestion names a key beside it
         return ValueError(msg)
 
 
@@ -179,8 +180,8 @@ def _parse(cfg, where: str) -> RouterConfig:
     allowed = {f.name: f for f in fields(cls)}
     unknown = sorted(set(cfg) - set(allowed), key=str)
     if unknown:
-        raise RouterKeyError(f"unknown router key {shown(unknown[0])} for type {kind!r}; valid keys: "
-                             f"{sorted(allowed)}", str(unknown[0]))
+        raise RouterKeyError(f"unknown router key {shown(unknown[0])} for type {kind!r}"
+                             f"{did_you_mean(unknown[0], allowed)}; valid keys: {sorted(allowed)}", str(unknown[0]))
     required = _required(kind)
     for key, value in cfg.items():
         hint = allowed[key].type

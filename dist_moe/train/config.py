@@ -15,10 +15,10 @@ from pathlib import Path
 
 import yaml
 
-from dist_moe.errors import shown
+from dist_moe.config.hf_defaults import apply_hf_defaults, given_keys
+from dist_moe.errors import did_you_mean, shown
 from dist_moe.routing.registry import ROUTERS, accepted_keys, config_class
 from dist_moe.train.checkpoint import store as checkpoint
-from dist_moe.train.hf_defaults import apply_hf_defaults, given_keys
 from dist_moe.train.run_config import OLD_DISPATCHER_KEYS, RunConfig, verbatim_keys
 from dist_moe.train.step.engines import ENGINES
 from placement import parse_yaml, read_yaml, yaml_problem
@@ -42,7 +42,8 @@ def _merge(base: dict, update: dict, path: str = "") -> dict:
             out[key] = value
             continue
         if key not in base:
-            raise ValueError(f"unknown config key {shown(where)}; valid keys here: {sorted(base)}")
+            raise ValueError(f"unknown config key {shown(where)}{did_you_mean(key, base, path)}; "
+                             f"valid keys here: {sorted(base)}")
         if isinstance(base[key], dict):
             if value is None and where in _OPEN_SECTIONS:  # train.gar=null: no GAR, as the schema says
                 out[key] = None

@@ -38,11 +38,11 @@ from dist_moe.config.choices import (
     WIRE_DTYPES,
 )
 from dist_moe.config.choices import MEGATRON_DISPATCHERS as DISPATCHERS
+from dist_moe.config.hf_defaults import apply_hf_defaults, given_keys
 from dist_moe.config.types import fits, hints, kinds, optional, wanted
-from dist_moe.errors import shown
+from dist_moe.errors import did_you_mean, shown
 from dist_moe.routing.gar import GARConfig
 from dist_moe.routing.registry import GAR_MOVED, RouterConfig, RouterKeyError, router_config, router_shape
-from dist_moe.train.hf_defaults import apply_hf_defaults, given_keys
 from placement.names import DEDUP_MODES, EP_LAYOUTS
 from placement.names import NAMED as PLACEMENTS
 
@@ -231,8 +231,8 @@ class OutputConfig:
     dir: str = path_key("runs/{name}")
     tensorboard: bool = False  # also write TensorBoard scalars to <dir>/tensorboard (needs tensorboard)
     # a dir that already holds a run is refused unless train.resume continues it or this is true, which
-    # replaces that run (dist-moe's own files only: rundir.RUN_FILES and RUN_DIRS): set aside in .previous-run
-    # until the new run has finished, back in place if the new one stops first with no checkpoint
+    # replaces that run (dist-moe's own files only: rundir.RUN_FILES and RUN_DIRS) once the new run has
+    # finished: it trains in <dir>/.next-run, the old run untouched until then (stopped before: still so)
     overwrite: bool = False
 
 
@@ -279,7 +279,8 @@ def _section(cls, d, prefix: str):
     names = {f.name: f for f in fields(cls)}
     unknown = sorted(set(d) - set(names), key=str)
     if unknown:
-        raise ValueError(f"unknown config key {shown(prefix + str(unknown[0]))}; valid keys here: {sorted(names)}")
+        raise ValueError(f"unknown config key {shown(prefix + str(unknown[0]))}"
+                         f"{did_you_mean(unknown[0], names, prefix)}; valid keys here: {sorted(names)}")
     types = hints(cls)
     values = {}
     for name, f in names.items():

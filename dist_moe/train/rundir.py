@@ -1,7 +1,7 @@
 """A run's output directory: one run at a time, writable before training starts, a finished run never
-trained into again by accident, run files never written through a planted symlink, nothing left
-behind by a run that stopped before its first step, and a metrics log that a resumed run continues
-instead of repeating."""
+trained into again by accident (and one replaced on purpose kept until its replacement has finished), run
+files never written through a planted symlink, nothing left behind by a run that stopped before its first
+step, and a metrics log that a resumed run continues instead of repeating."""
 from __future__ import annotations
 
 import errno
@@ -25,13 +25,25 @@ RUN_FILES = ("config.yaml", METRICS, "summary.json", "train_traffic.json", "repo
 RUN_DIRS = ("checkpoints", "tensorboard", "hf_model")  # hf_model: model.kind hf's trained model
 _ROUTING = re.compile(r"routing(\.layer[0-9]+)?\.(npz|json)")
 HOLDS_A_RUN = (METRICS, "checkpoints", "summary.json")  # any of these: a run trained here
-# output.overwrite: where the run being replaced waits until the new one has finished (then it goes), or comes
-# back from when the new one stops first with nothing to resume
+# output.overwrite: the new run trains in STAGING while the run it replaces stays in place, report included;
+# once it has finished the old run's files move to PREVIOUS, the new run's take their place, and PREVIOUS goes
+STAGING = ".next-run"
 PREVIOUS = ".previous-run"
 
 
 def _ours(name: str) -> bool:
-    return name in RUN_FILES or name in RUN_DIRS or name == LOCK or bool(_ROUTING.fullmatch(name))
+    return (name in RUN_FILES or name in RUN_DIRS or name in (LOCK, STAGING, PREVIOUS)
+            or bool(_ROUTING.fullmatch(name)))
+
+
+def _run_file(name: str) -> bool:
+    """One of the files and folders a run consists of (not the lock, nor an overwrite's folders)."""
+    return _ours(name) and name not in (LOCK, STAGING, PREVIOUS)
+
+
+def staging_dir(directory: Path) -> Path:
+    """Where an output.overwrite run writes (every rank alike) until it replaces the run in ``directory``."""
+    return Path(directory) / STAGING
 
 
 class RunLock:
@@ -79,9 +91,9 @@ class RunDir:
     """Rank 0's hold on the output directory: ``open`` creates it (remembering what it created), refuses
     symlinked run files, takes the lock and refuses a directory that already holds a run unless the
     config resumes or overwrites it; ``discard`` removes what this run created when it stops before
-    its first step, and leaves whatever was there before untouched. A run it overwrites is set aside in
-    ``PREVIOUS``: ``finish`` removes it once the new run has ended, ``bring_back`` restores it when the
-    new run stops first without a checkpoint to resume from."""
+    its first step, and leaves whatever was there before untouched. An overwriting run trains in ``STAGING``
+    beside the run it replaces, which stays untouched until ``finish`` swaps the new run in (``stopped_note``
+    says where the new run's files are when it stops before)."""
 
     def __init__(self, path: Path):
         self.path, self.lock = Path(path), RunLock(path)
@@ -89,7 +101,7 @@ class RunDir:
         self.before: set[str] = set()  # names in the directory before this run wrote any
         self.held: list[str] = []  # of HOLDS_A_RUN, what was there: a run trained here before
         self.owned = False
-        self.aside: Path | None = None  # PREVIOUS, while this run holds the run it replaces there
+        self.staging: Path | None = None  # output.overwrite: STAGING, until the new run is swapped in
 
     def open(self, resume: bool, overwrite: bool) -> None:
         d = str(self.path)
@@ -113,48 +125,44 @@ class RunDir:
         self.lock.acquire()
         self.owned = True  # from here on this run may remove what it created (before: another run's)
         self.held = held = [name for name in HOLDS_A_RUN if name in self.before]
-        if held and not resume:
-            if not overwrite:
-                raise ValueError(f"output.dir {d!r} already holds a run ({', '.join(held)}): set train.resume=true "
-                                 "to continue it or output.overwrite=true to replace it, or choose another output.dir")
-            self._set_aside({name for name in self.before if _ours(name) and name != LOCK})
+        if held and not resume and not overwrite:
+            raise ValueError(f"output.dir {d!r} already holds a run ({', '.join(held)}): set train.resume=true "
+                             "to continue it or output.overwrite=true to replace it, or choose another output.dir")
+        if overwrite:
+            self._stage()
         self.lock.mark()
 
-    def _set_aside(self, names) -> None:
-        """Move the run being replaced into PREVIOUS (renames in one directory: nothing copied). A PREVIOUS
-        already there is the last run that ended, left by a replacement killed outright: it stays, and what
-        that replacement left goes."""
-        aside = self.path / PREVIOUS
-        if aside.is_symlink() or (aside.exists() and not aside.is_dir()):
-            raise _link_refused(self.path, PREVIOUS)
-        if aside.exists():
-            self._remove(names)
-        else:
-            aside.mkdir(mode=0o700)
-            for name in sorted(names):
-                os.rename(self.path / name, aside / name)
-        self.aside = aside
+    def _stage(self) -> None:
+        """A fresh, empty STAGING for the new run: what an earlier replacement that never finished left there
+        goes (output.overwrite starts over)."""
+        self._remove({STAGING})
+        os.mkdir(self.path / STAGING)
+        self.before.discard(STAGING)  # this run's own now: discard removes it
+        self.staging = self.path / STAGING
 
     def finish(self) -> None:
-        """The new run has ended: the one it replaced goes."""
-        if self.aside is not None:
-            shutil.rmtree(self.aside)
-            self.aside = None
+        """The new run has finished in STAGING (every rank has written its last file): it replaces the old
+        run's files by renames within the directory. The old run is whole until the first rename and the new
+        one from the last; a kill in between (a few renames) leaves both folders beside a part of each."""
+        if self.staging is None:
+            return
+        staging, self.staging = self.staging, None
+        self._remove({PREVIOUS})  # left by a swap killed midway: that run was being replaced already
+        aside = self.path / PREVIOUS
+        aside.mkdir(mode=0o700)
+        for name in sorted(filter(_run_file, os.listdir(self.path))):
+            os.rename(self.path / name, aside / name)  # a link moves as a link: nothing followed
+        for name in sorted(filter(_run_file, os.listdir(staging))):  # none of the user's files is replaced
+            os.rename(staging / name, self.path / name)
+        shutil.rmtree(staging)
+        shutil.rmtree(aside)  # unlinks links inside without following them
 
-    def bring_back(self, resumable: bool) -> str | None:
-        """The new run stopped before its end. Without a checkpoint of its own (``resumable``) its files go and
-        the run it replaced comes back, as it was; with one it stays, to resume, and the old one waits in
-        PREVIOUS. Returns what happened, for the user, or None when nothing was replaced."""
-        if self.aside is None:
+    def stopped_note(self) -> str | None:
+        """For a run stopped after its first step: where an overwriting run's files are (None: not one)."""
+        if self.staging is None:
             return None
-        aside, self.aside = self.aside, None
-        if resumable:
-            return f"the run it replaces is kept in {aside} until this one finishes"
-        self._remove({name for name in os.listdir(self.path) if _ours(name) and name != LOCK})
-        for name in sorted(os.listdir(aside)):
-            os.rename(aside / name, self.path / name)
-        aside.rmdir()
-        return f"the previous run in {self.path} is back as it was"
+        return (f"the run in {self.path} is untouched; this run's files, which were to replace it, are in "
+                f"{self.staging} (the next output.overwrite=true run starts over)")
 
     def _remove(self, names) -> None:
         for name in sorted(names):

@@ -26,8 +26,8 @@ import yaml
 from tqdm import tqdm
 
 from dist_moe.distributed.device_choice import to_device
-from dist_moe.distributed.every_rank import agree_on_errors
-from dist_moe.distributed.process_group import collective_failure, launched_world_size, resolve_device
+from dist_moe.distributed.every_rank import agree_on_errors, raise_on_every_rank
+from dist_moe.distributed.process_group import barrier, collective_failure, launched_world_size, resolve_device
 from dist_moe.models.hf_export import settle_export
 from dist_moe.moe.view import moe_layers
 from dist_moe.routing.base import Scheduled
@@ -45,7 +45,7 @@ from dist_moe.train.metrics.step_bytes import StepBytes
 from dist_moe.train.metrics.summary import Trained, write_summary
 from dist_moe.train.rank_memory import available_per_rank
 from dist_moe.train.run_config import RunConfig, output_dir
-from dist_moe.train.rundir import RunDir, check_writable, truncate_metrics
+from dist_moe.train.rundir import RunDir, check_writable, staging_dir, truncate_metrics
 from dist_moe.train.runtime import Runtime
 from dist_moe.train.step.training_step import step_strategy
 from dist_moe.train.step.unread_checks import FAILED, raise_failed, take_unread
@@ -93,11 +93,12 @@ def _with_planned_layout(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
-def _open_run(cfg: RunConfig, rt: Runtime, out_dir: Path, run_dir: RunDir | None):
+def _open_run(cfg: RunConfig, rt: Runtime, out_dir: Path, run_dir: RunDir | None, work_dir: Path):
     """The start-up checks, agreed before any training collective. First rank 0 alone (``run_dir``)
     creates the output directory, takes its lock and refuses a directory whose run files are symlinks
     or that holds a run this config neither resumes nor overwrites; then every rank checks that it
-    can write there and that a resumed checkpoint fits this config. Returns the checkpoint to resume,
+    can write where the run writes (``work_dir``: the output directory, or its staging directory under
+    output.overwrite) and that a resumed checkpoint fits this config. Returns the checkpoint to resume,
     None, or ``EXPORTED`` (resuming a run without checkpoints that had trained and exported its model)."""
     found: list = []
     group = rt.group if rt.world > 1 else None
@@ -117,10 +118,10 @@ def _open_run(cfg: RunConfig, rt: Runtime, out_dir: Path, run_dir: RunDir | None
                                  "output.overwrite=true to train it again from the start, or choose another output.dir")
 
     agree_on_errors(claim, group)
-    checkpoint.check_shared(out_dir / "checkpoints", cfg.train, group)  # before any rank looks for one there
+    checkpoint.check_shared(work_dir / "checkpoints", cfg.train, group)  # before any rank looks for one there
 
     def check():
-        check_writable(out_dir)
+        check_writable(work_dir)
         path = checkpoint.latest(out_dir / "checkpoints") if cfg.train.resume else None
         if path is None and cfg.train.resume and trained_and_exported(out_dir):
             found.append(EXPORTED)
@@ -149,33 +150,48 @@ def trained_and_exported(out_dir: Path) -> bool:
 
 def _train(cfg: RunConfig, rt: Runtime, quiet: bool, after=None) -> dict:
     out_dir = output_dir(cfg)
+    # output.overwrite: the run it replaces stays whole, report included, until this one has finished
+    work_dir = staging_dir(out_dir) if cfg.output.overwrite else out_dir
     run_dir = RunDir(out_dir) if rt.is_main else None
     run = None
     try:
-        resume_from = _open_run(cfg, rt, out_dir, run_dir)
+        resume_from = _open_run(cfg, rt, out_dir, run_dir, work_dir)
         if resume_from is EXPORTED:  # nothing to train, nothing to resume from: say where the model is
             return {"name": cfg.name, "output_dir": str(out_dir), "hf_model": str(out_dir / HF_MODEL),
                     "exported_before": True}
-        run = _TrainingRun(cfg, rt, out_dir, resume_from, quiet)
+        run = _TrainingRun(cfg, rt, work_dir, resume_from, quiet)
         summary = _train_in(run, after)
-        if run_dir is not None:
-            run_dir.finish()  # output.overwrite: the run this one replaced goes only now
+        if work_dir != out_dir:
+            _swap_in(run_dir, rt)
         return summary
     except BaseException as e:
-        newest = _newest_checkpoint(out_dir)
-        if run_dir is not None:
-            said = run_dir.bring_back(resumable=newest is not None)
-            if said is not None:
-                print(f"dist-moe: the run stopped: {said}", file=sys.stderr)
+        newest = _newest_checkpoint(work_dir) if isinstance(e, KeyboardInterrupt) else None
         if run_dir is not None and (run is None or run.step == run.first_step):
             run_dir.discard()  # stopped before its first step: leave nothing it created behind
-        newest = newest if isinstance(e, KeyboardInterrupt) else None
-        if newest is not None:  # Ctrl-C: where the run goes on from (every rank: a launcher shows one's line)
+        elif run_dir is not None and (note := run_dir.stopped_note()) is not None:
+            print(f"dist-moe: the run stopped: {note}", file=sys.stderr)
+        if newest is not None and work_dir == out_dir:
+            # Ctrl-C: where the run goes on from (every rank: a launcher shows one's line); an overwriting
+            # run's checkpoint is not in output.dir, whose resume would continue the run it was to replace
             raise KeyboardInterrupt(f"train.resume=true continues from {newest}") from None
         raise
     finally:
         if run_dir is not None:
             run_dir.release()
+
+
+def _swap_in(run_dir: RunDir | None, rt: Runtime) -> None:
+    """output.overwrite's end: once every rank has written its last file, rank 0 puts the new run in the old
+    one's place; every rank fails alike if that fails."""
+    group = rt.group if rt.world > 1 else None
+    barrier(group)
+    failure = None
+    if run_dir is not None:
+        try:
+            run_dir.finish()
+        except (OSError, ValueError) as e:
+            failure = e
+    raise_on_every_rank(failure, group)
 
 
 def _newest_checkpoint(out_dir: Path) -> Path | None:
@@ -212,7 +228,8 @@ def _train_in(run: _TrainingRun, after) -> dict:
         run.close()
     if rt.is_main:
         run.step_bytes.save(out_dir)
-    hf_model = out_dir / HF_MODEL if hasattr(run.model, "export_state") else None
+    final_dir = output_dir(run.cfg)  # where its files are once an overwriting run is swapped in
+    hf_model = final_dir / HF_MODEL if hasattr(run.model, "export_state") else None
     return write_summary(run.cfg, rt, out_dir, run.trained(), run.tuner, run.layers[0], hf_model, extra)
 
 
@@ -220,7 +237,7 @@ class _TrainingRun:
     """One run's training state: model, data, cursor, stepper, step strategy, logger and progress bar."""
 
     def __init__(self, cfg: RunConfig, rt: Runtime, out_dir: Path, resume_from, quiet: bool):
-        self.cfg, self.rt, self.out_dir, self.tcfg = cfg, rt, out_dir, cfg.train
+        self.cfg, self.rt, self.out_dir, self.tcfg = cfg, rt, out_dir, cfg.train  # out_dir: where it writes
         tcfg = self.tcfg
         torch.manual_seed(cfg.seed)  # the same on every rank: replicated modules start identical
         self.data, self.model = data_and_model(cfg, rt)
@@ -264,7 +281,7 @@ class _TrainingRun:
         total = self.max_steps or self.step + self.cursor.steps_left(self.total_samples)
         self.epochs = math.ceil(self.max_steps / self.steps_per_epoch) if self.max_steps else tcfg.epochs
         # Redrawn 10x a second on a terminal; in a log file (CI, nohup) every 10 s is enough.
-        self.bar = tqdm(total=total, initial=self.step, desc=out_dir.name, disable=quiet or not rt.is_main,
+        self.bar = tqdm(total=total, initial=self.step, desc=output_dir(cfg).name, disable=quiet or not rt.is_main,
                         dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 10.0)
         self.already_finished = resume_from is not None and self.finished()
 

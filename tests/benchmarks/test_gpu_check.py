@@ -1,8 +1,17 @@
 """benchmarks/gpu_check.py in its --cpu mode (CUDA mapped to the CPU): the expert-parallel checks
 pass on one gloo rank (and the multi-rank one on two), as do the local path's sync count, the grouped GEMM's
 edges and the wire's bytes; and a tensor built from Python data in the dispatch plan fails the sync
-check, naming the line (on a GPU the same build raises under set_sync_debug_mode("error"))."""
+check, naming the line (on a GPU the same build raises under set_sync_debug_mode("error")); and a Python
+without torch is told in one line which to run it with."""
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
 from tests.support.dist_utils import run_workers
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _worker(rank, world):
@@ -50,3 +59,13 @@ def _ranks_worker(rank, world):
 def test_gpu_check_multi_rank_equality_on_two_gloo_ranks():
     """Its ep ranks check's body (on a GPU: NCCL, launched by torch.multiprocessing.spawn), on every rank."""
     run_workers(_ranks_worker, 2)
+
+
+def test_a_python_without_torch_is_told_which_python_to_run_it_with(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` then fails as where torch is not installed
+    with pytest.raises(SystemExit) as stopped:
+        runpy.run_path(str(ROOT / "benchmarks" / "gpu_check.py"), run_name="gpu_check_without_torch")
+    assert stopped.value.code == 2
+    said = capsys.readouterr().err
+    assert said.startswith("gpu_check.py: torch is not installed for ") and ".venv/bin/python" in said, said
+    assert len(said.splitlines()) == 1, said

@@ -33,10 +33,10 @@ def _snapshot(folder) -> dict:
 
 
 @pytest.mark.parametrize("name", ["summary.json", "metrics.jsonl", "config.yaml", ".dist-moe.lock", "routing.npz",
-                                  "checkpoints"])
+                                  "checkpoints", ".next-run"])
 def test_a_run_file_planted_as_a_symlink_is_refused_and_its_target_untouched(tmp_path, name):
-    victim = tmp_path / "victim"
-    if name == "checkpoints":
+    victim, folder = tmp_path / "victim", name in ("checkpoints", ".next-run")
+    if folder:
         victim.mkdir()
         (victim / "keep").write_text("precious\n")
     else:
@@ -45,8 +45,9 @@ def test_a_run_file_planted_as_a_symlink_is_refused_and_its_target_untouched(tmp
     out.mkdir()
     (out / name).symlink_to(victim)
     with pytest.raises(ValueError, match=rf"output.dir '{out}': {name} is a symbolic link"):
-        _train(out, "train.checkpoint_every=1")
-    assert (victim / "keep" if name == "checkpoints" else victim).read_text() == "precious\n"
+        _train(out, "train.checkpoint_every=1", *(["output.overwrite=true"] if name == ".next-run" else []))
+    assert (victim / "keep" if folder else victim).read_text() == "precious\n"
+    assert not folder or sorted(p.name for p in victim.iterdir()) == ["keep"]
     assert sorted(p.name for p in out.iterdir()) == [name]  # and nothing was created beside it
 
 
@@ -162,38 +163,49 @@ def test_overwrite_removes_the_old_run_and_nothing_else(tmp_path):
         load_config(None, ["output.overwrite=true", "train.resume=true"])
 
 
-def test_an_overwrite_stopped_midway_brings_the_previous_run_back_and_a_finished_one_replaces_it(
+def test_an_overwrite_stopped_midway_leaves_the_previous_run_whole_and_a_finished_one_replaces_it(
         tmp_path, monkeypatch, capsys):
-    """The run output.overwrite replaces is set aside until the new run has finished: Ctrl-C at its third step
-    (two trained, no checkpoint) brings the previous run back byte for byte, report included; a new run that
-    saved a checkpoint stays, to resume, the previous one kept beside it; a finished one replaces it."""
+    """output.overwrite trains beside the run it replaces: Ctrl-C at its third step (two trained, a checkpoint
+    saved) leaves that run byte for byte as it was, report included, and says where the new run's files are
+    (not that train.resume continues them: it would continue the old run); a finished one then replaces it,
+    and a resume continues the run now in place."""
     from dist_moe.train import trainer
 
     out = tmp_path / "run"
-    _train(out)
-    assert main(["report", str(out)]) == 0
+    _train(out, "train.checkpoint_every=2")
+    (out / "report.md").write_text("the old run's report\n")  # as dist-moe report leaves it (plots: seconds)
     before = _snapshot(out)
     step = trainer._TrainingRun.train_step
+    seen = []
 
     def ctrl_c_at_step_3(self):
+        seen.append(_snapshot(out))  # the directory as a user sees it while the new run trains
         if self.step == 2:
             raise KeyboardInterrupt
         return step(self)
 
     monkeypatch.setattr(trainer._TrainingRun, "train_step", ctrl_c_at_step_3)
     capsys.readouterr()
-    with pytest.raises(KeyboardInterrupt):
-        _train(out, "output.overwrite=true", "train.max_steps=4", "seed=1")
-    assert f"the previous run in {out} is back as it was" in capsys.readouterr().err
-    assert {k: v for k, v in _snapshot(out).items() if k != ".dist-moe.lock"} == {
-        k: v for k, v in before.items() if k != ".dist-moe.lock"}
-    with pytest.raises(KeyboardInterrupt, match="train.resume=true continues from"):
+    with pytest.raises(KeyboardInterrupt) as stopped:
         _train(out, "output.overwrite=true", "train.max_steps=4", "train.checkpoint_every=1", "seed=1")
-    assert (out / ".previous-run" / "report.md").read_bytes() == before["report.md"]
-    assert checkpoint.latest(out / "checkpoints").name == "step-2"  # the new run's, to resume
+    assert "train.resume" not in str(stopped.value)
+    staged = out / ".next-run"
+    assert f"the run in {out} is untouched; this run's files, which were to replace it, are in {staged}" in \
+        capsys.readouterr().err
+    assert len(seen) == 3 and all(_old_run(s) == _old_run(before) for s in [*seen, _snapshot(out)])
+    assert checkpoint.latest(staged / "checkpoints").name == "step-2"  # the new run's, apart from the old
     monkeypatch.setattr(trainer._TrainingRun, "train_step", step)
-    _train(out, "output.overwrite=true", "seed=2")
-    assert not (out / ".previous-run").exists() and not (out / "report.md").exists()
+    summary = _train(out, "output.overwrite=true", "train.max_steps=3", "train.checkpoint_every=3", "seed=2")
+    assert summary["output_dir"] == str(out)
+    names = sorted(p.name for p in out.iterdir())
+    assert ".next-run" not in names and ".previous-run" not in names and "report.md" not in names
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step-3"]
+    assert _train(out, "train.max_steps=4", "train.resume=true", "seed=2")["steps"] == 4
+
+
+def _old_run(snapshot: dict) -> dict:
+    """A run directory's snapshot without the new run's staging folder and the lock (it holds the last pid)."""
+    return {k: v for k, v in snapshot.items() if k.split("/")[0] not in (".next-run", ".dist-moe.lock")}
 
 
 @pytest.mark.parametrize("bad", ["router.num_experts=0", "router.num_experts=1099511627776", "first_step"])
@@ -218,18 +230,27 @@ def test_a_run_stopped_before_its_first_step_leaves_nothing_behind(tmp_path, mon
 
 
 def _two_ranks(rank, world, out):
+    from pathlib import Path
+
     import pytest as pt
 
+    before = _snapshot(Path(out))
     with pt.raises(ValueError, match="already holds a run") as refused:
         _train(out)
     assert ("rank 0: " in str(refused.value)) == (rank == 1)  # rank 1 reports rank 0's verdict
     with pt.raises(ValueError, match="num_experts"):
         _train(f"{out}-fresh", "router.num_experts=0")
+    if rank == 0:  # rank 1 waits for it in the next run's start-up checks
+        assert _snapshot(Path(out)) == before
+    # both ranks write their shards beside the old run; rank 0 swaps the new run in once both are done
+    _train(out, "output.overwrite=true", "train.checkpoint_every=2")
 
 
-def test_two_ranks_refuse_together_and_leave_nothing(tmp_path):
+def test_two_ranks_refuse_together_leave_nothing_and_replace_a_run_together(tmp_path):
     out = tmp_path / "run"
     _train(out)
-    before = _snapshot(out)
     run_workers(_two_ranks, 2, args=(str(out),), timeout=180)
-    assert _snapshot(out) == before and not (tmp_path / "run-fresh").exists()
+    assert not (tmp_path / "run-fresh").exists()
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 2
+    assert not (out / ".next-run").exists() and not (out / ".previous-run").exists()
+    assert checkpoint.verify(checkpoint.latest(out / "checkpoints"))  # whole: both ranks' shards moved with it

@@ -133,27 +133,55 @@ def test_plan_cli_prints_json_and_a_plot_and_names_bad_values(tmp_path, capsys):
         assert word in err and len(err.splitlines()) == 1, err
 
 
-def test_the_tables_exposed_exchanges_are_the_plots_bars_and_identical_placements_show_once():
-    """One meaning of exposed communication: the table's exposed ms of each row is the plot's 'exchanges not
-    hidden' bar, step minus the matmuls, and it falls with pipelining; placements whose rows are identical
-    in every dedup and chunk count are one row, named for both, in the table and the plot alike."""
-    from dist_moe.cli.plan import fold_identical, plot_bars
+def test_the_tables_exposed_ms_is_the_plots_bar_row_by_row(tmp_path, monkeypatch, capsys):
+    """One meaning of exposed communication: each printed row's exposed ms is the bar the plot draws for
+    that row (the same label; exposed plus the matmuls is the step) and pipelining shrinks it; the plot's
+    caption is the table's fold notes."""
+    from dist_moe.cli import main, plan
+
+    drawn = []
+    monkeypatch.setattr(plan, "_plot", lambda bars, title, path: drawn.append(bars))
+    assert main(["plan", "--topology", "node=2,gpu=4", "--link", "gpu=450GB/s", "--link", "node=400Gb/s",
+                 "--overlap", "0.8", "--hidden", "512", "--ffn", "256", "--experts", "16", "--top-k", "2",
+                 "--tokens-per-rank", "4096", "--layers", "2", "--sample", "64",
+                 "--plot", str(tmp_path / "plan.png")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("placement "))
+    assert lines[header].endswith("exposed ms")
+    table = [line.split() for line in lines[header + 1:] if line.split()[1:2] in (["none"], ["rank"], ["node"])]
+    (bars,) = drawn
+    assert bars.labels == [f"{c[0]} / {c[1]} / C={c[2]}" for c in table]
+    assert [float(c[-1]) for c in table] == pytest.approx(bars.exposed_ms, abs=0.006)
+    assert [float(c[-2]) for c in table] == pytest.approx([e + m for e, m in zip(bars.exposed_ms, bars.matmul_ms)],
+                                                          abs=0.006)
+    exposed = {(c[0], c[1], c[2]): float(c[-1]) for c in table}
+    assert all(exposed[p, d, "4"] < exposed[p, d, "1"] for p, d, _ in exposed)
+    printed_notes = [line for line in lines if line.startswith("note: ")]
+    assert bars.notes and [f"note: {n}" for n in bars.notes] == printed_notes[:len(bars.notes)]
+
+
+def test_placements_fold_where_they_cannot_differ_with_a_note_of_which_and_why():
+    """Under uniform routing every placement with as many experts on each rank moves the same bytes but for
+    the sample's noise: they print once, with the first's numbers and a note naming them all and why;
+    under a recorded routing only placements that are the same expert -> rank map fold."""
+    from dist_moe.cli.plan import folded_rows, placements_of
 
     topo = Topology.parse("node=2,gpu=2")
-    topo = Topology(topo.levels, topo.sizes, topo.cost.with_exchange(0.0, 0.8))
-    shape = ModelShape(hidden=256, ffn=512, experts=8, top_k=2, tokens_per_rank=4096, layers=2, dtype="bf16")
-    out = forecast(shape, topo, tflops=0.01, sample=512, placements=("contiguous", "round_robin"), chunks=(1, 4))
-    rows, _ = fold_identical(out["rows"])
-    labels, exposed, matmuls = plot_bars(out)
-    assert exposed == [1e3 * r["exposed_seconds"] for r in rows] and len(labels) == len(rows)
-    assert all(e + m == pytest.approx(1e3 * r["step_seconds"]) for r, e, m in zip(rows, exposed, matmuls))
-    one, four = (next(r for r in rows if r["dedup"] == "rank" and r["chunks"] == c) for c in (1, 4))
-    assert four["exposed_seconds"] < one["exposed_seconds"]
-    row = {"dedup": "rank", "chunks": 1, "step_seconds": 1.0}
-    folded, groups = fold_identical([{**row, "placement": "contiguous"}, {**row, "placement": "tree_prefix"},
-                                     {**row, "placement": "optimized", "step_seconds": 2.0}])
-    assert [r["placement"] for r in folded] == ["contiguous=tree_prefix", "optimized"]
-    assert groups == [["contiguous", "tree_prefix"]]
+    shape = ModelShape(hidden=256, ffn=512, experts=8, top_k=2, tokens_per_rank=4096, dtype="bf16")
+    out = forecast(shape, topo, sample=512, chunks=(1, 4))
+    placements = placements_of(out, shape, topo)
+    contiguous = [r for r in out["rows"] if r["placement"] == "contiguous"]
+    rows, notes = folded_rows(out["rows"], placements, uniform=True)
+    assert rows == [{**r, "placement": "contiguous=tree_prefix=round_robin"} for r in contiguous]
+    (note,) = notes
+    assert note.startswith("contiguous=tree_prefix=round_robin stands for contiguous, tree_prefix and round_robin, "
+                           "shown once with contiguous's numbers"), note
+    assert "contiguous and tree_prefix put every expert on the same rank" in note
+    assert "under uniform routing the bytes depend only on how many experts each rank holds (2 on every rank" in note
+    rows, notes = folded_rows(out["rows"], placements, uniform=False)
+    assert list(dict.fromkeys(r["placement"] for r in rows)) == ["contiguous=tree_prefix", "round_robin"]
+    assert notes == ["contiguous=tree_prefix stands for contiguous and tree_prefix, shown once with contiguous's "
+                     "numbers: contiguous and tree_prefix put every expert on the same rank"]
 
 
 def test_the_plan_says_why_rows_agree_and_only_when_they_do(capsys):
@@ -162,19 +190,24 @@ def test_the_plan_says_why_rows_agree_and_only_when_they_do(capsys):
 
     base = ["plan", "--topology", "node=4,gpu=8", "--hidden", "512", "--ffn", "256", "--experts", "32",
             "--top-k", "4", "--tokens-per-rank", "256", "--pipeline-chunks", "1"]
-    assert main(base) == 0  # 32 experts on 32 ranks, uniform routing: placements agree, rank = none
+    assert main(base) == 0  # 32 experts on 32 ranks, uniform routing: one placement, rank = none
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
-    assert len(notes) == 3 and "contiguous and round_robin and tree_prefix compute the same numbers" in notes[0]
-    assert "every placement moves the same bytes" in notes[1], notes
-    assert "32 experts on 32 ranks is one expert per rank" in notes[2], notes
+    assert len(notes) == 2 and "contiguous, round_robin and tree_prefix put every expert on the same rank" in notes[0]
+    assert "32 experts on 32 ranks is one expert per rank" in notes[1], notes
     assert main([*base, "--ep", "8"]) == 0  # 4 experts per rank: rank dedup saves bytes, no note about it
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
     assert not [n for n in notes if "dedup rank" in n], notes
-    # planted: rows that differ by placement get no note
+    assert len(notes) == 1 and "each rank holds (4 on every rank here)" in notes[0], notes
+    # a recorded routing's placements, shown apart, that move the same bytes get a note; planted: rows that
+    # differ by placement get none, nor do uniform routing's (the fold's note says why)
     row = {"dedup": "rank", "chunks": 1, "bytes_per_token_by_level": {"node": 100.0, "gpu": 10.0}}
     rows = [{**row, "placement": "contiguous"},
-            {**row, "placement": "tree_prefix", "bytes_per_token_by_level": {"node": 50.0, "gpu": 10.0}}]
+            {**row, "placement": "round_robin", "bytes_per_token_by_level": {"node": 100.5, "gpu": 10.0}}]
+    assert "the recorded routing's co-activation does not favour one placement" in why_rows_agree(rows, 32, 8,
+                                                                                                   "runs/a")[0]
     assert why_rows_agree(rows, 32, 8, "uniform") == []
+    rows[1]["bytes_per_token_by_level"] = {"node": 50.0, "gpu": 10.0}
+    assert why_rows_agree(rows, 32, 8, "runs/a") == []
 
 
 def test_every_ranks_ring_bytes_at_once_are_each_ranks_ring_sends():

@@ -1,6 +1,7 @@
 """placement: topology, placements, byte rules, cost model (no process group anywhere)."""
 import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -289,3 +290,12 @@ def test_a_placement_name_becomes_a_placement_in_one_place():
     assert Placement.named("tree_prefix", 8, t) == Placement.tree_prefix(8, t)
     with pytest.raises(ValueError, match="placement must be one of contiguous, round_robin, tree_prefix, got 'tree'"):
         Placement.named("tree", 8, t)
+
+
+def test_experts_that_do_not_share_out_over_the_ranks_name_the_two_ways_out():
+    with pytest.raises(ValueError, match=re.escape(
+            "2 experts over 4 ranks; set router.num_experts to a positive multiple of 4, or parallel.ep_size to 1 or 2 "
+            "(expert-parallel groups whose size divides the experts)")):
+        Placement.contiguous(2, 4)
+    with pytest.raises(ValueError, match=r"12 experts over 8 ranks; .* parallel\.ep_size to 1, 2 or 4 "):
+        Placement.contiguous(12, 8)

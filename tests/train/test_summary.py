@@ -46,7 +46,8 @@ def _summary(out, rt, hf_model=None):
                       last_eval={"val_loss": 0.5, "val_tree_distance": float("nan")})
     layer = types.SimpleNamespace(router=types.SimpleNamespace(name="branch"), num_experts=16)
     tuner = types.SimpleNamespace(chosen=None, medians={})
-    return write_summary(load_config(None, []), rt, out, trained, tuner, layer, hf_model, {"probe": 7})
+    return write_summary(load_config(None, [f"output.dir={out}"]), rt, out, trained, tuner, layer, hf_model,
+                         {"probe": 7})
 
 
 def test_the_summary_file_is_written_as_a_run_writes_it(tmp_path):

@@ -5,7 +5,9 @@ the trainer's host (``MegatronHostedMoE``).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import warnings
 
 import torch
 from torch import Tensor
@@ -50,7 +52,22 @@ def megatron_config(hidden_size: int, ffn_hidden_size: int, num_experts: int, to
         moe_aux_loss_coeff=0.0,
     )
     fields.update(overrides)
-    return TransformerConfig(**fields)
+    with _without_default_scope_note(given="cuda_graph_scope" in overrides):
+        return TransformerConfig(**fields)
+
+
+# 0.16.1: every TransformerConfig left at Megatron's own default cuda_graph_scope ("full") warns that it is deprecated
+DEFAULT_SCOPE_NOTE = r"full scope is deprecated"
+
+
+@contextlib.contextmanager
+def _without_default_scope_note(given: bool):
+    """The note dropped where the scope is Megatron's default, which the caller did not choose; a scope given
+    in ``overrides`` keeps it."""
+    with warnings.catch_warnings():
+        if not given:
+            warnings.filterwarnings("ignore", message=DEFAULT_SCOPE_NOTE, category=UserWarning)
+        yield
 
 
 def seed_model_parallel_rng(seed: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 
 import torch
 from torch.distributed import ProcessGroup
@@ -20,14 +21,40 @@ from dist_moe.optional_engines import engine_import
 # Megatron's token dispatchers (config.moe_token_dispatcher_type) that host dist-moe's router
 DISPATCHERS = MEGATRON_DISPATCHERS
 _APPLIED = False
+# What megatron.core's modules say on import where Apex and Transformer Engine are missing. Both are CUDA-only: on
+# the CPU there is nothing to install, so the notes are dropped there; a GPU run keeps them (installing is the fix).
+APEX_NOTES = r"(Transformer Engine and )?Apex (is|are) not installed"
+# The modules that say it and are not imported on the way to the patches: imported with them under the same filter,
+# so that dist-moe's layer specs and a user's get_gpt_layer_local_spec find them loaded (0.02 s)
+_NOTING_MODULES = ("megatron.core.models.backends", "megatron.core.models.gpt.gpt_layer_specs")
+# and what one of those says of another of Megatron's own modules, which it still imports
+OWN_DEPRECATION = r"The 'megatron\.core\.transformer\.custom_layers\.transformer_engine'\s+module is deprecated"
 
 
 def apply(cpu: bool | None = None) -> None:
     """``cpu``: the run's device choice (None: the CPU when no GPU is visible); on a GPU run
     Megatron's stock code runs, patched only where Transformer Engine is missing."""
-    global _APPLIED
     cpu = cpu if cpu is not None else not torch.cuda.is_available()
-    _without_transformer_engine(cpu)
+    with _without_import_notes(cpu):
+        _without_transformer_engine(cpu)
+        _patch_cpu_path(cpu)
+
+
+@contextlib.contextmanager
+def _without_import_notes(cpu: bool):
+    if not cpu or _APPLIED:  # a GPU run keeps them; once applied, the modules are loaded: nothing more to say
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=APEX_NOTES, category=UserWarning)
+        warnings.filterwarnings("ignore", message=OWN_DEPRECATION, category=DeprecationWarning)
+        yield
+        for module in _NOTING_MODULES:
+            engine_import(module)
+
+
+def _patch_cpu_path(cpu: bool) -> None:
+    global _APPLIED
     if _APPLIED or not cpu:
         return
     # 0.16.1: model-parallel set-up and the stock router call torch.cuda.current_device()

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dist_moe.train.metrics.log import json_safe, reduced
+from dist_moe.train.run_config import output_dir
 from placement import random_pair_tree_distance, write_atomic
 
 if TYPE_CHECKING:
@@ -38,9 +39,10 @@ class Trained:
 
 def write_summary(cfg: RunConfig, rt: Runtime, out_dir: Path, trained: Trained, tuner: ChunkTuner, first_layer,
                   hf_model: Path | None, extra: dict) -> dict:
-    """summary.json's mapping, written by the main rank; every rank calls it (the exchange waits are summed
-    over the ranks). ``first_layer``: the model's first MoE layer; ``hf_model``: where model.kind hf's trained
-    model went (None: no export); ``extra``: fields of an experiment's ``after`` hook, last."""
+    """summary.json's mapping, written by the main rank into ``out_dir``; every rank calls it (the exchange
+    waits are summed over the ranks). ``first_layer``: the model's first MoE layer; ``hf_model``: where
+    model.kind hf's trained model will be (None: no export); ``extra``: fields of an experiment's ``after``
+    hook, last. It names the run's output.dir, where an output.overwrite run's ``out_dir`` goes once done."""
     chunks = cfg.parallel.pipeline_chunks
     own = cfg.router is None  # model.kind hf: the model's own router, by its class name, and what it routes to
     summary = json_safe({
@@ -61,7 +63,7 @@ def write_summary(cfg: RunConfig, rt: Runtime, out_dir: Path, trained: Trained, 
         **trained.last_eval,
         # the baseline of BRANCH's tree distance: a tree of dist-moe's experts, not a model's own router's
         "random_pair_tree_distance": None if own else _random_pair(first_layer.num_experts),
-        "output_dir": str(out_dir),
+        "output_dir": str(output_dir(cfg)),
         **({"hf_model": str(hf_model)} if hf_model is not None else {}),
         **extra,
     })
