@@ -79,11 +79,12 @@ def ring_level_bytes(layout: ExpertLayout, elements: int) -> tuple[torch.Tensor,
     if n < 2 or not elements:
         return sent, recv
     after = groups.roll(-1, dims=1)  # the next rank of each ring
-    rank, coords = torch.arange(topology.world_size), []
+    rank = torch.arange(topology.world_size)
+    columns: list[torch.Tensor] = []  # each level's coordinate of every rank
     for size in reversed(topology.sizes):
-        coords.insert(0, rank % size)
+        columns.insert(0, rank % size)
         rank = rank // size
-    coords = torch.stack(coords, dim=1)  # [world, levels]
+    coords = torch.stack(columns, dim=1)  # [world, levels]
     differ = coords[groups] != coords[after]
     level = differ.int().argmax(dim=-1)  # the outermost level that differs
     position = torch.arange(n)
