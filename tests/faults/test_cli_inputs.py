@@ -279,8 +279,11 @@ def test_calibrate_replaces_a_link_at_out_instead_of_writing_through_it(capsys, 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(cli_calibrate, "init_from_env", lambda *a, **k: (0, 2, None))
     monkeypatch.setattr(cli_calibrate, "shutdown", lambda: None)
-    monkeypatch.setattr(cli_calibrate, "calibrate", lambda topo, repeats: SimpleNamespace(
-        latency_s=1e-5, overlap=0.5, chunked=1.0, levels={}))
+    from placement.calibrate import Spread
+
+    monkeypatch.setattr(cli_calibrate, "calibration", lambda topo, repeats: SimpleNamespace(
+        cost=SimpleNamespace(latency_s=1e-5, overlap=0.5, chunked=1.0, levels={}),
+        latency=Spread(1e-5, 1e-5, 1e-5, 40)))
     monkeypatch.setattr(cli_calibrate, "to_yaml", lambda topo, cost: {"levels": ["node", "gpu"]})
     link, outside = _linked(tmp_path, "calibrated.yaml")
     assert _cli(capsys, "calibrate", "--topology", "node=1,gpu=2", "--out", str(link))[0] == 0
