@@ -229,13 +229,12 @@ def print_layouts(out: dict, topo, memory_gib: float) -> None:
     levels = list(topo.levels)
     print(f"\nlayouts on {out['topology']} (each: its fastest placement / dedup / C; experts' gradients summed over "
           f"their replicas as a ring all-reduce, fp32, not hidden behind the backward):")
-    rows = {id(r): f"{r['placement']}/{r['dedup']}/C={r['chunks']}" for r in out["layouts"]}
+    rows = [f"{r['placement']}/{r['dedup']}/C={r['chunks']}" for r in out["layouts"]]
     gw = max(7, *(len(r["group"]) + 1 for r in out["layouts"]))  # columns as wide as their longest entry
-    rw = max(4, *(len(v) + 1 for v in rows.values()))
+    rw = max(4, *(len(row) + 1 for row in rows))
     print(f"{'ep_size':>8} {'layout':<11}{'groups':<{gw}}{'row':<{rw}}{'MoE ms':>11}{'grad ms':>11}"
           + "".join(f"{'grad ' + lv + ' MB':>15}" for lv in levels) + f"{'step ms':>12}{'GiB':>8}")
-    for r in out["layouts"]:
-        row = rows[id(r)]
+    for r, row in zip(out["layouts"], rows):
         grads = "".join(f"{r['grad_bytes_by_level'][lv] / 1e6:>15.1f}" for lv in levels)
         print(f"{r['ep']:>8} {r['layout']:<11}{r['group']:<{gw}}{row:<{rw}}{1e3 * r['moe_seconds']:>11.2f}"
               f"{1e3 * r['grad_seconds']:>11.2f}{grads}{1e3 * r['step_seconds']:>12.2f}"
@@ -261,22 +260,21 @@ def placements_of(out: dict, shape: ModelShape, topo) -> dict[str, Placement]:
 def folded_rows(rows: list[dict], placements: dict[str, Placement], uniform: bool) -> tuple[list[dict], list[str]]:
     """The rows to show, each fold of placements once (named for all, as ``a=b``, with the first's numbers),
     and a note for each fold saying what it stands for and why. Placements fold when they put every expert
-    on the same rank; under uniform routing also when each rank holds as many experts in both: one is then
-    the other with its experts renumbered, which uniform routing cannot tell apart, so their rows differ by
-    the sampled tokens' noise alone."""
+    on the same rank; under uniform routing they all fold: every placement gives each rank as many experts
+    (``Placement`` refuses any other), so one is another with its experts renumbered, which uniform routing
+    cannot tell apart, and their rows differ by the sampled tokens' noise alone."""
     by_placement: dict[str, list[dict]] = {}
     for r in rows:
         by_placement.setdefault(r["placement"], []).append(r)
     same_map = _grouped([[n] for n in by_placement], lambda g: tuple(placements[g[0]].expert_to_rank))
-    folds = [[g] for g in same_map]
-    if uniform:
-        folds = _grouped(folds, lambda f: _experts_per_rank(placements[f[0][0]]))
+    folds = [same_map] if uniform else [[g] for g in same_map]
     shown, notes = [], []
     for fold in folds:
         names = [n for group in fold for n in group]
         shown += [{**r, "placement": "=".join(names)} for r in by_placement[names[0]]]
         if len(names) > 1:
-            notes.append(_fold_note(fold, by_placement, _experts_per_rank(placements[names[0]])))
+            first = placements[names[0]]
+            notes.append(_fold_note(fold, by_placement, first.num_experts // first.world_size))
     return shown, notes
 
 
@@ -288,24 +286,16 @@ def _grouped(items: list[list], key) -> list[list]:
     return list(groups.values())
 
 
-def _experts_per_rank(placement: Placement) -> tuple[int, ...]:
-    counts = [0] * placement.world_size
-    for rank in placement.expert_to_rank:
-        counts[rank] += 1
-    return tuple(counts)
-
-
-def _fold_note(fold: list[list[str]], by_placement: dict, per_rank: tuple[int, ...]) -> str:
+def _fold_note(fold: list[list[str]], by_placement: dict, per_rank: int) -> str:
     names = [n for group in fold for n in group]
     first = names[0]
     why = [f"{_listed(group)} put every expert on the same rank" for group in fold if len(group) > 1]
     if len(fold) > 1:
         others = names[len(fold[0]):]
         spread = max(_spread(by_placement[first], by_placement[n]) for n in others)
-        held = f"{per_rank[0]} on every rank" if len(set(per_rank)) == 1 else "the same on each rank"
-        why.append(f"under uniform routing the bytes depend only on how many experts each rank holds ({held} "
-                   f"here), so placement does not change them ({_listed(others)}: within {100 * spread:.2g}% of "
-                   f"{first}'s, the sampled tokens' noise); {RECORDED_HINT}")
+        why.append(f"under uniform routing the bytes depend only on how many experts each rank holds ({per_rank} "
+                   f"on every rank here), so placement does not change them ({_listed(others)}: within "
+                   f"{100 * spread:.2g}% of {first}'s, the sampled tokens' noise); {RECORDED_HINT}")
     return f"{'='.join(names)} stands for {_listed(names)}, shown once with {first}'s numbers: " + "; ".join(why)
 
 
